@@ -1,0 +1,174 @@
+"""The ragged batch as one rectangle of cache slots, and the two invariants it must keep.
+
+Each model (target, and a draft model if any) has a ``SlotState``: its KV cache plus, per slot, whether the slot is
+``valid`` (visible to attention), the ``token`` it holds and the ``position`` it was written with. Rows are left-padded;
+rejected draft tokens become holes (invalid slots) until a layout realigns the rectangle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import kv
+
+
+class InvariantError(AssertionError):
+    """A synchronisation invariant was violated: ``invariant`` is "I1" or "I2"; ``row``, ``round``, ``cache`` locate it."""
+
+    def __init__(self, invariant: str, message: str, row: int | None = None, round: int | None = None, cache: str = ""):
+        self.invariant, self.row, self.round, self.cache = invariant, row, round, cache
+        super().__init__(f"{invariant} violated in the {cache} cache, row {row}, round {round}: {message}")
+
+
+@dataclass
+class SlotState:
+    model: torch.nn.Module
+    cache: kv.SlotCache
+    valid: torch.Tensor  # [B, S] bool: the slot holds a token that attention may see
+    tokens: torch.Tensor  # [B, S] long: token id written at each slot (-1 for padding)
+    positions: torch.Tensor  # [B, S] long: position id each slot was written with
+    name: str = "target"
+
+    @property
+    def width(self) -> int:
+        return self.valid.shape[1]
+
+    def count(self) -> torch.Tensor:
+        """Valid (cached) tokens per row ``[B]``."""
+        return self.valid.sum(1)
+
+    def new_positions(self, new_valid: torch.Tensor) -> torch.Tensor:
+        """Positions for new slots ``[B, q]``: the number of valid tokens before each one."""
+        before = self.count()[:, None] + torch.cumsum(new_valid, 1) - new_valid.long()
+        return before
+
+    def append(self, input_ids: torch.Tensor, new_valid: torch.Tensor | None = None, logits_to_keep: int = 0):
+        """Run the model on ``input_ids`` ``[B, q]`` written into ``q`` new slots per row; returns logits."""
+        if new_valid is None:
+            new_valid = torch.ones_like(input_ids, dtype=torch.bool)
+        pos = self.new_positions(new_valid)
+        visible = torch.cat([self.valid, new_valid], 1)
+        logits = kv.forward(self.model, self.cache, input_ids, pos, visible, logits_to_keep)
+        self.valid, self.tokens = visible, torch.cat([self.tokens, input_ids], 1)
+        self.positions = torch.cat([self.positions, pos], 1)
+        return logits
+
+    def hide_tail(self, q: int, keep: torch.Tensor) -> None:
+        """Of the last ``q`` slots, keep the first ``keep[b]`` of each row visible and hide the rest (rejected)."""
+        tail = torch.arange(q, device=keep.device)[None, :] < keep[:, None]
+        self.valid[:, -q:] &= tail
+
+    def gather(self, index: torch.Tensor, pad: torch.Tensor) -> None:
+        """Rearrange every per-slot tensor and the KV cache by one gather: ``new[b, j] = old[b, index[b, j]]``."""
+        kv.gather_slots(self.cache, index, pad)
+        self.valid = self.valid.gather(1, index) & ~pad
+        self.tokens = self.tokens.gather(1, index).masked_fill(pad, -1)
+        self.positions = self.positions.gather(1, index).masked_fill(pad, 0)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        kv.select_rows(self.cache, rows)
+        self.valid, self.tokens, self.positions = self.valid[rows], self.tokens[rows], self.positions[rows]
+
+
+def compact_index(valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index that right-aligns each row's valid slots (in order) into ``width`` slots, left-padded, and the pad mask."""
+    n = valid.sum(1, keepdim=True)
+    # rank of each valid slot counted from the right: the last valid slot goes to width-1
+    from_right = valid.flip(1).cumsum(1).flip(1)  # valid slots after-or-at j (inclusive)
+    dest = width - from_right  # destination column of a valid slot j
+    dest = torch.where(valid, dest, torch.full_like(dest, width))  # invalid slots go to a dump column
+    src = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+    index = torch.zeros(valid.shape[0], width + 1, dtype=torch.long, device=valid.device)
+    index.scatter_(1, dest, src)
+    index = index[:, :width]
+    pad = torch.arange(width, device=valid.device)[None, :] < (width - n)
+    return index, pad
+
+
+def prefill(model, prompts: list[list[int]], name: str = "target") -> SlotState:
+    """Cache every prompt but its last token, without padding waste, as one left-padded ``SlotState``.
+
+    Prompts of equal length share one forward; the per-length caches are then padded and stacked (cost follows the
+    sum of prompt lengths, not batch x longest).
+    """
+    dev = model.device
+    lengths = [len(p) - 1 for p in prompts]
+    width = max(lengths, default=0)
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(n, []).append(i)
+    caches, order = [], []
+    for n, rows in sorted(groups.items()):
+        if n == 0:
+            caches.append((None, len(rows)))
+        else:
+            cache = kv.new_cache(model)
+            ids = torch.tensor([prompts[r][:n] for r in rows], device=dev)
+            pos = torch.arange(n, device=dev).expand(len(rows), n)
+            kv.forward(model, cache, ids, pos, torch.ones_like(ids, dtype=torch.bool), logits_to_keep=1)
+            caches.append(cache)
+        order += rows
+    cache = kv.stack_rows(caches, width, kv.num_layers(model))
+    n = torch.tensor([lengths[r] for r in order], device=dev, dtype=torch.long)
+    col = torch.arange(width, device=dev)[None, :]
+    valid = col >= (width - n[:, None])
+    tokens = torch.full((len(order), width), -1, dtype=torch.long, device=dev)
+    for j, r in enumerate(order):  # once per request at prefill, not per round
+        if lengths[r]:
+            tokens[j, width - lengths[r] :] = torch.tensor(prompts[r][:-1], device=dev)
+    positions = (col - (width - n[:, None])).clamp(min=0)
+    state = SlotState(model, cache, valid, tokens, positions, name)
+    inverse = torch.empty(len(order), dtype=torch.long, device=dev)
+    inverse[torch.tensor(order, device=dev)] = torch.arange(len(order), device=dev)
+    state.select_rows(inverse)
+    return state
+
+
+def check_invariants(state: SlotState, history: torch.Tensor, processed: torch.Tensor, round: int) -> None:
+    """Assert I1 and I2 for ``state``; ``history[b, :processed[b]]`` are the tokens row ``b`` must have cached.
+
+    I1: ids, mask, positions and every layer's keys and values agree on batch size and slot count.
+    I2: the valid slots of each row hold exactly the processed tokens, in order, with positions 0..n-1; so the pending
+    token is not cached and no rejected token is visible.
+    """
+    b, s = state.valid.shape
+    for what, t in (("tokens", state.tokens), ("positions", state.positions)):
+        if tuple(t.shape) != (b, s):
+            raise InvariantError("I1", f"{what} has shape {tuple(t.shape)}, mask has {(b, s)}", None, round, state.name)
+    if history.shape[0] != b:
+        raise InvariantError("I1", f"batch has {history.shape[0]} rows, cache has {b}", None, round, state.name)
+    for i, (k, v) in enumerate(state.cache.tensors()):
+        for what, t in (("keys", k), ("values", v)):
+            if t.shape[0] != b or t.shape[-2] != s:
+                raise InvariantError(
+                    "I1", f"layer {i} {what} have batch {t.shape[0]} and {t.shape[-2]} slots; mask has {b} x {s}",
+                    None, round, state.name,
+                )
+    if s == 0:
+        bad = (processed != 0).nonzero()
+        if len(bad):
+            raise InvariantError("I2", "the cache is empty but tokens were processed", int(bad[0]), round, state.name)
+        return
+    n = state.count()
+    # valid tokens right-aligned vs history right-aligned: compare with one gather
+    index, pad = compact_index(state.valid, s)
+    got_tokens = state.tokens.gather(1, index).masked_fill(pad, -1)
+    got_pos = state.positions.gather(1, index).masked_fill(pad, -1)
+    col = torch.arange(s, device=n.device)[None, :]
+    start = s - processed[:, None]
+    want_pos = torch.where(col >= start, col - start, -1)
+    hist_idx = want_pos.clamp(min=0)
+    if hist_idx.shape[1] > history.shape[1]:
+        history = torch.nn.functional.pad(history, (0, hist_idx.shape[1] - history.shape[1]), value=-1)
+    want_tokens = torch.where(col >= start, history.gather(1, hist_idx), -1)
+    for row in range(b):
+        if n[row] != processed[row]:
+            raise InvariantError(
+                "I2", f"{int(n[row])} valid KV entries but {int(processed[row])} tokens processed", row, round, state.name
+            )
+        if not torch.equal(got_pos[row], want_pos[row]):
+            raise InvariantError("I2", "valid slots do not carry positions 0..n-1 in order", row, round, state.name)
+        if not torch.equal(got_tokens[row], want_tokens[row]):
+            raise InvariantError("I2", "a visible slot holds a token the row did not accept", row, round, state.name)

@@ -1,0 +1,53 @@
+"""A draft model with its own persistent, synchronised KV cache (a ``SlotState`` under the same layout).
+
+Each round appends K+1 draft slots per row: ``[carry, pending]`` then ``d1..d(K-1)``. ``carry`` is the previous
+round's K-th draft token when that round accepted all K (the draft never cached it), else a hidden hole.
+"""
+
+import torch
+
+from ..batch import prefill
+
+
+class ModelDrafter:
+    name = "model"
+
+    def __init__(self, model):
+        self.model = model
+        self.state = None
+
+    @property
+    def states(self):
+        return (self.state,)
+
+    def prefill(self, prompts):
+        self.state = prefill(self.model, prompts, name="draft")
+        b = len(prompts)
+        dev = self.model.device
+        self.carry = torch.zeros(b, dtype=torch.long, device=dev)
+        self.carry_valid = torch.zeros(b, dtype=torch.bool, device=dev)
+
+    def propose(self, seqs, k):
+        pending = seqs.pending()
+        ids = torch.stack([self.carry, pending], 1)
+        valid = torch.stack([self.carry_valid, torch.ones_like(self.carry_valid)], 1)
+        logits = self.state.append(ids, valid, logits_to_keep=1)
+        drafts = [logits[:, -1].argmax(-1)]
+        for _ in range(k - 1):
+            logits = self.state.append(drafts[-1][:, None], logits_to_keep=1)
+            drafts.append(logits[:, -1].argmax(-1))
+        drafts = torch.stack(drafts, 1)
+        self.last = drafts[:, -1]
+        return drafts, torch.full_like(pending, k)
+
+    def commit(self, accepted, k):
+        self.state.hide_tail(k + 1, 2 + accepted.clamp(max=k - 1))
+        self.carry_valid = accepted == k
+        self.carry = self.last
+
+    def processed(self, seqs):
+        return seqs.length - 1 - self.carry_valid.long()
+
+    def select_rows(self, rows):
+        self.state.select_rows(rows)
+        self.carry, self.carry_valid = self.carry[rows], self.carry_valid[rows]

@@ -1,0 +1,125 @@
+"""The round loop: draft -> verify -> accept -> keep rows aligned -> emit. Rows that finish leave the batch."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .batch import InvariantError, SlotState, check_invariants, prefill
+from .params import Stats
+from .sequences import Sequences
+from .verify import emitted_block, greedy_accept
+
+
+@dataclass
+class Finished:
+    request_id: int
+    token_ids: list[int]
+    stopped: bool
+    rounds: int
+    drafted: int
+    accepted: int
+
+
+@dataclass
+class Parts:
+    """The swappable components of a round (an injected fault replaces exactly one of them)."""
+
+    target: torch.nn.Module
+    drafter: object
+    layout: object
+    k: int
+    accept: Callable = greedy_accept
+    prefill: Callable = prefill
+
+
+class Timer:
+    def __init__(self, stats: Stats, device: torch.device):
+        self.stats, self.cuda = stats, device.type == "cuda"
+
+    @contextmanager
+    def __call__(self, stage: str):
+        t = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        setattr(self.stats, stage, getattr(self.stats, stage) + time.perf_counter() - t)
+
+
+@torch.inference_mode()
+def run_batch(parts: Parts, seqs: Sequences, prompts, stats: Stats, check: bool = False) -> list[Finished]:
+    """Generate for every row of ``seqs`` until each stops; returns the rows in the order they finished."""
+    timer = Timer(stats, parts.target.device)
+    drafter, layout, k = parts.drafter, parts.layout, parts.k
+    with timer("prefill"):
+        target: SlotState = parts.prefill(parts.target, prompts)
+        drafter.prefill(prompts)
+    done: list[Finished] = []
+    rnd = 0
+    while len(seqs):
+        rnd += 1
+        with timer("draft"):
+            drafts, n_drafts = drafter.propose(seqs, k)
+        with timer("verify"):
+            logits = target.append(torch.cat([seqs.pending()[:, None], drafts], 1))
+            accepted, bonus = parts.accept(logits.argmax(-1), drafts, n_drafts)
+        with timer("align"):
+            target.hide_tail(k + 1, accepted + 1)
+            drafter.commit(accepted, k)
+            finished, n = seqs.extend(emitted_block(drafts, accepted, bonus), accepted + 1)
+            seqs.rounds += 1
+            seqs.drafted += n_drafts
+            seqs.accepted += accepted
+            # the one host sync of the round: which rows finished, and the widest row left
+            width = (seqs.length - 1).masked_fill(finished, 0).max()
+            ctrl = torch.cat([finished.long(), width[None], n.sum()[None], n_drafts.sum()[None], accepted.sum()[None]])
+            ctrl = ctrl.tolist()
+            b = len(seqs)
+            fin, width = ctrl[:b], ctrl[b]
+            stats.generated += ctrl[b + 1]
+            stats.drafted += ctrl[b + 2]
+            stats.accepted += ctrl[b + 3]
+            stats.rounds += 1
+            stats.verify_calls += 1
+            stats.row_rounds += b
+            if any(fin):
+                done += _collect(seqs, fin)
+                rows = [i for i, f in enumerate(fin) if not f]
+                keep_ids = [seqs.request_ids[i] for i in rows]
+                idx = torch.tensor(rows, dtype=torch.long, device=seqs.length.device)
+                seqs.select_rows(idx, keep_ids)
+                target.select_rows(idx)
+                drafter.select_rows(idx)
+            if len(seqs):
+                for state in (target, *drafter.states):
+                    layout.align(state, width)
+        if check and len(seqs):
+            check_round(target, drafter, seqs, rnd)
+    return done
+
+
+def _collect(seqs: Sequences, fin: list) -> list[Finished]:
+    rows = [i for i, f in enumerate(fin) if f]
+    idx = torch.tensor(rows, device=seqs.length.device)
+    hist = seqs.history[idx].tolist()
+    start, end = seqs.prompt_len[idx].tolist(), seqs.length[idx].tolist()
+    stopped, rounds = seqs.stopped[idx].tolist(), seqs.rounds[idx].tolist()
+    drafted, accepted = seqs.drafted[idx].tolist(), seqs.accepted[idx].tolist()
+    return [
+        Finished(seqs.request_ids[r], hist[j][start[j] : end[j]], stopped[j], rounds[j], drafted[j], accepted[j])
+        for j, r in enumerate(rows)
+    ]
+
+
+def check_round(target: SlotState, drafter, seqs: Sequences, rnd: int) -> None:
+    """Assert I1 and I2 on the target cache and on the draft model's cache (if any)."""
+    check_invariants(target, seqs.history, seqs.length - 1, rnd)
+    for state in drafter.states:
+        check_invariants(state, seqs.history, drafter.processed(seqs), rnd)
+    for state in (target, *drafter.states):
+        if state.valid.shape[0] != len(seqs):
+            raise InvariantError("I1", f"cache has {state.valid.shape[0]} rows, batch has {len(seqs)}", None, rnd, state.name)

@@ -1,0 +1,188 @@
+"""The only module that touches Hugging Face cache and attention-mask internals.
+
+A transformers upgrade should only ever need changes here. The engine sees four things:
+- ``SlotCache``: a KV cache whose per-layer buffers are preallocated and written in place;
+- ``attention_mask``: a ready 4D mask built from a per-slot visibility mask (HF's mask builders are bypassed);
+- ``gather_slots`` / ``select_rows`` / ``stack_rows``: one gather per cache for realignment, row removal and splicing;
+- ``check_supported``: refuses models whose attention this engine cannot address by slot.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class SlotLayer(DynamicLayer):
+    """One layer's keys and values, ``[batch, heads, capacity, head_dim]``, of which the first ``length`` slots are used.
+
+    ``update`` writes the new slots in place (no concatenation, so no copy of the whole cache per forward).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.length = 0
+        self._k = self._v = None
+
+    def lazy_initialization(self, key_states, value_states):
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def _ensure(self, key_states, value_states, needed):
+        if self._k is not None and needed <= self._k.shape[-2]:
+            return
+        cap = max(needed, 2 * (0 if self._k is None else self._k.shape[-2]), 64)
+        b, h, _, d = key_states.shape
+        k = key_states.new_zeros((b, h, cap, d))
+        v = value_states.new_zeros((b, h, cap, value_states.shape[-1]))
+        if self.length:
+            k[..., : self.length, :] = self._k[..., : self.length, :]
+            v[..., : self.length, :] = self._v[..., : self.length, :]
+        self._k, self._v = k, v
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        self._ensure(key_states, value_states, self.length + q)
+        self._k[..., self.length : self.length + q, :] = key_states
+        self._v[..., self.length : self.length + q, :] = value_states
+        self.length += q
+        self.keys = self._k[..., : self.length, :]
+        self.values = self._v[..., : self.length, :]
+        return self.keys, self.values
+
+    def get_seq_length(self):
+        return self.length
+
+    def set(self, keys, values):
+        """Replace the content with ``keys``/``values`` (``[B, H, L, D]``), keeping some spare capacity."""
+        self._k = self._v = None
+        self.length = 0
+        self.is_initialized = True
+        self._ensure(keys, values, keys.shape[-2] + 16)
+        self._k[..., : keys.shape[-2], :] = keys
+        self._v[..., : values.shape[-2], :] = values
+        self.length = keys.shape[-2]
+        self.keys = self._k[..., : self.length, :]
+        self.values = self._v[..., : self.length, :]
+
+
+class SlotCache(Cache):
+    """A cache of ``SlotLayer``s, created for a model before its first forward."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[SlotLayer() for _ in range(num_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def tensors(self):
+        """(keys, values) of every layer, for invariant checks."""
+        return [(layer.keys, layer.values) for layer in self.layers if layer.length]
+
+
+def num_layers(model) -> int:
+    return model.config.get_text_config().num_hidden_layers
+
+
+def new_cache(model) -> SlotCache:
+    return SlotCache(num_layers(model))
+
+
+def gather_slots(cache: SlotCache, index: torch.Tensor, pad: torch.Tensor) -> None:
+    """Rebuild every layer as ``new[b, :, j] = old[b, :, index[b, j]]`` (zeros where ``pad[b, j]``), one gather each."""
+    if cache.length == 0:
+        return
+    for layer in cache.layers:
+        b, h, _, d = layer.keys.shape
+        idx = index[:, None, :, None].expand(b, h, index.shape[1], d)
+        keep = (~pad)[:, None, :, None].to(layer.keys.dtype)
+        layer.set(layer.keys.gather(2, idx) * keep, layer.values.gather(2, idx) * keep)
+
+
+def select_rows(cache: SlotCache, rows: torch.Tensor) -> None:
+    """Keep only ``rows`` (a 1D index tensor) of the batch."""
+    for layer in cache.layers:
+        if layer.length:
+            layer.set(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
+
+
+def stack_rows(caches: list, width: int, num_layers: int) -> SlotCache:
+    """Left-pad each cache to ``width`` slots and concatenate them along the batch (in the order given).
+
+    Each cache holds rows of one length; a cache that holds no slots (rows with nothing cached) must still know its
+    batch size, so it is passed as ``(None, batch)`` instead.
+    """
+    out = SlotCache(num_layers)
+    if width == 0:
+        return out
+    ref = next(c for c in caches if not isinstance(c, tuple))
+    for i, layer in enumerate(out.layers):
+        parts_k, parts_v = [], []
+        for c in caches:
+            if isinstance(c, tuple):
+                shape = (c[1], *ref.layers[i].keys.shape[1:2], width, ref.layers[i].keys.shape[-1])
+                parts_k.append(ref.layers[i].keys.new_zeros(shape))
+                parts_v.append(ref.layers[i].values.new_zeros(shape[:-1] + (ref.layers[i].values.shape[-1],)))
+                continue
+            k, v = c.layers[i].keys, c.layers[i].values
+            parts_k.append(torch.nn.functional.pad(k, (0, 0, width - k.shape[-2], 0)))
+            parts_v.append(torch.nn.functional.pad(v, (0, 0, width - v.shape[-2], 0)))
+        layer.set(torch.cat(parts_k), torch.cat(parts_v))
+    return out
+
+
+def attention_mask(model, visible: torch.Tensor, q: int) -> torch.Tensor:
+    """A 4D mask for a forward of ``q`` new slots over a cache whose slots (old and new) are ``visible`` ``[B, S+q]``.
+
+    Query ``i`` (slot ``S+i``) sees visible slots ``<= S+i``; it always sees itself, so a query on a hidden slot (a
+    hole) still has one key and never produces NaN. Bool for sdpa, additive float for eager attention.
+    """
+    total = visible.shape[1]
+    kv = torch.arange(total, device=visible.device)
+    qs = torch.arange(total - q, total, device=visible.device)
+    causal = kv[None, :] <= qs[:, None]
+    allowed = (visible[:, None, :] & causal[None]) | (kv[None, :] == qs[:, None])[None]
+    allowed = allowed[:, None]
+    if model.config._attn_implementation == "sdpa":
+        return allowed
+    dtype = model.dtype
+    return torch.zeros((), dtype=dtype, device=visible.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def check_supported(model, role: str) -> None:
+    """Raise ``ValueError`` for models whose attention cannot be addressed by slot and visibility mask."""
+    cfg = model.config.get_text_config()
+    impl = model.config._attn_implementation
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"{role} model uses attention implementation {impl!r}; batchspec needs one of {SUPPORTED_ATTENTION} "
+            "(load it with attn_implementation='sdpa')"
+        )
+    layer_types = getattr(cfg, "layer_types", None) or []
+    sliding = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    if any(t != "full_attention" for t in layer_types) or (sliding and not layer_types):
+        raise ValueError(
+            f"{role} model ({cfg.model_type}) uses sliding-window or non-standard attention layers {sorted(set(layer_types))}; "
+            "batchspec's layouts address the cache by slot, where a window would cover holes as well as tokens, so "
+            "such models are refused rather than silently diverging"
+        )
+
+
+def forward(model, cache: SlotCache, input_ids, position_ids, visible, logits_to_keep=0):
+    """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``; returns logits ``[B, q or logits_to_keep, V]``."""
+    mask = attention_mask(model, visible, input_ids.shape[1])
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=mask,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+    )
+    return out.logits

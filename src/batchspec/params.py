@@ -1,0 +1,68 @@
+"""User-facing parameter and result types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature != 0.0:
+            raise NotImplementedError("only greedy decoding (temperature=0.0) is supported so far")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" | "length"
+    num_rounds: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+
+@dataclass
+class Stats:
+    """Counters and per-stage seconds since the last reset."""
+
+    rounds: int = 0  # engine rounds (one per batch step)
+    verify_calls: int = 0  # target forwards after prefill
+    drafted: int = 0
+    accepted: int = 0
+    row_rounds: int = 0  # sum over rounds of rows in the batch
+    generated: int = 0  # tokens emitted
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    align: float = 0.0
+    total: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per row per round, bonus token included (1.0 for plain decoding)."""
+        return (self.accepted + self.row_rounds) / self.row_rounds if self.row_rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.total if self.total else 0.0
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(mean_accepted_length=self.mean_accepted_length, tokens_per_second=self.tokens_per_second)
+        return d

@@ -1,0 +1,58 @@
+"""Per-request state of the running batch: token history (prompt + generated), lengths, limits, stop sets, counters."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Sequences:
+    def __init__(self, prompts, max_tokens, stop_sets, k, device, request_ids):
+        b = len(prompts)
+        self.request_ids = list(request_ids)
+        self.prompt_len = torch.tensor([len(p) for p in prompts], device=device)
+        self.limit = torch.tensor(max_tokens, device=device)
+        width = max(len(p) + m for p, m in zip(prompts, max_tokens)) + k + 2  # + room for one block + dump column
+        self.history = torch.full((b, width), -1, dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):  # once per request
+            self.history[i, : len(p)] = torch.tensor(p, device=device)
+        self.length = self.prompt_len.clone()
+        m = max((len(s) for s in stop_sets), default=0)
+        self.stop = torch.full((b, max(m, 1)), -2, dtype=torch.long, device=device)
+        for i, s in enumerate(stop_sets):
+            if s:
+                self.stop[i, : len(s)] = torch.tensor(sorted(s), device=device)
+        self.stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        self.rounds = torch.zeros(b, dtype=torch.long, device=device)
+        self.drafted = torch.zeros(b, dtype=torch.long, device=device)
+        self.accepted = torch.zeros(b, dtype=torch.long, device=device)
+
+    def __len__(self):
+        return len(self.request_ids)
+
+    def pending(self) -> torch.Tensor:
+        return self.history.gather(1, (self.length - 1)[:, None]).squeeze(1)
+
+    def generated(self) -> torch.Tensor:
+        return self.length - self.prompt_len
+
+    def extend(self, block: torch.Tensor, n_emit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the first ``n_emit[b]`` tokens of ``block`` [B, W] to each row, cut after a stop token and at the
+        row's limit. Returns (finished [B], emitted count [B])."""
+        w = block.shape[1]
+        j = torch.arange(w, device=block.device)[None, :]
+        is_stop = (block[:, :, None] == self.stop[:, None, :]).any(-1) & (j < n_emit[:, None])
+        hit = is_stop.any(1)
+        n = torch.where(hit, is_stop.int().argmax(1) + 1, n_emit)
+        n = torch.minimum(n, self.limit - self.generated())
+        dump = self.history.shape[1] - 1
+        pos = torch.where(j < n[:, None], self.length[:, None] + j, dump)
+        self.history.scatter_(1, pos, block)
+        self.length += n
+        self.stopped |= hit & (is_stop.int().argmax(1) < n)
+        finished = self.stopped | (self.generated() >= self.limit)
+        return finished, n
+
+    def select_rows(self, rows: torch.Tensor, keep_ids: list) -> None:
+        self.request_ids = keep_ids
+        for name in ("prompt_len", "limit", "history", "length", "stop", "stopped", "rounds", "drafted", "accepted"):
+            setattr(self, name, getattr(self, name)[rows])
