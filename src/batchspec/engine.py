@@ -76,13 +76,16 @@ def run_batch(parts: Parts, seqs: Sequences, prompts, stats: Stats, check: bool 
             seqs.accepted += accepted
             # the one host sync of the round: which rows finished, and the widest row left
             width = (seqs.length - 1).masked_fill(finished, 0).max()
-            ctrl = torch.cat([finished.long(), width[None], n.sum()[None], n_drafts.sum()[None], accepted.sum()[None]])
-            ctrl = ctrl.tolist()
+            acc = accepted.masked_fill(n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
+            ctrl = torch.stack([width, n.sum(), n_drafts.sum(), accepted.sum(), acc.max(), acc.masked_fill(acc < 0, k + 1).min(), (accepted == k).sum()])
+            ctrl = torch.cat([finished.long(), ctrl]).tolist()
             b = len(seqs)
             fin, width = ctrl[:b], ctrl[b]
             stats.generated += ctrl[b + 1]
             stats.drafted += ctrl[b + 2]
             stats.accepted += ctrl[b + 3]
+            stats.ragged_rounds += ctrl[b + 4] > ctrl[b + 5] >= 0
+            stats.full_accepts += ctrl[b + 6] if k else 0
             stats.rounds += 1
             stats.verify_calls += 1
             stats.row_rounds += b

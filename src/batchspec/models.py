@@ -55,9 +55,7 @@ def context_length(model) -> int | None:
 
 
 def eos_ids(model) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         return set()
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}

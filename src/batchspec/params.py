@@ -47,6 +47,8 @@ class Stats:
     accepted: int = 0
     row_rounds: int = 0  # sum over rounds of rows in the batch
     generated: int = 0  # tokens emitted
+    ragged_rounds: int = 0  # rounds in which rows of the batch accepted different numbers of draft tokens
+    full_accepts: int = 0  # row-rounds that accepted all K draft tokens (so the bonus came after the last draft)
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0

@@ -1,0 +1,82 @@
+"""Tiny random models built in-process (fixed seeds), and the independent oracle: HF ``generate`` at batch size 1."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+VOCAB = 96
+
+
+def _build(arch: str, seed: int, dtype, attn: str):
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        )
+        model = LlamaForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
+        )
+        model = Qwen3ForCausalLM(cfg)
+    elif arch == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False,
+        )
+        model = GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(arch)
+    model.config._attn_implementation = attn
+    # larger weights than the default init give peaked, varied next-token choices instead of near-uniform logits
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0 if p.shape[0] == VOCAB or p.shape[1] == VOCAB else 2.5)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.to(dtype).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def target(arch: str = "llama", dtype=torch.float64, attn: str = "sdpa"):
+    return _build(arch, 0, dtype, attn)
+
+
+@functools.lru_cache(maxsize=None)
+def draft(arch: str = "llama", dtype=torch.float64, noise: float = 0.12, attn: str = "sdpa"):
+    """A perturbed copy of the target: agrees often, not always, so acceptance is ragged."""
+    model = _build(arch, 0, dtype, attn)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * noise * p.std())
+    return model
+
+
+def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60, repeat: bool = True) -> list[list[int]]:
+    """Prompts of very different lengths; some repeat a phrase so prompt lookup finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = lo + (i * 37 + int(torch.randint(0, hi, (1,), generator=g))) % (hi - lo + 1)
+        toks = torch.randint(1, VOCAB, (length,), generator=g).tolist()
+        if repeat and i % 2 and length >= 8:
+            toks = (toks[: length // 2] * 2)[:length]
+        out.append(toks)
+    return out
+
+
+def oracle(model, prompt: list[int], max_tokens: int, stop_ids=()) -> list[int]:
+    """HF ``generate(do_sample=False)`` at batch size 1 with the target alone."""
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens, min_new_tokens=0,
+        eos_token_id=list(stop_ids) or None, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
