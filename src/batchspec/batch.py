@@ -15,11 +15,16 @@ from . import kv
 
 
 class InvariantError(AssertionError):
-    """A synchronisation invariant was violated: ``invariant`` is "I1" or "I2"; ``row``, ``round``, ``cache`` locate it."""
+    """A synchronisation invariant was violated.
 
-    def __init__(self, invariant: str, message: str, row: int | None = None, round: int | None = None, cache: str = ""):
-        self.invariant, self.row, self.round, self.cache = invariant, row, round, cache
-        super().__init__(f"{invariant} violated in the {cache} cache, row {row}, round {round}: {message}")
+    ``invariant``: "I1" or "I2". ``kind``: "shape" (I1), or for I2 "padding" (a padding slot is visible), "count"
+    (valid KV entries differ from tokens processed), "content" (a visible slot holds a token the row did not accept)
+    or "positions" (valid slots do not carry positions 0..n-1). ``row``, ``round`` and ``cache`` locate it.
+    """
+
+    def __init__(self, invariant, kind, message, row=None, round=None, cache=""):
+        self.invariant, self.kind, self.row, self.round, self.cache = invariant, kind, row, round, cache
+        super().__init__(f"{invariant} ({kind}) violated in the {cache} cache, row {row}, round {round}: {message}")
 
 
 @dataclass
@@ -74,11 +79,12 @@ class SlotState:
 
 def compact_index(valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Index that right-aligns each row's valid slots (in order) into ``width`` slots, left-padded, and the pad mask."""
-    n = valid.sum(1, keepdim=True)
+    n = valid.sum(1, keepdim=True).clamp(max=width)
     # rank of each valid slot counted from the right: the last valid slot goes to width-1
     from_right = valid.flip(1).cumsum(1).flip(1)  # valid slots after-or-at j (inclusive)
     dest = width - from_right  # destination column of a valid slot j
-    dest = torch.where(valid, dest, torch.full_like(dest, width))  # invalid slots go to a dump column
+    # invalid slots (and any beyond ``width`` on the left) go to a dump column
+    dest = torch.where(valid & (dest >= 0), dest, torch.full_like(dest, width))
     src = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
     index = torch.zeros(valid.shape[0], width + 1, dtype=torch.long, device=valid.device)
     index.scatter_(1, dest, src)
@@ -136,20 +142,20 @@ def check_invariants(state: SlotState, history: torch.Tensor, processed: torch.T
     b, s = state.valid.shape
     for what, t in (("tokens", state.tokens), ("positions", state.positions)):
         if tuple(t.shape) != (b, s):
-            raise InvariantError("I1", f"{what} has shape {tuple(t.shape)}, mask has {(b, s)}", None, round, state.name)
+            raise InvariantError("I1", "shape", f"{what} has shape {tuple(t.shape)}, mask has {(b, s)}", None, round, state.name)
     if history.shape[0] != b:
-        raise InvariantError("I1", f"batch has {history.shape[0]} rows, cache has {b}", None, round, state.name)
+        raise InvariantError("I1", "shape", f"batch has {history.shape[0]} rows, cache has {b}", None, round, state.name)
     for i, (k, v) in enumerate(state.cache.tensors()):
         for what, t in (("keys", k), ("values", v)):
             if t.shape[0] != b or t.shape[-2] != s:
                 raise InvariantError(
-                    "I1", f"layer {i} {what} have batch {t.shape[0]} and {t.shape[-2]} slots; mask has {b} x {s}",
+                    "I1", "shape", f"layer {i} {what} have batch {t.shape[0]} and {t.shape[-2]} slots; mask has {b} x {s}",
                     None, round, state.name,
                 )
     if s == 0:
         bad = (processed != 0).nonzero()
         if len(bad):
-            raise InvariantError("I2", "the cache is empty but tokens were processed", int(bad[0]), round, state.name)
+            raise InvariantError("I2", "count", "the cache is empty but tokens were processed", int(bad[0]), round, state.name)
         return
     n = state.count()
     # valid tokens right-aligned vs history right-aligned: compare with one gather
@@ -163,12 +169,16 @@ def check_invariants(state: SlotState, history: torch.Tensor, processed: torch.T
     if hist_idx.shape[1] > history.shape[1]:
         history = torch.nn.functional.pad(history, (0, hist_idx.shape[1] - history.shape[1]), value=-1)
     want_tokens = torch.where(col >= start, history.gather(1, hist_idx), -1)
-    for row in range(b):
-        if n[row] != processed[row]:
-            raise InvariantError(
-                "I2", f"{int(n[row])} valid KV entries but {int(processed[row])} tokens processed", row, round, state.name
-            )
-        if not torch.equal(got_pos[row], want_pos[row]):
-            raise InvariantError("I2", "valid slots do not carry positions 0..n-1 in order", row, round, state.name)
-        if not torch.equal(got_tokens[row], want_tokens[row]):
-            raise InvariantError("I2", "a visible slot holds a token the row did not accept", row, round, state.name)
+    checks = (
+        ("padding", (state.valid & (state.tokens < 0)).any(1), "a padding slot is visible to attention"),
+        ("count", n != processed, "valid KV entries differ from the tokens processed"),
+        ("content", (got_tokens != want_tokens).any(1), "a visible slot holds a token the row did not accept"),
+        ("positions", (got_pos != want_pos).any(1), "valid slots do not carry positions 0..n-1 in order"),
+    )
+    failed = torch.stack([bad for _, bad, _ in checks])  # [4, B]
+    if failed.any():  # checker mode only: one sync
+        which, row = (int(x) for x in failed.nonzero()[0])
+        kind, _, message = checks[which]
+        if kind == "count":
+            message += f" ({int(n[row])} valid, {int(processed[row])} processed)"
+        raise InvariantError("I2", kind, message, row, round, state.name)

@@ -70,14 +70,14 @@ def run_batch(parts: Parts, seqs: Sequences, prompts, stats: Stats, check: bool 
         with timer("align"):
             target.hide_tail(k + 1, accepted + 1)
             drafter.commit(accepted, k)
-            finished, n = seqs.extend(emitted_block(drafts, accepted, bonus), accepted + 1)
+            finished, n, cut = seqs.extend(emitted_block(drafts, accepted, bonus), accepted + 1)
             seqs.rounds += 1
             seqs.drafted += n_drafts
             seqs.accepted += accepted
             # the one host sync of the round: which rows finished, and the widest row left
             width = (seqs.length - 1).masked_fill(finished, 0).max()
             acc = accepted.masked_fill(n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
-            ctrl = torch.stack([width, n.sum(), n_drafts.sum(), accepted.sum(), acc.max(), acc.masked_fill(acc < 0, k + 1).min(), (accepted == k).sum()])
+            ctrl = torch.stack([width, n.sum(), n_drafts.sum(), accepted.sum(), acc.max(), acc.masked_fill(acc < 0, k + 1).min(), (accepted == k).sum(), cut.sum()])
             ctrl = torch.cat([finished.long(), ctrl]).tolist()
             b = len(seqs)
             fin, width = ctrl[:b], ctrl[b]
@@ -86,6 +86,7 @@ def run_batch(parts: Parts, seqs: Sequences, prompts, stats: Stats, check: bool 
             stats.accepted += ctrl[b + 3]
             stats.ragged_rounds += ctrl[b + 4] > ctrl[b + 5] >= 0
             stats.full_accepts += ctrl[b + 6] if k else 0
+            stats.dropped_after_stop += ctrl[b + 7]
             stats.rounds += 1
             stats.verify_calls += 1
             stats.row_rounds += b
@@ -125,4 +126,4 @@ def check_round(target: SlotState, drafter, seqs: Sequences, rnd: int) -> None:
         check_invariants(state, seqs.history, drafter.processed(seqs), rnd)
     for state in (target, *drafter.states):
         if state.valid.shape[0] != len(seqs):
-            raise InvariantError("I1", f"cache has {state.valid.shape[0]} rows, batch has {len(seqs)}", None, rnd, state.name)
+            raise InvariantError("I1", "shape", f"cache has {state.valid.shape[0]} rows, batch has {len(seqs)}", None, rnd, state.name)

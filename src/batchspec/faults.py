@@ -1,6 +1,85 @@
-"""Injected faults reproducing published bug classes; each replaces exactly one component of ``engine.Parts``."""
+"""Injected faults that reproduce published bug classes, for the audit to catch. Off in normal use.
 
-FAULTS: dict = {}
+Each fault replaces exactly one component of ``engine.Parts`` (the target's slot state, or the acceptance rule);
+nothing in the engine tests for faults.
+
+- ``bsp-stale-positions``: position ids follow the physical slot index instead of the count of valid tokens (BSP).
+- ``bsp-keep-rejected-kv``: rejected draft tokens stay visible in the KV cache (BSP's masking without removal).
+- ``dsd-draft-token-accepted``: at the first mismatch the draft's token is emitted instead of the target's, and no
+  bonus token follows full acceptance (DSD's off-by-one).
+- ``dsd-unmasked-padding``: padding slots are visible to attention, as with an all-ones attention mask (DSD).
+- ``kv-realign-off-by-one``: the realignment gather moves keys and values from one slot too far right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import kv
+from .batch import SlotState
+from .verify import greedy_accept
+
+
+class StalePositions(SlotState):
+    def new_positions(self, new_valid):
+        return self.width + torch.arange(new_valid.shape[1], device=new_valid.device).expand_as(new_valid)
+
+
+class KeepRejected(SlotState):
+    def hide_tail(self, q, keep):
+        pass
+
+
+class UnmaskedPadding(SlotState):
+    def count(self):
+        return (self.valid & (self.tokens >= 0)).sum(1)
+
+    def append(self, input_ids, new_valid=None, logits_to_keep=0):
+        self.valid = self.valid | (self.tokens < 0)
+        return super().append(input_ids, new_valid, logits_to_keep)
+
+
+class RealignOffByOne(SlotState):
+    def gather(self, index, pad):
+        shifted = (index + 1).clamp(max=self.width - 1)
+        kv.gather_slots(self.cache, shifted, pad)
+        self.valid = self.valid.gather(1, index) & ~pad
+        self.tokens = self.tokens.gather(1, shifted).masked_fill(pad, -1)
+        self.positions = self.positions.gather(1, shifted).masked_fill(pad, 0)
+
+
+def draft_token_accepted(target_ids, drafts, n_drafts):
+    accepted, bonus = greedy_accept(target_ids, drafts, n_drafts)
+    if drafts.shape[1] == 0:
+        return accepted, bonus
+    wrong = torch.minimum(accepted, (n_drafts - 1).clamp(min=0))
+    draft_tok = drafts.gather(1, wrong[:, None]).squeeze(1)
+    has = n_drafts > 0
+    return torch.where(has, wrong, accepted), torch.where(has, draft_tok, bonus)
+
+
+def _target_state(cls):
+    def apply(parts):
+        base = parts.prefill
+
+        def prefill(model, prompts, name="target"):
+            state = base(model, prompts, name)
+            return cls(**{f.name: getattr(state, f.name) for f in dataclasses.fields(state)})
+
+        return dataclasses.replace(parts, prefill=prefill)
+
+    return apply
+
+
+FAULTS = {
+    "bsp-stale-positions": _target_state(StalePositions),
+    "bsp-keep-rejected-kv": _target_state(KeepRejected),
+    "dsd-draft-token-accepted": lambda parts: dataclasses.replace(parts, accept=draft_token_accepted),
+    "dsd-unmasked-padding": _target_state(UnmaskedPadding),
+    "kv-realign-off-by-one": _target_state(RealignOffByOne),
+}
 
 
 def apply_fault(parts, name):

@@ -37,7 +37,7 @@ class Sequences:
 
     def extend(self, block: torch.Tensor, n_emit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the first ``n_emit[b]`` tokens of ``block`` [B, W] to each row, cut after a stop token and at the
-        row's limit. Returns (finished [B], emitted count [B])."""
+        row's limit. Returns (finished [B], emitted count [B], verified tokens dropped after a stop token [B])."""
         w = block.shape[1]
         j = torch.arange(w, device=block.device)[None, :]
         is_stop = (block[:, :, None] == self.stop[:, None, :]).any(-1) & (j < n_emit[:, None])
@@ -50,7 +50,7 @@ class Sequences:
         self.length += n
         self.stopped |= hit & (is_stop.int().argmax(1) < n)
         finished = self.stopped | (self.generated() >= self.limit)
-        return finished, n
+        return finished, n, torch.where(hit, n_emit - n, 0)
 
     def select_rows(self, rows: torch.Tensor, keep_ids: list) -> None:
         self.request_ids = keep_ids
