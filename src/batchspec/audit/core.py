@@ -1,0 +1,205 @@
+"""``audit``: run engines at several batch sizes, compare every output with the batch-size-1 oracle, attribute each
+divergence (numerical or synchronization) and name the failure signature of each engine and batch size."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from . import attribution as attr
+from . import metrics
+from .engines import resolve
+from .oracle import Oracle
+from .report import AuditReport, AuditRow
+
+
+@dataclass
+class Context:
+    target: object
+    draft: object
+    tokenizer: object
+    num_draft_tokens: int
+    max_tokens: int
+    extra_stops: list[int]
+
+
+def audit(
+    target,
+    draft=None,
+    prompts=(),
+    engines=("slotmask", "eqspec"),
+    batch_sizes=(1, 4, 8),
+    max_tokens: int = 64,
+    num_draft_tokens: int = 5,
+    tokenizer=None,
+    *,
+    stop_token_ids=(),
+    tolerance=None,
+    dtype=None,
+    device=None,
+    cache_dir=None,
+    progress: bool = False,
+) -> AuditReport:
+    """Audit ``engines`` against HF greedy decoding of ``target`` at batch size 1.
+
+    ``target``/``draft``/``tokenizer`` are given as to ``batchspec.LLM``; ``prompts`` are strings (encoded with the
+    tokenizer, no chat template) or token-id lists. ``engines``: names or callables (see ``batchspec.audit.engines``).
+    Outputs end at the first stop token (the target's EOS ids plus ``stop_token_ids``) or at ``max_tokens``.
+    ``tolerance``: the relative margin tolerance, as a number or a dict of dtype -> number (see
+    ``batchspec.audit.attribution``). ``cache_dir``: where oracle outputs are cached (None: ``$BATCHSPEC_CACHE/oracle``
+    or ``~/.cache/batchspec/oracle``; False: no cache).
+
+    Returns an ``AuditReport`` whose ``rows`` hold, per engine and batch size: ``exact_match`` (fraction),
+    ``partial_match`` and ``rouge_l`` (means), ``repetition_rate``, ``n``, ``divergences`` (prompt, first divergent
+    index, margin, class), ``signature``, ``first_violated_invariant`` (batchspec engines) and ``tokens_per_second``.
+    """
+    from batchspec.models import eos_ids, load_model, load_tokenizer
+
+    batch_sizes = [int(b) for b in batch_sizes]
+    if not batch_sizes or any(b < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be integers >= 1, got {batch_sizes}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    specs = resolve(engines)
+    if not specs:
+        raise ValueError("no engines to audit")
+    model = load_model(target, dtype, device, "target")
+    tok = load_tokenizer(tokenizer if tokenizer is not None else target if isinstance(target, str) else None)
+    if isinstance(draft, str) and draft not in ("prompt-lookup",):
+        draft = load_model(draft, model.dtype, model.device, "draft")
+    ids = _encode(list(prompts), tok)
+    stops = sorted(eos_ids(model) | {int(s) for s in stop_token_ids})
+    ctx = Context(model, draft, tok, num_draft_tokens, max_tokens, [int(s) for s in stop_token_ids])
+
+    with _progress(progress, len(ids) + len(specs) * len(batch_sizes)) as bar:
+        bar.describe("oracle (HF greedy, batch size 1)")
+        oracle = Oracle(model, max_tokens, stops, cache_dir)
+        ref = oracle(ids, bar.advance)
+        probe = attr.MarginProbe(model)
+        rows = []
+        for engine in specs:
+            for bs in batch_sizes:
+                bar.describe(f"{engine.name} B={bs}")
+                rows.append(_audit_one(engine, bs, ctx, ids, ref, stops, probe, tolerance))
+                bar.advance()
+
+    meta = {
+        "target_fingerprint": oracle.fingerprint, "target_dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device), "n_prompts": len(ids), "max_tokens": max_tokens,
+        "num_draft_tokens": num_draft_tokens, "stop_ids": stops, "batch_sizes": batch_sizes,
+        "engines": [e.name for e in specs], "tolerance": _tolerance_table(tolerance),
+        "oracle_repetition_rate": metrics.repetition_rate(ref, stops),
+        "oracle_cache": {"dir": str(oracle.dir) if oracle.dir else None, "hits": oracle.hits, "misses": oracle.misses},
+    }
+    return AuditReport(rows, meta, ref)
+
+
+def _audit_one(engine, bs, ctx, ids, ref, stops, probe, tolerance) -> AuditRow:
+    raw, seconds = engine.run(ctx, ids, bs)
+    outs = [metrics.truncate(o, stops, ctx.max_tokens) for o in raw]
+    n = len(ids)
+    rel_tol = attr.relative_tolerance(attr.coarser(ctx.target.dtype, engine.dtype(ctx)), tolerance)
+    divs = []
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        j = metrics.first_divergence(o, r)
+        if j is not None:
+            divs.append(probe.divergence(i, ids[i], o, r, j, rel_tol))
+    sync = [d for d in divs if d.cls == "synchronization"]
+    violation = None
+    batches = engine.batches(n, bs)
+    if engine.white_box:
+        if sync:
+            bad = {d.prompt for d in sync}
+            for batch in batches:
+                if bad & set(batch):
+                    err = engine.first_violation(ctx, ids, batch)
+                    if err is not None:
+                        violation = attr.invariant_record(err, batch)
+                        break
+        signature = attr.white_box_signature(len(sync), violation)
+    else:
+        signature = attr.black_box_signature(bs, _black_box_records(engine, ctx, ids, outs, ref, sync, batches, stops,
+                                                                    probe, rel_tol))
+    return AuditRow(
+        engine=engine.name, batch_size=bs, n=n,
+        exact_match=sum(metrics.exact_match(o, r) for o, r in zip(outs, ref)) / n if n else 1.0,
+        partial_match=sum(metrics.partial_match(o, r) for o, r in zip(outs, ref)) / n if n else 1.0,
+        rouge_l=sum(metrics.rouge_l(o, r) for o, r in zip(outs, ref)) / n if n else 1.0,
+        repetition_rate=metrics.repetition_rate(outs, stops),
+        divergences=divs, signature=signature, first_violated_invariant=violation,
+        tokens_per_second=sum(len(o) for o in outs) / seconds if seconds > 0 else 0.0,
+        outputs=outs,
+    )
+
+
+def _black_box_records(engine, ctx, ids, outs, ref, sync, batches, stops, probe, rel_tol) -> list[dict]:
+    longest = {}
+    for batch in batches:
+        m = max(len(ids[i]) for i in batch)
+        longest.update({i: m for i in batch})
+    recs = []
+    for d in sync:
+        i = d.prompt
+        recs.append({
+            "prompt": i, "partial_match": metrics.partial_match(outs[i], ref[i]), "padded": len(ids[i]) < longest[i],
+            "loops": metrics.ends_in_loop(outs[i], stops), "oracle_loops": metrics.ends_in_loop(ref[i], stops),
+            "solo_clean": None,
+        })
+    # the padding rule needs to know whether the padded rows decode cleanly alone: only asked when it could apply
+    if max(len(b) for b in batches) > 1 and recs and all(r["padded"] for r in recs):
+        for r in recs:
+            i = r["prompt"]
+            solo = metrics.truncate(engine.call([ids[i]])[0], stops, ctx.max_tokens)
+            j = metrics.first_divergence(solo, ref[i])
+            r["solo_clean"] = j is None or probe.divergence(i, ids[i], solo, ref[i], j, rel_tol).cls == "numerical"
+    return recs
+
+
+def _encode(prompts, tokenizer) -> list[list[int]]:
+    if not prompts:
+        raise ValueError("no prompts to audit")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("string prompts need a tokenizer; pass tokenizer= or token-id prompts")
+            p = tokenizer(p)["input_ids"]
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        out.append(p)
+    return out
+
+
+def _tolerance_table(tolerance) -> dict:
+    if isinstance(tolerance, (int, float)):
+        return {"all": float(tolerance)}
+    table = {str(k).removeprefix("torch."): v for k, v in attr.DEFAULT_TOLERANCE.items()}
+    if tolerance:
+        table.update({str(k).removeprefix("torch."): float(v) for k, v in tolerance.items()})
+    return table
+
+
+class _Bar:
+    def __init__(self, p=None, task=None):
+        self.p, self.task = p, task
+
+    def describe(self, text):
+        if self.p:
+            self.p.update(self.task, description=text)
+
+    def advance(self):
+        if self.p:
+            self.p.advance(self.task)
+
+
+@contextmanager
+def _progress(enabled: bool, total: int):
+    if not enabled:
+        yield _Bar()
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  transient=True) as p:
+        yield _Bar(p, p.add_task("audit", total=total))

@@ -1,0 +1,131 @@
+"""What the audit can run: batchspec's own engines by name, or any callable ``list[list[int]] -> list[list[int]]``.
+
+Names: ``"slotmask"`` and ``"eqspec"`` (the layouts, with the audit's draft), ``"plain"`` (no draft: batched greedy
+decoding), ``"fault:<name>"`` (the EQSPEC engine with one injected fault from ``batchspec.faults.FAULTS``) and
+``"faults"`` (every injected fault). A third-party engine is given as ``(name, fn)``, ``(name, fn, dtype)``, an object
+with ``.name`` that is callable, or a named function; it receives one batch of prompt ids per call and returns the
+generated ids of each (the audit cuts them at the first stop token and at ``max_tokens``). An optional ``dtype``
+(attribute or third tuple item) says which precision it computes in, for the margin tolerance.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+LAYOUT_ENGINES = ("slotmask", "eqspec")
+
+
+@dataclass
+class BatchspecEngine:
+    name: str
+    layout: str
+    fault: str | None
+    use_draft: bool
+    white_box = True
+
+    def llm(self, ctx, batch_size: int, check: bool = False):
+        import batchspec
+
+        return batchspec.LLM(
+            ctx.target, draft=ctx.draft if self.use_draft else None, tokenizer=ctx.tokenizer,
+            num_draft_tokens=ctx.num_draft_tokens, layout=self.layout, batch_size=batch_size,
+            check_invariants=check, fault=self.fault,
+        )
+
+    def dtype(self, ctx):
+        return ctx.target.dtype
+
+    def run(self, ctx, prompts, batch_size: int) -> tuple[list[list[int]], float]:
+        import batchspec
+
+        llm = self.llm(ctx, batch_size)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=ctx.max_tokens, stop_token_ids=ctx.extra_stops))
+        return [o.token_ids for o in outs], time.perf_counter() - t
+
+    def batches(self, n: int, batch_size: int) -> list[list[int]]:
+        from batchspec.schedulers import get_scheduler
+
+        return [list(b) for b in get_scheduler("static")(n, batch_size)]
+
+    def first_violation(self, ctx, prompts, batch: list[int]):
+        """Rerun one batch with the invariant checker on; the ``InvariantError`` raised, or None."""
+        import batchspec
+
+        llm = self.llm(ctx, len(batch), check=True)
+        try:
+            llm.generate([prompts[i] for i in batch],
+                         batchspec.SamplingParams(max_tokens=ctx.max_tokens, stop_token_ids=ctx.extra_stops))
+        except batchspec.InvariantError as e:
+            return e
+        return None
+
+
+@dataclass
+class CallableEngine:
+    name: str
+    fn: Callable
+    declared_dtype: object = None
+    white_box = False
+
+    def dtype(self, ctx):
+        return self.declared_dtype if self.declared_dtype is not None else ctx.target.dtype
+
+    def batches(self, n: int, batch_size: int) -> list[list[int]]:
+        return [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
+
+    def call(self, batch_prompts):
+        outs = self.fn([list(p) for p in batch_prompts])
+        outs = [list(map(int, o)) for o in outs]
+        if len(outs) != len(batch_prompts):
+            raise ValueError(f"engine {self.name!r} returned {len(outs)} outputs for {len(batch_prompts)} prompts")
+        return outs
+
+    def run(self, ctx, prompts, batch_size: int) -> tuple[list[list[int]], float]:
+        out: list[list[int]] = []
+        t = time.perf_counter()
+        for batch in self.batches(len(prompts), batch_size):
+            out += self.call([prompts[i] for i in batch])
+        return out, time.perf_counter() - t
+
+
+def resolve(specs) -> list:
+    """Engine objects for the ``engines=`` argument of ``audit``."""
+    from batchspec.faults import FAULTS
+
+    if isinstance(specs, str):
+        specs = [s.strip() for s in specs.split(",") if s.strip()]
+    out = []
+    for spec in specs:
+        if isinstance(spec, str):
+            if spec in LAYOUT_ENGINES:
+                out.append(BatchspecEngine(spec, spec, None, True))
+            elif spec == "plain":
+                out.append(BatchspecEngine("plain", "slotmask", None, False))
+            elif spec == "faults":
+                out += [BatchspecEngine(f"fault:{f}", "eqspec", f, True) for f in FAULTS]
+            elif spec.startswith("fault:"):
+                name = spec.removeprefix("fault:")
+                if name not in FAULTS:
+                    raise ValueError(f"unknown fault {name!r}; choose one of {sorted(FAULTS)}")
+                out.append(BatchspecEngine(spec, "eqspec", name, True))
+            else:
+                raise ValueError(
+                    f"unknown engine {spec!r}; use 'slotmask', 'eqspec', 'plain', 'faults', 'fault:<name>' or a callable"
+                )
+        elif isinstance(spec, tuple) and len(spec) in (2, 3) and isinstance(spec[0], str) and callable(spec[1]):
+            out.append(CallableEngine(spec[0], spec[1], spec[2] if len(spec) == 3 else None))
+        elif callable(spec):
+            name = getattr(spec, "name", None) or getattr(spec, "__name__", None)
+            if not name or name == "<lambda>":
+                raise ValueError("a callable engine needs a name: pass (name, fn) or an object with .name")
+            out.append(CallableEngine(str(name), spec, getattr(spec, "dtype", None)))
+        else:
+            raise TypeError(f"an engine is a name or a callable, got {type(spec).__name__}")
+    names = [e.name for e in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"engine names must be unique; repeated: {sorted(dup)}")
+    return out
