@@ -72,8 +72,18 @@ def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60, repeat: bool = Tru
     return out
 
 
+_ORACLE: dict = {}
+
+
 def oracle(model, prompt: list[int], max_tokens: int, stop_ids=()) -> list[int]:
-    """HF ``generate(do_sample=False)`` at batch size 1 with the target alone."""
+    """HF ``generate(do_sample=False)`` at batch size 1 with the target alone (memoised per model and request)."""
+    key = (id(model), tuple(prompt), max_tokens, tuple(stop_ids or ()))
+    if key not in _ORACLE:
+        _ORACLE[key] = _generate(model, prompt, max_tokens, stop_ids)
+    return list(_ORACLE[key])
+
+
+def _generate(model, prompt, max_tokens, stop_ids):
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens, min_new_tokens=0,

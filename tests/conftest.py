@@ -1,0 +1,15 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(1)  # tiny models: threads only add contention
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path_factory, monkeypatch):
+    """Keep any on-disk cache (oracle outputs, converted models) out of the user's home during tests."""
+    if "BATCHSPEC_CACHE" not in os.environ or os.environ.get("CI"):
+        monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
