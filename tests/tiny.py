@@ -90,3 +90,26 @@ def _generate(model, prompt, max_tokens, stop_ids):
         eos_token_id=list(stop_ids) or None, pad_token_id=0,
     )
     return out[0, len(prompt):].tolist()
+
+
+def tokenizer():
+    """A word-level tokenizer over the tiny vocabulary ("w0".."w95"), with a minimal chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    vocab["<unk>"] = 0
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<unk>")
+    fast.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+    return fast
+
+
+def save_dir(path, arch="llama", draft_too=True):
+    """Save the tiny target (and its draft) with the tokenizer as local model directories."""
+    target(arch).save_pretrained(path / "target")
+    tokenizer().save_pretrained(path / "target")
+    if draft_too:
+        draft(arch).save_pretrained(path / "draft")
+    return path / "target", path / "draft"
