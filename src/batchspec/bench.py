@@ -1,0 +1,234 @@
+"""``batchspec bench``: throughput of each engine next to HF ``generate`` on the same prompts in the same process,
+with the stage split, alignment overhead, engine efficiency and exact match against the batch-size-1 oracle.
+
+Engines: ``plain`` (no drafter), ``slotmask`` / ``eqspec`` (the given draft), ``slotmask-lookup`` /
+``eqspec-lookup`` (prompt lookup), each optionally suffixed ``@<scheduler>`` (e.g. ``slotmask@continuous``).
+Definitions:
+- tokens/s: generated tokens / wall seconds of ``generate`` (prefill included).
+- alignment overhead: align seconds / decode seconds (draft + verify + align), as the paper defines it.
+- efficiency: achieved speedup over ``plain`` at the same batch size / the ideal speedup
+  ``mean accepted length x (plain's forward seconds per round) / (verify + draft forward seconds per round)``.
+- exact match: fraction of outputs equal to HF ``generate(do_sample=False)`` at batch size 1 (the HF batch-1 run).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .audit.oracle import greedy_generate
+from .models import eos_ids, load_model
+
+
+@dataclass
+class BenchRow:
+    engine: str
+    batch_size: int
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    speedup_vs_hf_bs1: float | None = None
+    speedup_vs_hf_same_bs: float | None = None
+    mean_accepted_length: float | None = None
+    exact_match: float | None = None
+    stages: dict = field(default_factory=dict)
+    alignment_overhead: float | None = None
+    efficiency: float | None = None
+    grouping_rate: float | None = None
+
+
+def parse_engine(name: str, draft):
+    base, _, scheduler = name.partition("@")
+    scheduler = scheduler or "static"
+    if base == "plain":
+        return dict(draft=None, layout="slotmask", scheduler=scheduler)
+    layout, _, drafter = base.partition("-")
+    if layout not in ("slotmask", "eqspec") or drafter not in ("", "lookup"):
+        raise ValueError(f"unknown bench engine {name!r}; e.g. plain, slotmask, eqspec, slotmask-lookup, slotmask@continuous")
+    if drafter == "" and draft is None:
+        raise ValueError(f"engine {name!r} needs a draft model (--draft)")
+    return dict(draft="prompt-lookup" if drafter else draft, layout=layout, scheduler=scheduler)
+
+
+def hf_generate(model, prompts, max_tokens, stops, batch_size):
+    """HF greedy ``generate`` over left-padded batches; returns (outputs cut after the first stop token, seconds)."""
+    pad = min(stops) if stops else 0
+    outs, t0 = [], time.perf_counter()
+    for s in range(0, len(prompts), batch_size):
+        chunk = prompts[s : s + batch_size]
+        if batch_size == 1:
+            outs.append(greedy_generate(model, chunk[0], max_tokens, stops))
+            continue
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+                                 min_new_tokens=0, eos_token_id=sorted(stops) or None, pad_token_id=pad)
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+            outs.append(row[:cut])
+    return outs, time.perf_counter() - t0
+
+
+def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch_sizes=(1, 8), max_tokens=128,
+          num_draft_tokens=5, tokenizer=None, hf=True, progress=False) -> list[BenchRow]:
+    import batchspec
+
+    llm0 = batchspec.LLM(target, tokenizer=tokenizer)
+    model = llm0.target
+    ids = llm0._encode(prompts)
+    stops = eos_ids(model)
+    specs = {e: parse_engine(e, draft) for e in engines}
+    if isinstance(draft, str) and draft != "prompt-lookup" and any(s["draft"] is draft for s in specs.values()):
+        draft = load_model(draft, model.dtype, model.device, "draft")  # load once, share between engines
+        specs = {e: parse_engine(e, draft) for e in engines}
+    bar = _Bar(progress, (len(batch_sizes) + 1 if hf else 0) + len(engines) * len(batch_sizes))
+    rows, hf_tps, plain = [], {}, {}
+    oracle, secs = hf_generate(model, ids, max_tokens, stops, 1)
+    n_oracle = sum(map(len, oracle))
+    hf_tps[1] = n_oracle / secs
+    rows.append(BenchRow("hf", 1, n_oracle, secs, hf_tps[1], 1.0, 1.0, exact_match=1.0))
+    bar.advance()
+    if hf:
+        for bs in batch_sizes:
+            if bs == 1:
+                continue
+            outs, secs = hf_generate(model, ids, max_tokens, stops, bs)
+            n = sum(map(len, outs))
+            hf_tps[bs] = n / secs
+            exact = sum(o == r for o, r in zip(outs, oracle)) / len(ids)
+            rows.append(BenchRow("hf", bs, n, secs, hf_tps[bs], hf_tps[bs] / hf_tps[1], 1.0, exact_match=exact))
+            bar.advance()
+    for name, spec in specs.items():
+        for bs in batch_sizes:
+            llm = batchspec.LLM(model, draft=spec["draft"], tokenizer=tokenizer, num_draft_tokens=num_draft_tokens,
+                                layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs)
+            llm.generate(ids[:1], batchspec.SamplingParams(max_tokens=2))  # warm-up
+            llm.reset_stats()
+            t0 = time.perf_counter()
+            outs = llm.generate(ids, batchspec.SamplingParams(max_tokens=max_tokens))
+            secs = time.perf_counter() - t0
+            s = llm.stats
+            decode = s.draft + s.verify + s.align
+            row = BenchRow(
+                name, bs, s.generated, secs, s.generated / secs,
+                speedup_vs_hf_bs1=s.generated / secs / hf_tps[1],
+                speedup_vs_hf_same_bs=(s.generated / secs / hf_tps[bs]) if bs in hf_tps else None,
+                mean_accepted_length=s.mean_accepted_length,
+                exact_match=sum(o.token_ids == r for o, r in zip(outs, oracle)) / len(ids),
+                stages={k: round(getattr(s, k), 4) for k in ("prefill", "draft", "verify", "align", "schedule")
+                        if hasattr(s, k)},
+                alignment_overhead=s.align / decode if decode else None,
+                grouping_rate=getattr(s, "grouping_rate", None),
+            )
+            if name.startswith("plain"):
+                plain[bs] = (row.tokens_per_second, s.verify / max(s.rounds, 1))
+            elif bs in plain and s.rounds:
+                ideal = s.mean_accepted_length * plain[bs][1] / ((s.verify + s.draft) / s.rounds)
+                row.efficiency = (row.tokens_per_second / plain[bs][0]) / ideal
+            rows.append(row)
+            bar.advance()
+    bar.close()
+    return rows
+
+
+def to_markdown(rows: list[BenchRow]) -> str:
+    head = "| engine | batch | tok/s | vs HF bs1 | vs HF same bs | mean acc. len | exact match | align overhead | efficiency |"
+    lines = [head, "|" + "---|" * 9]
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    for r in rows:
+        lines.append(
+            f"| {r.engine} | {r.batch_size} | {r.tokens_per_second:.1f} | {f(r.speedup_vs_hf_bs1, '.2f')}x | "
+            f"{f(r.speedup_vs_hf_same_bs, '.2f')}x | {f(r.mean_accepted_length, '.2f')} | {f(r.exact_match, '.0%')} | "
+            f"{f(r.alignment_overhead, '.1%')} | {f(r.efficiency, '.0%')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[BenchRow], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for key, label, fname in (("alignment_overhead", "alignment overhead (align / decode)", "alignment_overhead.png"),
+                              ("tokens_per_second", "tokens / s", "throughput.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for eng in dict.fromkeys(r.engine for r in rows):
+            pts = [(r.batch_size, getattr(r, key)) for r in rows if r.engine == eng and getattr(r, key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=eng)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out_dir / fname)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+class _Bar:
+    def __init__(self, enabled, total):
+        self.p = None
+        if enabled:
+            from rich.progress import Progress
+
+            self.p = Progress(transient=True)
+            self.p.start()
+            self.t = self.p.add_task("benchmarking", total=total)
+
+    def advance(self):
+        if self.p:
+            self.p.advance(self.t)
+
+    def close(self):
+        if self.p:
+            self.p.stop()
+
+
+def add_arguments(parser, model_args):
+    model_args(parser)
+    parser.add_argument("--engines", default="plain,slotmask,eqspec,slotmask-lookup")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--no-hf", action="store_true", help="skip HF generate at batch sizes above 1")
+    parser.add_argument("--out", default="out/bench")
+    parser.set_defaults(func=run, max_tokens=128)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from .cli import _dtype, load_prompts, resolve_draft
+    import batchspec
+
+    llm = batchspec.LLM(args.target, dtype=_dtype(args.dtype), device=args.device)
+    _, _, prompts = load_prompts(args.prompts, llm.tokenizer, args.chat_template)
+    draft = resolve_draft(args.target, args.draft)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    rows = bench(llm.target, draft, prompts, engines, sizes, args.max_tokens, args.num_draft_tokens,
+                 llm.tokenizer, hf=not args.no_hf, progress=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    md = to_markdown(rows)
+    (out / "bench.md").write_text(md)
+    plot(rows, out)
+    Console().print(Markdown(md))
+    Console().print(f"wrote {out}/bench.json, bench.md, throughput.png, alignment_overhead.png")
+    return 0
+
+
+from .cli import COMMANDS  # noqa: E402
+
+COMMANDS["bench"] = (add_arguments, run)

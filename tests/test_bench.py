@@ -1,0 +1,55 @@
+"""The benchmark runs every engine next to HF generate and reports exact match; no timing assertions."""
+
+import json
+
+import batchspec
+import tiny
+from batchspec.bench import bench, parse_engine, plot, to_markdown
+from batchspec.cli import main
+
+
+def test_bench_rows_and_exact_match(tmp_path):
+    t, d = tiny.target("llama"), tiny.draft("llama")
+    prompts = tiny.prompts(6, seed=4)
+    rows = bench(t, d, prompts, engines=["plain", "slotmask", "eqspec", "slotmask-lookup"], batch_sizes=[1, 4],
+                 max_tokens=16, num_draft_tokens=3)
+    by = {(r.engine, r.batch_size): r for r in rows}
+    assert set(by) == {("hf", 1), ("hf", 4)} | {(e, b) for e in ("plain", "slotmask", "eqspec", "slotmask-lookup")
+                                                for b in (1, 4)}
+    for (eng, bs), r in by.items():
+        assert r.exact_match == 1.0, (eng, bs)
+        assert r.tokens == 6 * 16 and r.tokens_per_second > 0
+        if eng != "hf":
+            assert set(r.stages) >= {"prefill", "draft", "verify", "align"}
+            assert 0 <= r.alignment_overhead < 1
+    assert by[("slotmask", 4)].mean_accepted_length > 1.0 and by[("plain", 4)].mean_accepted_length == 1.0
+    assert by[("slotmask", 4)].efficiency is not None
+    md = to_markdown(rows)
+    assert md.count("\n") == len(rows) + 2
+    assert [p.exists() for p in plot(rows, tmp_path)] == [True, True]
+
+
+def test_parse_engine():
+    assert parse_engine("plain", None)["draft"] is None
+    assert parse_engine("eqspec-lookup@static", None) == {"draft": "prompt-lookup", "layout": "eqspec",
+                                                           "scheduler": "static"}
+    import pytest
+
+    with pytest.raises(ValueError, match="needs a draft"):
+        parse_engine("slotmask", None)
+    with pytest.raises(ValueError, match="unknown bench engine"):
+        parse_engine("paged", None)
+
+
+def test_bench_cli(tmp_path):
+    target_dir, draft_dir = tiny.save_dir(tmp_path / "m")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w5 w6 w7 w5 w6\nw9 w10\nw11 w12 w13 w14 w15 w16\n")
+    out = tmp_path / "bench"
+    rc = main(["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompts),
+               "--engines", "plain,slotmask", "--batch-sizes", "1,2", "--max-tokens", "8", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads((out / "bench.json").read_text())
+    assert {r["engine"] for r in rows} == {"hf", "plain", "slotmask"}
+    assert all(r["exact_match"] == 1.0 for r in rows)
+    assert (out / "throughput.png").exists() and (out / "alignment_overhead.png").exists()
