@@ -8,13 +8,12 @@ import torch
 
 from . import kv
 from .drafters import ModelDrafter, NoDrafter, PromptLookup
-from .engine import Parts, run_batch
+from .engine import Parts, Request, run
 from .faults import apply_fault
 from .layouts import get_layout
 from .models import context_length, eos_ids, load_model, load_tokenizer, vocab_size
 from .params import RequestOutput, SamplingParams, Stats
 from .schedulers import get_scheduler
-from .sequences import Sequences
 
 
 class LLM:
@@ -37,7 +36,7 @@ class LLM:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.layout = get_layout(layout)
-        self.schedule = get_scheduler(scheduler)
+        self.scheduler = get_scheduler(scheduler)
         self.target = load_model(target, dtype, device, "target")
         kv.check_supported(self.target, "target")
         self.tokenizer = load_tokenizer(tokenizer if tokenizer is not None else target if isinstance(target, str) else None)
@@ -109,16 +108,12 @@ class LLM:
                 )
         eos = eos_ids(self.target)
         stops = [set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos) for sp in params]
+        requests = [Request(i, p, sp.max_tokens, stop) for i, (p, sp, stop) in enumerate(zip(ids, params, stops))]
         results: list[RequestOutput | None] = [None] * len(ids)
-        batches = list(self.schedule(len(ids), self.batch_size))
         bar = _progress(progress, len(ids))
-        t0 = time.perf_counter()
-        for rows in batches:
-            seqs = Sequences(
-                [ids[r] for r in rows], [params[r].max_tokens for r in rows], [stops[r] for r in rows],
-                self.k, self.target.device, rows,
-            )
-            for f in run_batch(self.parts, seqs, [ids[r] for r in rows], self.stats, self.check_invariants):
+
+        def finish(rows):
+            for f in rows:
                 results[f.request_id] = RequestOutput(
                     prompt_token_ids=ids[f.request_id],
                     token_ids=f.token_ids,
@@ -130,9 +125,14 @@ class LLM:
                 )
                 if bar:
                     bar.advance()
-        self.stats.total += time.perf_counter() - t0
-        if bar:
-            bar.close()
+
+        t0 = time.perf_counter()
+        try:
+            run(self.parts, requests, self.scheduler, self.batch_size, self.stats, self.check_invariants, finish)
+        finally:
+            self.stats.total += time.perf_counter() - t0
+            if bar:
+                bar.close()
         return results
 
 

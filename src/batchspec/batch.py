@@ -7,6 +7,7 @@ rejected draft tokens become holes (invalid slots) until a layout realigns the r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -107,14 +108,13 @@ def prefill(model, prompts: list[list[int]], name: str = "target") -> SlotState:
         groups.setdefault(n, []).append(i)
     caches, order = [], []
     for n, rows in sorted(groups.items()):
-        if n == 0:
-            caches.append((None, len(rows)))
-        else:
+        cache = None
+        if n:
             cache = kv.new_cache(model)
             ids = torch.tensor([prompts[r][:n] for r in rows], device=dev)
             pos = torch.arange(n, device=dev).expand(len(rows), n)
             kv.forward(model, cache, ids, pos, torch.ones_like(ids, dtype=torch.bool), logits_to_keep=1)
-            caches.append(cache)
+        caches.append((cache, len(rows)))
         order += rows
     cache = kv.stack_rows(caches, width, kv.num_layers(model))
     n = torch.tensor([lengths[r] for r in order], device=dev, dtype=torch.long)
@@ -130,6 +130,22 @@ def prefill(model, prompts: list[list[int]], name: str = "target") -> SlotState:
     inverse[torch.tensor(order, device=dev)] = torch.arange(len(order), device=dev)
     state.select_rows(inverse)
     return state
+
+
+def merge(a: SlotState, b: SlotState) -> SlotState:
+    """Rows of ``a`` then rows of ``b`` in one left-padded state (the narrower is padded on the left)."""
+    width = max(a.width, b.width)
+    cache = kv.stack_rows([(a.cache, a.valid.shape[0]), (b.cache, b.valid.shape[0])], width, kv.num_layers(a.model))
+
+    def pad(t, value):
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+    return dataclasses.replace(
+        a, cache=cache,
+        valid=torch.cat([pad(a.valid, False), pad(b.valid, False)]),
+        tokens=torch.cat([pad(a.tokens, -1), pad(b.tokens, -1)]),
+        positions=torch.cat([pad(a.positions, 0), pad(b.positions, 0)]),
+    )
 
 
 def check_invariants(state: SlotState, history: torch.Tensor, processed: torch.Tensor, round: int) -> None:

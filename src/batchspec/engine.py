@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .batch import InvariantError, SlotState, check_invariants, prefill
+from .batch import InvariantError, check_invariants, merge, prefill
 from .params import Stats
 from .sequences import Sequences
 from .verify import emitted_block, greedy_accept
@@ -50,17 +51,37 @@ class Timer:
         setattr(self.stats, stage, getattr(self.stats, stage) + time.perf_counter() - t)
 
 
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    max_tokens: int
+    stop_ids: set
+
+
 @torch.inference_mode()
-def run_batch(parts: Parts, seqs: Sequences, prompts, stats: Stats, check: bool = False) -> list[Finished]:
-    """Generate for every row of ``seqs`` until each stops; returns the rows in the order they finished."""
+def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats: Stats, check: bool = False,
+        on_finish: Callable | None = None) -> list[Finished]:
+    """Generate for every request; ``scheduler.admit(running, waiting, batch_size)`` says how many waiting requests
+    join the batch at each round boundary (they are prefilled and spliced in). Returns rows in finishing order."""
     timer = Timer(stats, parts.target.device)
     drafter, layout, k = parts.drafter, parts.layout, parts.k
-    with timer("prefill"):
-        target: SlotState = parts.prefill(parts.target, prompts)
-        drafter.prefill(prompts)
+    waiting = deque(requests)
+    seqs, target = None, None
     done: list[Finished] = []
     rnd = 0
-    while len(seqs):
+    while waiting or seqs is not None:
+        n_join = min(len(waiting), scheduler.admit(len(seqs) if seqs else 0, len(waiting), batch_size))
+        if n_join:
+            with timer("prefill"):
+                joins = [waiting.popleft() for _ in range(n_join)]
+                new = Sequences(joins, k, parts.target.device)
+                prompts = [r.prompt for r in joins]
+                new_target = parts.prefill(parts.target, prompts)
+                if seqs is not None:
+                    stats.joined_running += n_join
+                seqs, target = (new, new_target) if seqs is None else (seqs.merge(new), merge(target, new_target))
+                drafter.add(prompts)
         rnd += 1
         with timer("draft"):
             drafts, n_drafts = drafter.propose(seqs, k)
@@ -74,10 +95,11 @@ def run_batch(parts: Parts, seqs: Sequences, prompts, stats: Stats, check: bool 
             seqs.rounds += 1
             seqs.drafted += n_drafts
             seqs.accepted += accepted
-            # the one host sync of the round: which rows finished, and the widest row left
+            # the one host sync of the round: which rows finished, the widest row left, and the counters
             width = (seqs.length - 1).masked_fill(finished, 0).max()
             acc = accepted.masked_fill(n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
-            ctrl = torch.stack([width, n.sum(), n_drafts.sum(), accepted.sum(), acc.max(), acc.masked_fill(acc < 0, k + 1).min(), (accepted == k).sum(), cut.sum()])
+            ctrl = torch.stack([width, n.sum(), n_drafts.sum(), accepted.sum(), acc.max(),
+                                acc.masked_fill(acc < 0, k + 1).min(), (accepted == k).sum(), cut.sum()])
             ctrl = torch.cat([finished.long(), ctrl]).tolist()
             b = len(seqs)
             fin, width = ctrl[:b], ctrl[b]
@@ -91,17 +113,22 @@ def run_batch(parts: Parts, seqs: Sequences, prompts, stats: Stats, check: bool 
             stats.verify_calls += 1
             stats.row_rounds += b
             if any(fin):
-                done += _collect(seqs, fin)
+                finished_rows = _collect(seqs, fin)
+                done += finished_rows
+                if on_finish:
+                    on_finish(finished_rows)
                 rows = [i for i, f in enumerate(fin) if not f]
-                keep_ids = [seqs.request_ids[i] for i in rows]
+                if not rows:
+                    seqs = target = None
+                    drafter.reset()
+                    continue
                 idx = torch.tensor(rows, dtype=torch.long, device=seqs.length.device)
-                seqs.select_rows(idx, keep_ids)
+                seqs.select_rows(idx)
                 target.select_rows(idx)
                 drafter.select_rows(idx)
-            if len(seqs):
-                for state in (target, *drafter.states):
-                    layout.align(state, width)
-        if check and len(seqs):
+            for state in (target, *drafter.states):
+                layout.align(state, width)
+        if check:
             check_round(target, drafter, seqs, rnd)
     return done
 

@@ -109,23 +109,23 @@ def select_rows(cache: SlotCache, rows: torch.Tensor) -> None:
             layer.set(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
 
 
-def stack_rows(caches: list, width: int, num_layers: int) -> SlotCache:
-    """Left-pad each cache to ``width`` slots and concatenate them along the batch (in the order given).
+def stack_rows(parts: list[tuple[SlotCache | None, int]], width: int, num_layers: int) -> SlotCache:
+    """Left-pad each cache to ``width`` slots and concatenate them along the batch, in the order given.
 
-    Each cache holds rows of one length; a cache that holds no slots (rows with nothing cached) must still know its
-    batch size, so it is passed as ``(None, batch)`` instead.
+    ``parts`` holds ``(cache, rows)`` pairs; a cache may be None or empty (rows with nothing cached yet).
     """
     out = SlotCache(num_layers)
-    if width == 0:
+    filled = [c for c, _ in parts if c is not None and c.length]
+    if width == 0 or not filled:
         return out
-    ref = next(c for c in caches if not isinstance(c, tuple))
+    ref = filled[0]
     for i, layer in enumerate(out.layers):
+        rk, rv = ref.layers[i].keys, ref.layers[i].values
         parts_k, parts_v = [], []
-        for c in caches:
-            if isinstance(c, tuple):
-                shape = (c[1], *ref.layers[i].keys.shape[1:2], width, ref.layers[i].keys.shape[-1])
-                parts_k.append(ref.layers[i].keys.new_zeros(shape))
-                parts_v.append(ref.layers[i].values.new_zeros(shape[:-1] + (ref.layers[i].values.shape[-1],)))
+        for c, rows in parts:
+            if c is None or not c.length:
+                parts_k.append(rk.new_zeros((rows, rk.shape[1], width, rk.shape[-1])))
+                parts_v.append(rv.new_zeros((rows, rv.shape[1], width, rv.shape[-1])))
                 continue
             k, v = c.layers[i].keys, c.layers[i].values
             parts_k.append(torch.nn.functional.pad(k, (0, 0, width - k.shape[-2], 0)))

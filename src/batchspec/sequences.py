@@ -5,10 +5,17 @@ from __future__ import annotations
 import torch
 
 
+FIELDS = ("prompt_len", "limit", "history", "length", "stop", "stopped", "rounds", "drafted", "accepted")
+
+
 class Sequences:
-    def __init__(self, prompts, max_tokens, stop_sets, k, device, request_ids):
+    def __init__(self, requests, k, device):
+        """``requests``: objects with ``id``, ``prompt`` (token ids), ``max_tokens`` and ``stop_ids``."""
+        prompts = [r.prompt for r in requests]
+        max_tokens = [r.max_tokens for r in requests]
+        stop_sets = [r.stop_ids for r in requests]
         b = len(prompts)
-        self.request_ids = list(request_ids)
+        self.request_ids = [r.id for r in requests]
         self.prompt_len = torch.tensor([len(p) for p in prompts], device=device)
         self.limit = torch.tensor(max_tokens, device=device)
         width = max(len(p) + m for p, m in zip(prompts, max_tokens)) + k + 2  # + room for one block + dump column
@@ -52,7 +59,20 @@ class Sequences:
         finished = self.stopped | (self.generated() >= self.limit)
         return finished, n, torch.where(hit, n_emit - n, 0)
 
-    def select_rows(self, rows: torch.Tensor, keep_ids: list) -> None:
-        self.request_ids = keep_ids
-        for name in ("prompt_len", "limit", "history", "length", "stop", "stopped", "rounds", "drafted", "accepted"):
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.request_ids = [self.request_ids[i] for i in rows.tolist()]  # at row removal only
+        for name in FIELDS:
             setattr(self, name, getattr(self, name)[rows])
+
+    def merge(self, other: "Sequences") -> "Sequences":
+        """This batch's rows followed by ``other``'s (requests joining a running batch)."""
+        for name in FIELDS:
+            a, b = getattr(self, name), getattr(other, name)
+            if a.dim() == 2 and a.shape[1] != b.shape[1]:  # history / stop tables of different widths
+                fill = -1 if name == "history" else -2
+                w = max(a.shape[1], b.shape[1])
+                a = torch.nn.functional.pad(a, (0, w - a.shape[1]), value=fill)
+                b = torch.nn.functional.pad(b, (0, w - b.shape[1]), value=fill)
+            setattr(self, name, torch.cat([a, b]))
+        self.request_ids = self.request_ids + other.request_ids
+        return self

@@ -1,12 +1,13 @@
 """Drafters propose up to K tokens per row. One interface:
 
-``prefill(prompts)``, ``propose(seqs, k) -> (drafts [B, k], n_drafts [B])``, ``commit(accepted [B], k)``,
-``select_rows(rows)``, ``states`` (the caches a layout must keep aligned) and ``processed(seqs)`` (tokens each of
+``add(prompts)``, ``propose(seqs, k) -> (drafts [B, k], n_drafts [B])``, ``commit(accepted [B], k)``,
+``select_rows(rows)``, ``reset()``, ``states`` (the caches a layout must keep aligned) and ``processed(seqs)`` (tokens each of
 those caches must hold, for the invariant checker).
 """
 
 from .lookup import PromptLookup
 from .model import ModelDrafter
+from .base import Drafter
 from .none import NoDrafter
 
-__all__ = ["ModelDrafter", "PromptLookup", "NoDrafter"]
+__all__ = ["Drafter", "ModelDrafter", "PromptLookup", "NoDrafter"]

@@ -6,24 +6,16 @@ its own prompt + generated tokens and propose the (up to K) tokens that followed
 
 import torch
 
+from .base import Drafter
 
-class PromptLookup:
+
+class PromptLookup(Drafter):
     name = "prompt-lookup"
-    states = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def prefill(self, prompts):
-        pass
-
-    def commit(self, accepted, k):
-        pass
-
-    def select_rows(self, rows):
-        pass
 
     def propose(self, seqs, k):
         hist, length = seqs.history, seqs.length

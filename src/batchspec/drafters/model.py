@@ -6,26 +6,33 @@ round's K-th draft token when that round accepted all K (the draft never cached 
 
 import torch
 
-from ..batch import prefill
+from ..batch import merge, prefill
+from .base import Drafter
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     name = "model"
 
     def __init__(self, model):
         self.model = model
-        self.state = None
+        self.reset()
 
     @property
     def states(self):
-        return (self.state,)
+        return (self.state,) if self.state is not None else ()
 
-    def prefill(self, prompts):
-        self.state = prefill(self.model, prompts, name="draft")
-        b = len(prompts)
-        dev = self.model.device
-        self.carry = torch.zeros(b, dtype=torch.long, device=dev)
-        self.carry_valid = torch.zeros(b, dtype=torch.bool, device=dev)
+    def reset(self):
+        self.state = self.carry = self.carry_valid = None
+
+    def add(self, prompts):
+        new = prefill(self.model, prompts, name="draft")
+        carry = torch.zeros(len(prompts), dtype=torch.long, device=self.model.device)
+        if self.state is None:
+            self.state, self.carry, self.carry_valid = new, carry, carry.bool()
+        else:
+            self.state = merge(self.state, new)
+            self.carry = torch.cat([self.carry, carry])
+            self.carry_valid = torch.cat([self.carry_valid, carry.bool()])
 
     def propose(self, seqs, k):
         pending = seqs.pending()

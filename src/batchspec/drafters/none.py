@@ -2,21 +2,12 @@
 
 import torch
 
+from .base import Drafter
 
-class NoDrafter:
+
+class NoDrafter(Drafter):
     name = "none"
-    states = ()
-
-    def prefill(self, prompts):
-        pass
 
     def propose(self, seqs, k):
-        b = seqs.length.shape[0]
-        dev = seqs.length.device
+        b, dev = seqs.length.shape[0], seqs.length.device
         return torch.empty((b, 0), dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
-
-    def commit(self, accepted, k):
-        pass
-
-    def select_rows(self, rows):
-        pass

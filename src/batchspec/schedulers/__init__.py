@@ -1,12 +1,16 @@
-"""Schedulers decide which requests run together. ``static``: fixed batches in input order, each run to completion
-(finished rows leave the batch, nobody joins)."""
+"""Schedulers decide, at each round boundary, how many waiting requests join the running batch.
 
-from .static import static_batches
+One method: ``admit(running, waiting, batch_size) -> int``. Requests join in input order; outputs are returned in
+input order whatever the schedule.
+"""
 
-SCHEDULERS = {"static": static_batches}
+from .continuous import Continuous
+from .static import Static
+
+SCHEDULERS = {"static": Static, "continuous": Continuous}
 
 
 def get_scheduler(name: str):
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r}; choose one of {sorted(SCHEDULERS)}")
-    return SCHEDULERS[name]
+    return SCHEDULERS[name]()

@@ -1,6 +1,9 @@
-"""Static batching: consecutive groups of ``batch_size`` requests, in input order."""
+"""Static batching: a batch of ``batch_size`` requests runs until every row has finished (finished rows leave the
+batch, nobody joins); then the next batch starts."""
 
 
-def static_batches(n_requests: int, batch_size: int):
-    for start in range(0, n_requests, batch_size):
-        yield list(range(start, min(start + batch_size, n_requests)))
+class Static:
+    name = "static"
+
+    def admit(self, running: int, waiting: int, batch_size: int) -> int:
+        return batch_size if running == 0 else 0

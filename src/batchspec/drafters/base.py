@@ -1,0 +1,22 @@
+"""The drafter interface, with no-op defaults for drafters that keep no per-row state."""
+
+
+class Drafter:
+    name = "drafter"
+    states = ()  # SlotStates a layout must keep aligned
+
+    def add(self, prompts):
+        """Rows joining the batch (appended after the current rows)."""
+
+    def propose(self, seqs, k):
+        """(drafts [B, k], n_drafts [B]): up to k proposed tokens per row."""
+        raise NotImplementedError
+
+    def commit(self, accepted, k):
+        """After verification: row b accepted ``accepted[b]`` drafts."""
+
+    def select_rows(self, rows):
+        """Keep only ``rows`` (a 1D index tensor)."""
+
+    def reset(self):
+        """The batch emptied."""

@@ -1,0 +1,9 @@
+"""Continuous batching: whenever rows finish, waiting requests are prefilled and spliced into the running batch at
+the next round boundary (with either layout), so the batch stays full while there is work."""
+
+
+class Continuous:
+    name = "continuous"
+
+    def admit(self, running: int, waiting: int, batch_size: int) -> int:
+        return batch_size - running
