@@ -1,8 +1,9 @@
 """batchspec: batched speculative decoding whose greedy output equals batch-size-1 decoding, and an audit that checks it."""
 
 from .api import LLM
+from .audit import audit
 from .batch import InvariantError
 from .params import RequestOutput, SamplingParams, Stats
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "Stats", "InvariantError"]
+__all__ = ["LLM", "audit", "SamplingParams", "RequestOutput", "Stats", "InvariantError"]
 __version__ = "0.1.0"
