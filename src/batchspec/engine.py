@@ -85,12 +85,13 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
         rnd += 1
         with timer("draft"):
             drafts, n_drafts = drafter.propose(seqs, k)
+            kr = drafts.shape[1]  # this round's block: a drafter may propose fewer than k for every row
         with timer("verify"):
             logits = target.append(torch.cat([seqs.pending()[:, None], drafts], 1))
             accepted, bonus = parts.accept(logits.argmax(-1), drafts, n_drafts)
         with timer("align"):
-            target.hide_tail(k + 1, accepted + 1)
-            drafter.commit(accepted, k)
+            target.hide_tail(kr + 1, accepted + 1)
+            drafter.commit(accepted, kr)
             finished, n, cut = seqs.extend(emitted_block(drafts, accepted, bonus), accepted + 1)
             seqs.rounds += 1
             seqs.drafted += n_drafts
@@ -99,7 +100,7 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
             width = (seqs.length - 1).masked_fill(finished, 0).max()
             acc = accepted.masked_fill(n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
             ctrl = torch.stack([width, n.sum(), n_drafts.sum(), accepted.sum(), acc.max(),
-                                acc.masked_fill(acc < 0, k + 1).min(), (accepted == k).sum(), cut.sum()])
+                                acc.masked_fill(acc < 0, k + 1).min(), ((accepted == n_drafts) & (n_drafts > 0)).sum(), cut.sum()])
             ctrl = torch.cat([finished.long(), ctrl]).tolist()
             b = len(seqs)
             fin, width = ctrl[:b], ctrl[b]
@@ -107,7 +108,7 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
             stats.drafted += ctrl[b + 2]
             stats.accepted += ctrl[b + 3]
             stats.ragged_rounds += ctrl[b + 4] > ctrl[b + 5] >= 0
-            stats.full_accepts += ctrl[b + 6] if k else 0
+            stats.full_accepts += ctrl[b + 6]
             stats.dropped_after_stop += ctrl[b + 7]
             stats.rounds += 1
             stats.verify_calls += 1

@@ -50,7 +50,7 @@ class Stats:
     ragged_rounds: int = 0  # rounds in which rows of the batch accepted different numbers of draft tokens
     joined_running: int = 0  # requests spliced into a batch that was already running (continuous batching)
     dropped_after_stop: int = 0  # verified tokens discarded because a stop token came earlier in the same round
-    full_accepts: int = 0  # row-rounds that accepted all K draft tokens (so the bonus came after the last draft)
+    full_accepts: int = 0  # row-rounds that accepted every proposed draft token (the bonus came after the last one)
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0

@@ -2,6 +2,8 @@
 
 For n from ``max_ngram`` down to ``min_ngram``, find the earliest earlier occurrence of each row's last n tokens in
 its own prompt + generated tokens and propose the (up to K) tokens that followed it. Rows with no match propose none.
+The block is as wide as the longest proposal in the batch (one host read per round), so a round where nothing matched
+costs one plain decoding step.
 """
 
 import torch
@@ -39,7 +41,9 @@ class PromptLookup(Drafter):
             start = torch.where(take, first + n, start)
             found |= has
         n_drafts = torch.where(found, (length - start).clamp(max=k), torch.zeros_like(start))
-        idx = (start[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=t - 1)
+        # verify only as many slots as the longest proposal: rows without a match would waste the rest
+        w = int(n_drafts.max())
+        idx = (start[:, None] + torch.arange(w, device=dev)[None, :]).clamp(max=t - 1)
         drafts = hist.gather(1, idx)
-        drafts = torch.where(torch.arange(k, device=dev)[None, :] < n_drafts[:, None], drafts, 0)
+        drafts = torch.where(torch.arange(w, device=dev)[None, :] < n_drafts[:, None], drafts, 0)
         return drafts, n_drafts
