@@ -18,6 +18,7 @@ def test_bench_rows_and_exact_match(tmp_path):
                                                 for b in (1, 4)}
     for (eng, bs), r in by.items():
         assert r.exact_match == 1.0, (eng, bs)
+        assert eng == "hf" or r.signature == "clean"
         assert r.tokens == 6 * 16 and r.tokens_per_second > 0
         if eng != "hf":
             assert set(r.stages) >= {"prefill", "draft", "verify", "align"}
@@ -27,6 +28,16 @@ def test_bench_rows_and_exact_match(tmp_path):
     md = to_markdown(rows)
     assert md.count("\n") == len(rows) + 2
     assert [p.exists() for p in plot(rows, tmp_path)] == [True, True]
+
+
+def test_bench_flags_a_faulty_engine():
+    t, d = tiny.target("llama"), tiny.draft("llama")
+    rows = bench(t, d, tiny.prompts(6, seed=4), engines=["slotmask@continuous", "fault:bsp-keep-rejected-kv"],
+                 batch_sizes=[4], max_tokens=16, num_draft_tokens=3, hf=False)
+    by = {r.engine: r for r in rows}
+    assert by["slotmask@continuous"].exact_match == 1.0 and by["slotmask@continuous"].signature == "clean"
+    assert by["fault:bsp-keep-rejected-kv"].exact_match < 1.0
+    assert by["fault:bsp-keep-rejected-kv"].signature == "kv-cache drift"
 
 
 def test_parse_engine():

@@ -2,7 +2,8 @@
 with the stage split, alignment overhead, engine efficiency and exact match against the batch-size-1 oracle.
 
 Engines: ``plain`` (no drafter), ``slotmask`` / ``eqspec`` (the given draft), ``slotmask-lookup`` /
-``eqspec-lookup`` (prompt lookup), each optionally suffixed ``@<scheduler>`` (e.g. ``slotmask@continuous``).
+``eqspec-lookup`` (prompt lookup), ``fault:<name>`` (eqspec with an injected fault, to show the check at work), each
+optionally suffixed ``@<scheduler>`` (e.g. ``slotmask@continuous``). Rows that are not exact get the audit's signature.
 Definitions:
 - tokens/s: generated tokens / wall seconds of ``generate`` (prefill included).
 - alignment overhead: align seconds / decode seconds (draft + verify + align), as the paper defines it.
@@ -39,11 +40,16 @@ class BenchRow:
     alignment_overhead: float | None = None
     efficiency: float | None = None
     grouping_rate: float | None = None
+    signature: str | None = None  # "clean" when exact; else the audit's signature for this engine and batch size
 
 
 def parse_engine(name: str, draft):
     base, _, scheduler = name.partition("@")
     scheduler = scheduler or "static"
+    if base.startswith("fault:"):
+        if draft is None:
+            raise ValueError(f"engine {name!r} needs a draft model (--draft)")
+        return dict(draft=draft, layout="eqspec", scheduler=scheduler, fault=base.removeprefix("fault:"))
     if base == "plain":
         return dict(draft=None, layout="slotmask", scheduler=scheduler)
     layout, _, drafter = base.partition("-")
@@ -107,7 +113,8 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
     for name, spec in specs.items():
         for bs in batch_sizes:
             llm = batchspec.LLM(model, draft=spec["draft"], tokenizer=tokenizer, num_draft_tokens=num_draft_tokens,
-                                layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs)
+                                layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs,
+                                fault=spec.get("fault"))
             llm.generate(ids[:1], batchspec.SamplingParams(max_tokens=2))  # warm-up
             llm.reset_stats()
             t0 = time.perf_counter()
@@ -126,6 +133,10 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
                 alignment_overhead=s.align / decode if decode else None,
                 grouping_rate=getattr(s, "grouping_rate", None),
             )
+            if row.exact_match < 1.0:
+                row.signature = _signature(model, spec, ids, bs, max_tokens, num_draft_tokens)
+            else:
+                row.signature = "clean"
             if name.startswith("plain"):
                 plain[bs] = (row.tokens_per_second, s.verify / max(s.rounds, 1))
             elif bs in plain and s.rounds:
@@ -137,14 +148,26 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
     return rows
 
 
+def _signature(model, spec, ids, bs, max_tokens, k) -> str:
+    """The audit's verdict for an engine that was not exact (numerical near-ties still come out ``clean``)."""
+    from .audit import audit
+
+    engine = f"fault:{spec['fault']}" if spec.get("fault") else spec["layout"] if spec["draft"] is not None else "plain"
+    rep = audit(model, spec["draft"], ids, engines=[engine], batch_sizes=[bs], max_tokens=max_tokens,
+                num_draft_tokens=k)
+    return rep.rows[0].signature
+
+
 def to_markdown(rows: list[BenchRow]) -> str:
-    head = "| engine | batch | tok/s | vs HF bs1 | vs HF same bs | mean acc. len | exact match | align overhead | efficiency |"
-    lines = [head, "|" + "---|" * 9]
+    head = ("| engine | batch | tok/s | vs HF bs1 | vs HF same bs | mean acc. len | exact match | signature | "
+            "align overhead | efficiency |")
+    lines = [head, "|" + "---|" * 10]
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
         lines.append(
             f"| {r.engine} | {r.batch_size} | {r.tokens_per_second:.1f} | {f(r.speedup_vs_hf_bs1, '.2f')}x | "
             f"{f(r.speedup_vs_hf_same_bs, '.2f')}x | {f(r.mean_accepted_length, '.2f')} | {f(r.exact_match, '.0%')} | "
+            f"{r.signature or '-'} | "
             f"{f(r.alignment_overhead, '.1%')} | {f(r.efficiency, '.0%')} |"
         )
     return "\n".join(lines) + "\n"
