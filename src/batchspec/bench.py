@@ -223,6 +223,7 @@ def add_arguments(parser, model_args):
     parser.add_argument("--engines", default="plain,slotmask,eqspec,slotmask-lookup")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate at batch sizes above 1")
+    parser.add_argument("--limit", type=int, default=None, help="benchmark only the first N prompts")
     parser.add_argument("--out", default="out/bench")
     parser.set_defaults(func=run, max_tokens=128)
 
@@ -236,6 +237,7 @@ def run(args) -> int:
 
     llm = batchspec.LLM(args.target, dtype=_dtype(args.dtype), device=args.device)
     _, _, prompts = load_prompts(args.prompts, llm.tokenizer, args.chat_template)
+    prompts = prompts[: args.limit] if args.limit else prompts
     draft = resolve_draft(args.target, args.draft)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     sizes = [int(x) for x in args.batch_sizes.split(",")]
