@@ -24,7 +24,7 @@ def model(seed_noise=None):
             if p.dim() > 1:
                 p.mul_(4.0)
             if seed_noise is not None:
-                p.add_(torch.randn(p.shape, generator=seed_noise) * 0.08 * p.std())
+                p.add_(torch.randn(p.shape, generator=seed_noise) * 0.02 * p.std())
     m.generation_config.eos_token_id = None
     m.config._attn_implementation = "sdpa"
     return m.eval()
@@ -35,7 +35,9 @@ def main():
     ap.add_argument("--batch-sizes", default="8,32")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     target, draft = model(), model(torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 2048, (int(n),), generator=g).tolist()
