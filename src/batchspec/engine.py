@@ -67,21 +67,14 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
     timer = Timer(stats, parts.target.device)
     drafter, layout, k = parts.drafter, parts.layout, parts.k
     waiting = deque(requests)
-    seqs, target = None, None
+    seqs = target = None
     done: list[Finished] = []
     rnd = 0
     while waiting or seqs is not None:
         n_join = min(len(waiting), scheduler.admit(len(seqs) if seqs else 0, len(waiting), batch_size))
         if n_join:
             with timer("prefill"):
-                joins = [waiting.popleft() for _ in range(n_join)]
-                new = Sequences(joins, k, parts.target.device)
-                prompts = [r.prompt for r in joins]
-                new_target = parts.prefill(parts.target, prompts)
-                if seqs is not None:
-                    stats.joined_running += n_join
-                seqs, target = (new, new_target) if seqs is None else (seqs.merge(new), merge(target, new_target))
-                drafter.add(prompts)
+                seqs, target = _admit(parts, [waiting.popleft() for _ in range(n_join)], seqs, target, stats)
         rnd += 1
         with timer("draft"):
             drafts, n_drafts = drafter.propose(seqs, k)
@@ -93,45 +86,60 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
             target.hide_tail(kr + 1, accepted + 1)
             drafter.commit(accepted, kr)
             finished, n, cut = seqs.extend(emitted_block(drafts, accepted, bonus), accepted + 1)
-            seqs.rounds += 1
-            seqs.drafted += n_drafts
-            seqs.accepted += accepted
-            # the one host sync of the round: which rows finished, the widest row left, and the counters
-            width = (seqs.length - 1).masked_fill(finished, 0).max()
-            acc = accepted.masked_fill(n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
-            ctrl = torch.stack([width, n.sum(), n_drafts.sum(), accepted.sum(), acc.max(),
-                                acc.masked_fill(acc < 0, k + 1).min(), ((accepted == n_drafts) & (n_drafts > 0)).sum(), cut.sum()])
-            ctrl = torch.cat([finished.long(), ctrl]).tolist()
-            b = len(seqs)
-            fin, width = ctrl[:b], ctrl[b]
-            stats.generated += ctrl[b + 1]
-            stats.drafted += ctrl[b + 2]
-            stats.accepted += ctrl[b + 3]
-            stats.ragged_rounds += ctrl[b + 4] > ctrl[b + 5] >= 0
-            stats.full_accepts += ctrl[b + 6]
-            stats.dropped_after_stop += ctrl[b + 7]
-            stats.rounds += 1
-            stats.verify_calls += 1
-            stats.row_rounds += b
+            fin, width = _account(stats, seqs, finished, n, cut, accepted, n_drafts)  # the round's one host sync
             if any(fin):
-                finished_rows = _collect(seqs, fin)
-                done += finished_rows
+                done += _collect(seqs, fin)
                 if on_finish:
-                    on_finish(finished_rows)
+                    on_finish(done[-sum(fin):])
                 rows = [i for i, f in enumerate(fin) if not f]
                 if not rows:
                     seqs = target = None
                     drafter.reset()
                     continue
                 idx = torch.tensor(rows, dtype=torch.long, device=seqs.length.device)
-                seqs.select_rows(idx)
-                target.select_rows(idx)
-                drafter.select_rows(idx)
+                for holder in (seqs, target, drafter):
+                    holder.select_rows(idx)
             for state in (target, *drafter.states):
                 layout.align(state, width)
         if check:
             check_round(target, drafter, seqs, rnd)
     return done
+
+
+def _admit(parts: Parts, joins: list[Request], seqs, target, stats: Stats):
+    """Prefill the joining requests and splice them after the running rows (target, draft and sequence state)."""
+    new = Sequences(joins, parts.k, parts.target.device)
+    new_target = parts.prefill(parts.target, [r.prompt for r in joins])
+    parts.drafter.add([r.prompt for r in joins])
+    if seqs is None:
+        return new, new_target
+    stats.joined_running += len(joins)
+    return seqs.merge(new), merge(target, new_target)
+
+
+def _account(stats: Stats, seqs: Sequences, finished, n, cut, accepted, n_drafts) -> tuple[list, int]:
+    """Update per-row and global counters with one host read; returns (finished flags, widest remaining row)."""
+    seqs.rounds += 1
+    seqs.drafted += n_drafts
+    seqs.accepted += accepted
+    width = (seqs.length - 1).masked_fill(finished, 0).max()
+    acc = accepted.masked_fill(n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
+    full = ((accepted == n_drafts) & (n_drafts > 0)).sum()
+    ctrl = torch.stack([width, n.sum(), n_drafts.sum(), accepted.sum(), acc.max(),
+                        acc.masked_fill(acc < 0, acc.max() + 1).min(), full, cut.sum()])
+    b = len(seqs)
+    ctrl = torch.cat([finished.long(), ctrl]).tolist()
+    fin, (width, generated, drafted, acc_sum, acc_max, acc_min, full, cut) = ctrl[:b], ctrl[b:]
+    stats.generated += generated
+    stats.drafted += drafted
+    stats.accepted += acc_sum
+    stats.ragged_rounds += acc_max > acc_min >= 0
+    stats.full_accepts += full
+    stats.dropped_after_stop += cut
+    stats.rounds += 1
+    stats.verify_calls += 1
+    stats.row_rounds += b
+    return fin, width
 
 
 def _collect(seqs: Sequences, fin: list) -> list[Finished]:
