@@ -62,11 +62,18 @@ def test_bad_arguments(kwargs, match):
         batchspec.LLM(tiny.target("llama"), **kwargs)
 
 
-def test_bad_sampling_params():
-    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
-        batchspec.SamplingParams(max_tokens=0)
-    with pytest.raises(NotImplementedError, match="greedy"):
-        batchspec.SamplingParams(temperature=0.7)
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ({"temperature": -0.1}, "temperature must be >= 0"),
+    ({"temperature": float("nan")}, "temperature must be >= 0"),
+    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"seed": -3}, r"seed must be an integer in \[0, 2\*\*63\)"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        batchspec.SamplingParams(**kwargs)
 
 
 def test_sliding_window_model_refused():

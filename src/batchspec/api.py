@@ -108,7 +108,11 @@ class LLM:
                 )
         eos = eos_ids(self.target)
         stops = [set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos) for sp in params]
-        requests = [Request(i, p, sp.max_tokens, stop) for i, (p, sp, stop) in enumerate(zip(ids, params, stops))]
+        seeds = [sp.seed if sp.seed is not None else int(torch.randint(2**62, ())) for sp in params]
+        requests = [
+            Request(i, p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed)
+            for i, (p, sp, stop, seed) in enumerate(zip(ids, params, stops, seeds))
+        ]
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = _progress(progress, len(ids))
 

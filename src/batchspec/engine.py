@@ -13,7 +13,8 @@ import torch
 from .batch import InvariantError, check_invariants, merge, prefill
 from .params import Stats
 from .sequences import Sequences
-from .verify import emitted_block, greedy_accept
+from .sampling import ACCEPT, TARGET
+from .verify import emitted_block, greedy_accept, rejection_sample
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Parts:
     layout: object
     k: int
     accept: Callable = greedy_accept
+    sample: Callable = rejection_sample
     prefill: Callable = prefill
 
 
@@ -57,6 +59,10 @@ class Request:
     prompt: list[int]
     max_tokens: int
     stop_ids: set
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
 
 
 @torch.inference_mode()
@@ -77,11 +83,15 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
                 seqs, target = _admit(parts, [waiting.popleft() for _ in range(n_join)], seqs, target, stats)
         rnd += 1
         with timer("draft"):
-            drafts, n_drafts = drafter.propose(seqs, k)
+            drafts, n_drafts, q = drafter.propose(seqs, k)
             kr = drafts.shape[1]  # this round's block: a drafter may propose fewer than k for every row
         with timer("verify"):
             logits = target.append(torch.cat([seqs.pending()[:, None], drafts], 1))
-            accepted, bonus = parts.accept(logits.argmax(-1), drafts, n_drafts)
+            if seqs.sampling:
+                u_accept, u_target = seqs.uniforms(kr, ACCEPT), seqs.uniforms(kr + 1, TARGET)
+                accepted, bonus = parts.sample(seqs.warp(logits), q, drafts, n_drafts, u_accept, u_target)
+            else:
+                accepted, bonus = parts.accept(logits.argmax(-1), drafts, n_drafts)
         with timer("align"):
             target.hide_tail(kr + 1, accepted + 1)
             drafter.commit(accepted, kr)

@@ -9,17 +9,22 @@ nothing in the engine tests for faults.
   bonus token follows full acceptance (DSD's off-by-one).
 - ``dsd-unmasked-padding``: padding slots are visible to attention, as with an all-ones attention mask (DSD).
 - ``kv-realign-off-by-one``: the realignment gather moves keys and values from one slot too far right.
+- ``draft-bonus`` (sampling): after a rejection the replacement token is drawn from the draft's distribution (DSD's
+  bug class; invisible at temperature 0).
+- ``no-residual`` (sampling): after a rejection the replacement is drawn from the target's distribution instead of
+  the residual ``max(0, p - q)`` (over-produces tokens the draft already proposed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 
 from . import kv
 from .batch import SlotState
-from .verify import greedy_accept
+from .verify import greedy_accept, rejection_sample
 
 
 class StalePositions(SlotState):
@@ -79,7 +84,10 @@ FAULTS = {
     "dsd-draft-token-accepted": lambda parts: dataclasses.replace(parts, accept=draft_token_accepted),
     "dsd-unmasked-padding": _target_state(UnmaskedPadding),
     "kv-realign-off-by-one": _target_state(RealignOffByOne),
+    "draft-bonus": lambda parts: dataclasses.replace(parts, sample=partial(rejection_sample, residual="q")),
+    "no-residual": lambda parts: dataclasses.replace(parts, sample=partial(rejection_sample, residual="p")),
 }
+SAMPLING_FAULTS = ("draft-bonus", "no-residual")  # only visible when sampling (temperature > 0)
 
 
 def apply_fault(parts, name):

@@ -7,18 +7,33 @@ from dataclasses import dataclass, field, fields
 
 @dataclass
 class SamplingParams:
+    """Per-request generation settings.
+
+    ``temperature`` 0 is greedy decoding (token-for-token equal to batch-size-1 greedy decoding). Above 0, tokens are
+    sampled from the target's distribution warped by ``temperature``, then ``top_k`` (0: off), then ``top_p``
+    (1.0: off); with a drafter, by speculative (rejection) sampling, which has exactly that distribution.
+    ``seed`` (None: drawn from torch's global generator) makes a request reproducible whatever else is batched with it.
+    """
+
     max_tokens: int = 64
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.temperature != 0.0:
-            raise NotImplementedError("only greedy decoding (temperature=0.0) is supported so far")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         self.stop_token_ids = list(self.stop_token_ids)
 
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from .sampling import uniforms, warp
 
-FIELDS = ("prompt_len", "limit", "history", "length", "stop", "stopped", "rounds", "drafted", "accepted")
+
+FIELDS = ("prompt_len", "limit", "history", "length", "stop", "stopped", "rounds", "drafted", "accepted",
+          "temperature", "top_k", "top_p", "seed")
 
 
 class Sequences:
     def __init__(self, requests, k, device):
-        """``requests``: objects with ``id``, ``prompt`` (token ids), ``max_tokens`` and ``stop_ids``."""
+        """``requests``: objects with ``id``, ``prompt`` (token ids), ``max_tokens``, ``stop_ids`` and the sampling
+        parameters ``temperature``, ``top_k``, ``top_p``, ``seed``."""
         prompts = [r.prompt for r in requests]
         max_tokens = [r.max_tokens for r in requests]
         stop_sets = [r.stop_ids for r in requests]
@@ -32,6 +36,25 @@ class Sequences:
         self.rounds = torch.zeros(b, dtype=torch.long, device=device)
         self.drafted = torch.zeros(b, dtype=torch.long, device=device)
         self.accepted = torch.zeros(b, dtype=torch.long, device=device)
+        self.temperature = torch.tensor([float(r.temperature) for r in requests], device=device)
+        self.top_k = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=device)
+        self.top_p = torch.tensor([float(r.top_p) for r in requests], device=device)
+        self.seed = torch.tensor([r.seed for r in requests], dtype=torch.long, device=device)
+        self._flags(requests)
+
+    def _flags(self, requests):
+        """Host-side switches, set when rows join: does any row sample, does any row filter (top-k / top-p)."""
+        self.sampling = any(r.temperature > 0 for r in requests)
+        self.filtering = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in requests)
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's sampling distribution from ``logits`` [B, Q, V] (one-hot argmax for greedy rows)."""
+        return warp(logits, self.temperature, self.top_k, self.top_p, self.filtering)
+
+    def uniforms(self, q: int, stream: int) -> torch.Tensor:
+        """[B, q] uniforms for the next ``q`` tokens of each row (keyed by seed and generated-token index)."""
+        index = self.generated()[:, None] + torch.arange(q, device=self.seed.device)[None, :]
+        return uniforms(self.seed, index, stream)
 
     def __len__(self):
         return len(self.request_ids)
@@ -75,4 +98,6 @@ class Sequences:
                 b = torch.nn.functional.pad(b, (0, w - b.shape[1]), value=fill)
             setattr(self, name, torch.cat([a, b]))
         self.request_ids = self.request_ids + other.request_ids
+        self.sampling |= other.sampling
+        self.filtering |= other.filtering
         return self

@@ -2,6 +2,8 @@
 
 import torch
 
+from .sampling import draw
+
 
 def greedy_accept(target_ids: torch.Tensor, drafts: torch.Tensor, n_drafts: torch.Tensor):
     """``target_ids`` [B, K+1]: the target's argmax after the pending token and each draft token.
@@ -22,3 +24,36 @@ def emitted_block(drafts: torch.Tensor, accepted: torch.Tensor, bonus: torch.Ten
     """[B, K+1]: the accepted drafts followed by the bonus token (entries after it are meaningless)."""
     block = torch.cat([drafts, drafts.new_zeros((drafts.shape[0], 1))], 1)
     return block.scatter(1, accepted[:, None], bonus[:, None])
+
+
+def rejection_sample(p: torch.Tensor, q, drafts: torch.Tensor, n_drafts: torch.Tensor, u_accept: torch.Tensor,
+                     u_target: torch.Tensor, residual: str = "p-q"):
+    """Speculative sampling. ``p`` [B, K+1, V]: the target's warped distributions after the pending token and each
+    draft token; ``q`` [B, K, V]: the drafter's, or None for a deterministic drafter (one-hot on its tokens).
+
+    Draft ``x`` at step ``j`` is accepted when ``u_accept[:, j] * q(x) < p(x)`` (probability ``min(1, p/q)``). At the
+    first rejection the replacement is drawn from ``normalise(max(0, p - q))``; after full acceptance the bonus token
+    is drawn from ``p``; both with ``u_target`` at that step. ``residual`` exists for injected faults only:
+    ``"q"`` draws the replacement from the draft distribution, ``"p"`` from the target's without subtracting ``q``.
+    Returns (accepted [B], bonus [B]) like ``greedy_accept``.
+    """
+    b, k = drafts.shape
+    usable = torch.arange(k, device=drafts.device)[None, :] < n_drafts[:, None]
+    px = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
+    qx = torch.ones_like(px) if q is None else q.gather(-1, drafts[..., None]).squeeze(-1)
+    ok = (u_accept[:, :k] * qx < px) & usable
+    accepted = ok.long().cumprod(1).sum(1)
+    at = accepted[:, None, None]
+    p_at = p.gather(1, at.expand(b, 1, p.shape[-1])).squeeze(1)
+    rejected = accepted < n_drafts
+    if k:
+        j = at.clamp(max=k - 1)
+        if q is None:
+            q_at = torch.zeros_like(p_at).scatter(-1, drafts.gather(1, j[:, :, 0]), 1.0)
+        else:
+            q_at = q.gather(1, j.expand(b, 1, q.shape[-1])).squeeze(1)
+        fix = {"p-q": (p_at - q_at).clamp(min=0), "q": q_at, "p": p_at}[residual]
+        fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p_at)  # p == q: a rejection had probability 0
+        p_at = torch.where(rejected[:, None], fix, p_at)
+    bonus = draw(p_at, u_target.gather(1, accepted[:, None]).squeeze(1))
+    return accepted, bonus

@@ -2,7 +2,7 @@
 
 Names: ``"slotmask"`` and ``"eqspec"`` (the layouts, with the audit's draft), ``"plain"`` (no draft: batched greedy
 decoding), ``"fault:<name>"`` (the EQSPEC engine with one injected fault from ``batchspec.faults.FAULTS``) and
-``"faults"`` (every injected fault). A third-party engine is given as ``(name, fn)``, ``(name, fn, dtype)``, an object
+``"faults"`` (every injected fault that greedy decoding can show). A third-party engine is given as ``(name, fn)``, ``(name, fn, dtype)``, an object
 with ``.name`` that is callable, or a named function; it receives one batch of prompt ids per call and returns the
 generated ids of each (the audit cuts them at the first stop token and at ``max_tokens``). An optional ``dtype``
 (attribute or third tuple item) says which precision it computes in, for the margin tolerance.
@@ -91,7 +91,7 @@ class CallableEngine:
 
 def resolve(specs) -> list:
     """Engine objects for the ``engines=`` argument of ``audit``."""
-    from batchspec.faults import FAULTS
+    from batchspec.faults import FAULTS, SAMPLING_FAULTS
 
     if isinstance(specs, str):
         specs = [s.strip() for s in specs.split(",") if s.strip()]
@@ -103,7 +103,8 @@ def resolve(specs) -> list:
             elif spec == "plain":
                 out.append(BatchspecEngine("plain", "slotmask", None, False))
             elif spec == "faults":
-                out += [BatchspecEngine(f"fault:{f}", "eqspec", f, True) for f in FAULTS]
+                # the greedy audit: faults of the rejection sampler are invisible at temperature 0
+                out += [BatchspecEngine(f"fault:{f}", "eqspec", f, True) for f in FAULTS if f not in SAMPLING_FAULTS]
             elif spec.startswith("fault:"):
                 name = spec.removeprefix("fault:")
                 if name not in FAULTS:

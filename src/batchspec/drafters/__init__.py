@@ -1,6 +1,6 @@
 """Drafters propose up to K tokens per row. One interface:
 
-``add(prompts)``, ``propose(seqs, k) -> (drafts [B, k], n_drafts [B])``, ``commit(accepted [B], k)``,
+``add(prompts)``, ``propose(seqs, k) -> (drafts [B, k], n_drafts [B], q [B, k, V] | None)``, ``commit(accepted [B], k)``,
 ``select_rows(rows)``, ``reset()``, ``states`` (the caches a layout must keep aligned) and ``processed(seqs)`` (tokens each of
 those caches must hold, for the invariant checker).
 """

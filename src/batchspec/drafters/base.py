@@ -9,7 +9,8 @@ class Drafter:
         """Rows joining the batch (appended after the current rows)."""
 
     def propose(self, seqs, k):
-        """(drafts [B, k], n_drafts [B]): up to k proposed tokens per row."""
+        """(drafts [B, k], n_drafts [B], q): up to k proposed tokens per row, and ``q`` [B, k, V] the distributions
+        they were sampled from when ``seqs.sampling`` (None for a deterministic drafter: one-hot on its tokens)."""
         raise NotImplementedError
 
     def commit(self, accepted, k):

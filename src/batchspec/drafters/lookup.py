@@ -46,4 +46,4 @@ class PromptLookup(Drafter):
         idx = (start[:, None] + torch.arange(w, device=dev)[None, :]).clamp(max=t - 1)
         drafts = hist.gather(1, idx)
         drafts = torch.where(torch.arange(w, device=dev)[None, :] < n_drafts[:, None], drafts, 0)
-        return drafts, n_drafts
+        return drafts, n_drafts, None  # deterministic: q is one-hot on the proposal

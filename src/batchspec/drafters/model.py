@@ -7,6 +7,7 @@ round's K-th draft token when that round accepted all K (the draft never cached 
 import torch
 
 from ..batch import merge, prefill
+from ..sampling import DRAFT, draw
 from .base import Drafter
 
 
@@ -39,13 +40,19 @@ class ModelDrafter(Drafter):
         ids = torch.stack([self.carry, pending], 1)
         valid = torch.stack([self.carry_valid, torch.ones_like(self.carry_valid)], 1)
         logits = self.state.append(ids, valid, logits_to_keep=1)
-        drafts = [logits[:, -1].argmax(-1)]
-        for _ in range(k - 1):
-            logits = self.state.append(drafts[-1][:, None], logits_to_keep=1)
-            drafts.append(logits[:, -1].argmax(-1))
+        u = seqs.uniforms(k, DRAFT) if seqs.sampling else None
+        drafts, qs = [], []
+        for i in range(k):
+            if i:
+                logits = self.state.append(drafts[-1][:, None], logits_to_keep=1)
+            if u is None:
+                drafts.append(logits[:, -1].argmax(-1))
+            else:  # sample from the warped draft distribution, keep it for the rejection sampler
+                qs.append(seqs.warp(logits[:, -1:])[:, 0])
+                drafts.append(draw(qs[-1], u[:, i]))
         drafts = torch.stack(drafts, 1)
         self.last = drafts[:, -1]
-        return drafts, torch.full_like(pending, k)
+        return drafts, torch.full_like(pending, k), torch.stack(qs, 1) if qs else None
 
     def commit(self, accepted, k):
         self.state.hide_tail(k + 1, 2 + accepted.clamp(max=k - 1))

@@ -10,4 +10,4 @@ class NoDrafter(Drafter):
 
     def propose(self, seqs, k):
         b, dev = seqs.length.shape[0], seqs.length.device
-        return torch.empty((b, 0), dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
+        return torch.empty((b, 0), dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev), None
