@@ -136,6 +136,7 @@ def test_seeded_request_is_batch_invariant(drafter):
     if drafter == "model":
         assert stats.accepted > 0 and stats.accepted < stats.drafted  # some drafts accepted, some rejected
     for kwargs in ({"bs": 3}, {"bs": 8}, {"layout": "eqspec", "bs": 3}, {"scheduler": "continuous", "bs": 2},
+                   {"scheduler": "exspec", "bs": 2},
                    {"bs": 4, "order": [6, 2, 0, 5, 1, 3, 4]}):
         got, _ = _sample(draft, **kwargs)
         assert got == ref, kwargs

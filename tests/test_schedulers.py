@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 import batchspec
+from batchspec.schedulers import ExSpec
 import tiny
 
 PROMPTS = tiny.prompts(13, seed=9) + [[4]]
@@ -42,3 +43,58 @@ def test_continuous_with_stop_tokens_and_faults_detected():
     bad = batchspec.LLM(t, draft=d, num_draft_tokens=4, scheduler="continuous", batch_size=4,
                         fault="bsp-stale-positions")
     assert [o.token_ids for o in bad.generate(PROMPTS, sp)] != want
+
+
+@pytest.mark.parametrize("layout,bs,window,drafter", [
+    ("slotmask", 3, 4, "model"), ("eqspec", 3, 4, "model"), ("slotmask", 2, 2, "prompt-lookup"),
+    ("eqspec", 4, 3, "prompt-lookup"), ("slotmask", 5, 2, "none"), ("eqspec", 1, 4, "model"),
+])
+def test_exspec_matches_oracle(layout, bs, window, drafter):
+    t, d = tiny.target("llama"), tiny.draft("llama")
+    draft = {"model": d, "prompt-lookup": "prompt-lookup", "none": None}[drafter]
+    llm = batchspec.LLM(t, draft=draft, num_draft_tokens=3, layout=layout, scheduler=ExSpec(window=window),
+                        batch_size=bs, check_invariants=True)
+    outs = llm.generate(PROMPTS, [batchspec.SamplingParams(max_tokens=m) for m in MAX])
+    assert [o.prompt_token_ids for o in outs] == PROMPTS
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, m) for p, m in zip(PROMPTS, MAX)]
+    s = llm.stats
+    assert s.grouped_rounds + s.fallback_rounds == s.rounds
+    if bs > 1:
+        assert s.fallback_rounds > 0 and s.joined_running > 0  # mixed batches were realigned; requests joined
+        assert s.row_rounds <= bs * s.rounds and s.schedule > 0  # batches drawn from a larger window
+
+
+def _grouping_rate(prompts, draft, bs):
+    t = tiny.target("llama")
+    llm = batchspec.LLM(t, draft=draft, num_draft_tokens=3, scheduler="exspec", batch_size=bs, check_invariants=True)
+    outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=12))
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 12) for p in prompts]
+    return llm.stats.grouping_rate
+
+
+def test_exspec_groups_identical_lengths():
+    """The paper's experiment in small: prompts truncated to one length group far more often than random lengths."""
+    same = [p[:12] for p in tiny.prompts(24, seed=4, lo=12, hi=60)]
+    rand = tiny.prompts(24, seed=4, lo=1, hi=60)
+    assert _grouping_rate(same, None, 4) == 1.0  # plain decoding: a group advances in step, always one length
+    assert _grouping_rate(same, tiny.draft("llama"), 4) >= 0.2
+    assert _grouping_rate(rand, tiny.draft("llama"), 4) <= 0.1
+    assert _grouping_rate(rand, None, 4) <= 0.2
+
+
+def test_exspec_select_serves_full_groups_and_bounds_waiting():
+    s = ExSpec(window=4, max_wait=3)
+    rows, grouped = s.select([5, 7, 7, 9, 7, 5], 3)
+    assert rows == [1, 2, 4] and grouped
+    rows, grouped = s.select([5, 9, 9, 9, 9, 5], 3)  # rows 0 and 5 now wait 2 rounds
+    assert rows == [1, 2, 3] and grouped
+    rows, grouped = s.select([5, 10, 10, 10, 9, 5], 3)
+    assert rows == [1, 2, 3]
+    rows, grouped = s.select([5, 11, 11, 11, 9, 5], 3)  # rows 0 and 5 waited 3 rounds: served first, in a fallback
+    assert rows == [0, 1, 5] and not grouped
+    assert s.waits == [0, 0, 1, 1, 3, 0]
+    s.forget([0, 4])
+    assert s.waits == [0, 3]
+    assert s.select([3, 4], 3) == (None, False)  # fewer rows than a batch: all run
+    with pytest.raises(ValueError, match="window must be an integer >= 1"):
+        ExSpec(window=0)

@@ -24,7 +24,7 @@ class LLM:
         tokenizer=None,
         num_draft_tokens: int = 5,
         layout: str = "slotmask",
-        scheduler: str = "static",
+        scheduler="static",
         batch_size: int = 8,
         dtype=None,
         device=None,
@@ -36,7 +36,7 @@ class LLM:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.layout = get_layout(layout)
-        self.scheduler = get_scheduler(scheduler)
+        self.scheduler = scheduler if hasattr(scheduler, "select") else get_scheduler(scheduler)
         self.target = load_model(target, dtype, device, "target")
         kv.check_supported(self.target, "target")
         self.tokenizer = load_tokenizer(tokenizer if tokenizer is not None else target if isinstance(target, str) else None)

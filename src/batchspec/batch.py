@@ -77,6 +77,27 @@ class SlotState:
         kv.select_rows(self.cache, rows)
         self.valid, self.tokens, self.positions = self.valid[rows], self.tokens[rows], self.positions[rows]
 
+    def take(self, rows: torch.Tensor) -> "SlotState":
+        """A copy of ``rows`` as a state of its own (a batch drawn from a larger window)."""
+        return dataclasses.replace(self, cache=kv.take_rows(self.cache, rows), valid=self.valid[rows],
+                                   tokens=self.tokens[rows], positions=self.positions[rows])
+
+    def put(self, rows: torch.Tensor, part: "SlotState") -> None:
+        """Write ``part`` (taken from ``rows`` and advanced) back, right-aligned; widens this state if needed."""
+        width = max(self.width, part.width)
+        grow = width - self.width
+        if grow:
+            self.valid = torch.nn.functional.pad(self.valid, (0, grow), value=False)
+            self.tokens = torch.nn.functional.pad(self.tokens, (0, grow), value=-1)
+            self.positions = torch.nn.functional.pad(self.positions, (0, grow), value=0)
+        kv.put_rows(self.cache, rows, part.cache, width)
+        lead = width - part.width
+        for name, fill in (("valid", False), ("tokens", -1), ("positions", 0)):
+            new = getattr(part, name)
+            if lead:
+                new = torch.nn.functional.pad(new, (lead, 0), value=fill)
+            getattr(self, name)[rows] = new
+
 
 def compact_index(valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Index that right-aligns each row's valid slots (in order) into ``width`` slots, left-padded, and the pad mask."""

@@ -12,6 +12,7 @@ import torch
 
 from .batch import InvariantError, check_invariants, merge, prefill
 from .params import Stats
+from .layouts.slotmask import SlotMask
 from .sequences import Sequences
 from .sampling import ACCEPT, TARGET
 from .verify import emitted_block, greedy_accept, rejection_sample
@@ -68,52 +69,85 @@ class Request:
 @torch.inference_mode()
 def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats: Stats, check: bool = False,
         on_finish: Callable | None = None) -> list[Finished]:
-    """Generate for every request; ``scheduler.admit(running, waiting, batch_size)`` says how many waiting requests
-    join the batch at each round boundary (they are prefilled and spliced in). Returns rows in finishing order."""
+    """Generate for every request. At each round boundary ``scheduler.admit(running, waiting, batch_size)`` says how
+    many waiting requests join the running rows (prefilled and spliced in) and ``scheduler.select(lengths,
+    batch_size)`` which running rows form this round's batch (None: all). Returns rows in finishing order."""
     timer = Timer(stats, parts.target.device)
     drafter, layout, k = parts.drafter, parts.layout, parts.k
     waiting = deque(requests)
     seqs = target = None
+    lengths: list[int] = []  # each running row's length (prompt + generated), read with the round's one host sync
     done: list[Finished] = []
     rnd = 0
+    scheduler.forget([])
     while waiting or seqs is not None:
         n_join = min(len(waiting), scheduler.admit(len(seqs) if seqs else 0, len(waiting), batch_size))
         if n_join:
+            joins = [waiting.popleft() for _ in range(n_join)]
             with timer("prefill"):
-                seqs, target = _admit(parts, [waiting.popleft() for _ in range(n_join)], seqs, target, stats)
+                seqs, target = _admit(parts, joins, seqs, target, stats)
+            lengths += [len(r.prompt) for r in joins]
         rnd += 1
+        rows, grouped = scheduler.select(lengths, batch_size)
+        if grouped is not None:
+            stats.grouped_rounds += grouped
+            stats.fallback_rounds += not grouped
+        b_seqs, b_target, b_drafter = seqs, target, drafter
+        if rows is not None:  # a batch drawn from the window: copy its rows out, aligned by the layout
+            with timer("schedule"):
+                idx = torch.tensor(rows, device=seqs.length.device)
+                b_seqs, b_target, b_drafter = seqs.take(idx), target.take(idx), drafter.take(idx)
+                for state in (b_target, *b_drafter.states):
+                    layout.align(state, max(lengths[r] for r in rows) - 1)
         with timer("draft"):
-            drafts, n_drafts, q = drafter.propose(seqs, k)
+            drafts, n_drafts, q = b_drafter.propose(b_seqs, k)
             kr = drafts.shape[1]  # this round's block: a drafter may propose fewer than k for every row
         with timer("verify"):
-            logits = target.append(torch.cat([seqs.pending()[:, None], drafts], 1))
-            if seqs.sampling:
-                u_accept, u_target = seqs.uniforms(kr, ACCEPT), seqs.uniforms(kr + 1, TARGET)
-                accepted, bonus = parts.sample(seqs.warp(logits), q, drafts, n_drafts, u_accept, u_target)
+            logits = b_target.append(torch.cat([b_seqs.pending()[:, None], drafts], 1))
+            if b_seqs.sampling:
+                u_accept, u_target = b_seqs.uniforms(kr, ACCEPT), b_seqs.uniforms(kr + 1, TARGET)
+                accepted, bonus = parts.sample(b_seqs.warp(logits), q, drafts, n_drafts, u_accept, u_target)
             else:
                 accepted, bonus = parts.accept(logits.argmax(-1), drafts, n_drafts)
         with timer("align"):
-            target.hide_tail(kr + 1, accepted + 1)
-            drafter.commit(accepted, kr)
-            finished, n, cut = seqs.extend(emitted_block(drafts, accepted, bonus), accepted + 1)
-            fin, width = _account(stats, seqs, finished, n, cut, accepted, n_drafts)  # the round's one host sync
+            b_target.hide_tail(kr + 1, accepted + 1)
+            b_drafter.commit(accepted, kr)
+            finished, n, cut = b_seqs.extend(emitted_block(drafts, accepted, bonus), accepted + 1)
+            b_seqs.rounds += 1
+            b_seqs.drafted += n_drafts
+            b_seqs.accepted += accepted
+        if rows is not None:
+            with timer("schedule"):
+                seqs.put(idx, b_seqs)
+                target.put(idx, b_target)
+                drafter.put(idx, b_drafter)
+                finished = torch.zeros(len(seqs), dtype=torch.bool, device=idx.device).index_fill(0, idx[finished], True)
+        with timer("align"):
+            fin, lengths, width = _account(stats, seqs, finished, n, cut, accepted, n_drafts)  # the one host sync
             if any(fin):
                 done += _collect(seqs, fin)
                 if on_finish:
                     on_finish(done[-sum(fin):])
-                rows = [i for i, f in enumerate(fin) if not f]
-                if not rows:
+                keep = [i for i, f in enumerate(fin) if not f]
+                lengths = [lengths[i] for i in keep]
+                scheduler.forget(keep)
+                if not keep:
                     seqs = target = None
                     drafter.reset()
                     continue
-                idx = torch.tensor(rows, dtype=torch.long, device=seqs.length.device)
+                idx = torch.tensor(keep, dtype=torch.long, device=seqs.length.device)
                 for holder in (seqs, target, drafter):
                     holder.select_rows(idx)
+            # a window keeps the layout's slots between batches; its waste is bounded like slotmask's
+            window_layout = layout if rows is None else WINDOW
             for state in (target, *drafter.states):
-                layout.align(state, width)
+                window_layout.align(state, width)
         if check:
             check_round(target, drafter, seqs, rnd)
     return done
+
+
+WINDOW = SlotMask(max_waste=0.5)
 
 
 def _admit(parts: Parts, joins: list[Request], seqs, target, stats: Stats):
@@ -127,19 +161,17 @@ def _admit(parts: Parts, joins: list[Request], seqs, target, stats: Stats):
     return seqs.merge(new), merge(target, new_target)
 
 
-def _account(stats: Stats, seqs: Sequences, finished, n, cut, accepted, n_drafts) -> tuple[list, int]:
-    """Update per-row and global counters with one host read; returns (finished flags, widest remaining row)."""
-    seqs.rounds += 1
-    seqs.drafted += n_drafts
-    seqs.accepted += accepted
+def _account(stats: Stats, seqs: Sequences, finished, n, cut, accepted, n_drafts) -> tuple[list, list, int]:
+    """Update global counters with one host read; returns (finished flags, row lengths, widest remaining row).
+    ``finished`` covers every running row; the other arguments, this round's batch."""
     width = (seqs.length - 1).masked_fill(finished, 0).max()
     acc = accepted.masked_fill(n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
     full = ((accepted == n_drafts) & (n_drafts > 0)).sum()
     ctrl = torch.stack([width, n.sum(), n_drafts.sum(), accepted.sum(), acc.max(),
                         acc.masked_fill(acc < 0, acc.max() + 1).min(), full, cut.sum()])
-    b = len(seqs)
-    ctrl = torch.cat([finished.long(), ctrl]).tolist()
-    fin, (width, generated, drafted, acc_sum, acc_max, acc_min, full, cut) = ctrl[:b], ctrl[b:]
+    r = len(seqs)
+    ctrl = torch.cat([finished.long(), seqs.length, ctrl]).tolist()
+    fin, lengths, (width, generated, drafted, acc_sum, acc_max, acc_min, full, cut) = ctrl[:r], ctrl[r : 2 * r], ctrl[2 * r :]
     stats.generated += generated
     stats.drafted += drafted
     stats.accepted += acc_sum
@@ -148,8 +180,8 @@ def _account(stats: Stats, seqs: Sequences, finished, n, cut, accepted, n_drafts
     stats.dropped_after_stop += cut
     stats.rounds += 1
     stats.verify_calls += 1
-    stats.row_rounds += b
-    return fin, width
+    stats.row_rounds += len(accepted)
+    return fin, lengths, width
 
 
 def _collect(seqs: Sequences, fin: list) -> list[Finished]:

@@ -3,11 +3,15 @@
 A transformers upgrade should only ever need changes here. The engine sees four things:
 - ``SlotCache``: a KV cache whose per-layer buffers are preallocated and written in place;
 - ``attention_mask``: a ready 4D mask built from a per-slot visibility mask (HF's mask builders are bypassed);
-- ``gather_slots`` / ``select_rows`` / ``stack_rows``: one gather per cache for realignment, row removal and splicing;
+- ``gather_slots`` / ``select_rows`` / ``stack_rows`` / ``take_rows`` / ``put_rows``: one gather per cache for
+  realignment, row removal, splicing, and moving rows between a window and a batch;
 - ``check_supported``: refuses models whose attention this engine cannot address by slot.
 """
 
 from __future__ import annotations
+
+import os
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -32,7 +36,7 @@ class SlotLayer(DynamicLayer):
         if self._k is not None and needed <= self._k.shape[-2]:
             return
         cap = max(needed, 2 * (0 if self._k is None else self._k.shape[-2]), 64)
-        b, h, _, d = key_states.shape
+        b, h, _, d = key_states.shape if self._k is None else self._k.shape
         k = key_states.new_zeros((b, h, cap, d))
         v = value_states.new_zeros((b, h, cap, value_states.shape[-1]))
         if self.length:
@@ -109,6 +113,31 @@ def select_rows(cache: SlotCache, rows: torch.Tensor) -> None:
             layer.set(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
 
 
+def take_rows(cache: SlotCache, rows: torch.Tensor) -> SlotCache:
+    """A new cache holding a copy of ``rows`` of ``cache`` (one index-select per layer)."""
+    out = SlotCache(len(cache.layers))
+    for src, dst in zip(cache.layers, out.layers):
+        if src.length:
+            dst.set(src.keys.index_select(0, rows), src.values.index_select(0, rows))
+    return out
+
+
+def put_rows(cache: SlotCache, rows: torch.Tensor, part: SlotCache, width: int) -> None:
+    """Write ``part``'s rows back into ``rows`` of ``cache``, right-aligned in ``width`` slots (the cache grows on the
+    right to ``width`` if narrower; slots left of the written ones keep stale, finite values the mask must hide)."""
+    for dst, src in zip(cache.layers, part.layers):
+        if not src.length:
+            continue
+        if dst._k is None:
+            dst.lazy_initialization(src.keys, src.values)
+        dst._ensure(src.keys, src.values, width)
+        dst.length = max(dst.length, width)
+        n = src.length
+        dst._k[:, :, width - n : width].index_copy_(0, rows, src.keys)
+        dst._v[:, :, width - n : width].index_copy_(0, rows, src.values)
+        dst.keys, dst.values = dst._k[..., : dst.length, :], dst._v[..., : dst.length, :]
+
+
 def stack_rows(parts: list[tuple[SlotCache | None, int]], width: int, num_layers: int) -> SlotCache:
     """Left-pad each cache to ``width`` slots and concatenate them along the batch, in the order given.
 
@@ -174,15 +203,35 @@ def check_supported(model, role: str) -> None:
         )
 
 
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+@contextmanager
+def _grouped_query_sdpa():
+    """With a mask, HF's sdpa path repeats each key/value head for every query head it serves (a copy of the whole
+    cache per layer) unless told that torch's ``enable_gqa`` may be used; on CPU that copy made a 5-token verification
+    forward ~3x slower in attention. The switch is HF's own, set only for the duration of our forward."""
+    old = os.environ.get(_FORCE_GQA)
+    os.environ[_FORCE_GQA] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[_FORCE_GQA]
+        else:
+            os.environ[_FORCE_GQA] = old
+
+
 def forward(model, cache: SlotCache, input_ids, position_ids, visible, logits_to_keep=0):
     """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``; returns logits ``[B, q or logits_to_keep, V]``."""
     mask = attention_mask(model, visible, input_ids.shape[1])
-    out = model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=mask,
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-    )
+    with _grouped_query_sdpa():
+        out = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
     return out.logits

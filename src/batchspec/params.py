@@ -66,10 +66,13 @@ class Stats:
     joined_running: int = 0  # requests spliced into a batch that was already running (continuous batching)
     dropped_after_stop: int = 0  # verified tokens discarded because a stop token came earlier in the same round
     full_accepts: int = 0  # row-rounds that accepted every proposed draft token (the bonus came after the last one)
+    grouped_rounds: int = 0  # exspec: rounds whose batch had rows of one length (no realignment needed)
+    fallback_rounds: int = 0  # exspec: rounds whose batch mixed lengths (the layout realigned it)
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
     align: float = 0.0
+    schedule: float = 0.0  # moving rows between a scheduler's window and the round's batch
     total: float = 0.0
 
     @property
@@ -78,10 +81,17 @@ class Stats:
         return (self.accepted + self.row_rounds) / self.row_rounds if self.row_rounds else 0.0
 
     @property
+    def grouping_rate(self) -> float | None:
+        """Share of rounds whose batch had rows of identical length (exspec; None for other schedulers)."""
+        n = self.grouped_rounds + self.fallback_rounds
+        return self.grouped_rounds / n if n else None
+
+    @property
     def tokens_per_second(self) -> float:
         return self.generated / self.total if self.total else 0.0
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d.update(mean_accepted_length=self.mean_accepted_length, tokens_per_second=self.tokens_per_second)
+        d.update(mean_accepted_length=self.mean_accepted_length, tokens_per_second=self.tokens_per_second,
+                 grouping_rate=self.grouping_rate)
         return d

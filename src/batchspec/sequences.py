@@ -87,6 +87,18 @@ class Sequences:
         for name in FIELDS:
             setattr(self, name, getattr(self, name)[rows])
 
+    def take(self, rows: torch.Tensor) -> "Sequences":
+        """A copy of ``rows`` (a batch drawn from a larger window)."""
+        part = object.__new__(Sequences)
+        for name in FIELDS:
+            setattr(part, name, getattr(self, name)[rows])
+        part.request_ids, part.sampling, part.filtering = None, self.sampling, self.filtering
+        return part
+
+    def put(self, rows: torch.Tensor, part: "Sequences") -> None:
+        for name in FIELDS:
+            getattr(self, name)[rows] = getattr(part, name)
+
     def merge(self, other: "Sequences") -> "Sequences":
         """This batch's rows followed by ``other``'s (requests joining a running batch)."""
         for name in FIELDS:

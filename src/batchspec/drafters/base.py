@@ -19,5 +19,12 @@ class Drafter:
     def select_rows(self, rows):
         """Keep only ``rows`` (a 1D index tensor)."""
 
+    def take(self, rows):
+        """A drafter for ``rows`` only (a batch drawn from a larger window); stateless drafters return themselves."""
+        return self
+
+    def put(self, rows, part):
+        """Write back what ``take(rows)`` returned, after a round."""
+
     def reset(self):
         """The batch emptied."""

@@ -62,6 +62,15 @@ class ModelDrafter(Drafter):
     def processed(self, seqs):
         return seqs.length - 1 - self.carry_valid.long()
 
+    def take(self, rows):
+        part = ModelDrafter(self.model)
+        part.state, part.carry, part.carry_valid = self.state.take(rows), self.carry[rows], self.carry_valid[rows]
+        return part
+
+    def put(self, rows, part):
+        self.state.put(rows, part.state)
+        self.carry[rows], self.carry_valid[rows] = part.carry, part.carry_valid
+
     def select_rows(self, rows):
         self.state.select_rows(rows)
         self.carry, self.carry_valid = self.carry[rows], self.carry_valid[rows]

@@ -1,16 +1,15 @@
-"""Schedulers decide, at each round boundary, how many waiting requests join the running batch.
+"""Schedulers decide, at each round boundary, which waiting requests join and which running rows form the batch
+(interface in ``base``)."""
 
-One method: ``admit(running, waiting, batch_size) -> int``. Requests join in input order; outputs are returned in
-input order whatever the schedule.
-"""
-
+from .base import Scheduler
 from .continuous import Continuous
+from .exspec import ExSpec
 from .static import Static
 
-SCHEDULERS = {"static": Static, "continuous": Continuous}
+SCHEDULERS = {"static": Static, "continuous": Continuous, "exspec": ExSpec}
 
 
-def get_scheduler(name: str):
+def get_scheduler(name: str, **kwargs) -> Scheduler:
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r}; choose one of {sorted(SCHEDULERS)}")
-    return SCHEDULERS[name]()
+    return SCHEDULERS[name](**kwargs)

@@ -1,8 +1,10 @@
 """Static batching: a batch of ``batch_size`` requests runs until every row has finished (finished rows leave the
 batch, nobody joins); then the next batch starts."""
 
+from .base import Scheduler
 
-class Static:
+
+class Static(Scheduler):
     name = "static"
 
     def admit(self, running: int, waiting: int, batch_size: int) -> int:
