@@ -1,4 +1,5 @@
-"""The round loop: draft -> verify -> accept -> keep rows aligned -> emit. Rows that finish leave the batch."""
+"""The engine loop: admit -> select a batch -> round (draft -> verify -> accept -> emit) -> keep rows aligned.
+Rows that finish leave the batch."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
     many waiting requests join the running rows (prefilled and spliced in) and ``scheduler.select(lengths,
     batch_size)`` which running rows form this round's batch (None: all). Returns rows in finishing order."""
     timer = Timer(stats, parts.target.device)
-    drafter, layout, k = parts.drafter, parts.layout, parts.k
+    drafter, layout = parts.drafter, parts.layout
     waiting = deque(requests)
     seqs = target = None
     lengths: list[int] = []  # each running row's length (prompt + generated), read with the round's one host sync
@@ -92,38 +93,21 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
         if grouped is not None:
             stats.grouped_rounds += grouped
             stats.fallback_rounds += not grouped
-        b_seqs, b_target, b_drafter = seqs, target, drafter
-        if rows is not None:  # a batch drawn from the window: copy its rows out, aligned by the layout
+        if rows is None:
+            finished, *counts = speculative_round(parts, seqs, target, drafter, timer)
+        else:  # a batch drawn from the window: copy its rows out (aligned by the layout), run it, write it back
             with timer("schedule"):
                 idx = torch.tensor(rows, device=seqs.length.device)
-                b_seqs, b_target, b_drafter = seqs.take(idx), target.take(idx), drafter.take(idx)
-                for state in (b_target, *b_drafter.states):
+                batch = seqs.take(idx), target.take(idx), drafter.take(idx)
+                for state in (batch[1], *batch[2].states):
                     layout.align(state, max(lengths[r] for r in rows) - 1)
-        with timer("draft"):
-            drafts, n_drafts, q = b_drafter.propose(b_seqs, k)
-            kr = drafts.shape[1]  # this round's block: a drafter may propose fewer than k for every row
-        with timer("verify"):
-            logits = b_target.append(torch.cat([b_seqs.pending()[:, None], drafts], 1))
-            if b_seqs.sampling:
-                u_accept, u_target = b_seqs.uniforms(kr, ACCEPT), b_seqs.uniforms(kr + 1, TARGET)
-                accepted, bonus = parts.sample(b_seqs.warp(logits), q, drafts, n_drafts, u_accept, u_target)
-            else:
-                accepted, bonus = parts.accept(logits.argmax(-1), drafts, n_drafts)
-        with timer("align"):
-            b_target.hide_tail(kr + 1, accepted + 1)
-            b_drafter.commit(accepted, kr)
-            finished, n, cut = b_seqs.extend(emitted_block(drafts, accepted, bonus), accepted + 1)
-            b_seqs.rounds += 1
-            b_seqs.drafted += n_drafts
-            b_seqs.accepted += accepted
-        if rows is not None:
+            finished, *counts = speculative_round(parts, *batch, timer)
             with timer("schedule"):
-                seqs.put(idx, b_seqs)
-                target.put(idx, b_target)
-                drafter.put(idx, b_drafter)
+                for holder, part in zip((seqs, target, drafter), batch):
+                    holder.put(idx, part)
                 finished = torch.zeros(len(seqs), dtype=torch.bool, device=idx.device).index_fill(0, idx[finished], True)
         with timer("align"):
-            fin, lengths, width = _account(stats, seqs, finished, n, cut, accepted, n_drafts)  # the one host sync
+            fin, lengths, width = _account(stats, seqs, finished, *counts)  # the round's one host sync
             if any(fin):
                 done += _collect(seqs, fin)
                 if on_finish:
@@ -148,6 +132,29 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
 
 
 WINDOW = SlotMask(max_waste=0.5)
+
+
+def speculative_round(parts: Parts, seqs: Sequences, target, drafter, timer: Timer):
+    """One round on a batch: draft -> verify -> accept -> hide rejected slots -> emit. Returns (finished [B],
+    emitted [B], verified tokens dropped after a stop token [B], accepted [B], drafted [B])."""
+    with timer("draft"):
+        drafts, n_drafts, q = drafter.propose(seqs, parts.k)
+        kr = drafts.shape[1]  # this round's block: a drafter may propose fewer than k for every row
+    with timer("verify"):
+        logits = target.append(torch.cat([seqs.pending()[:, None], drafts], 1))
+        if seqs.sampling:
+            u_accept, u_target = seqs.uniforms(kr, ACCEPT), seqs.uniforms(kr + 1, TARGET)
+            accepted, bonus = parts.sample(seqs.warp(logits), q, drafts, n_drafts, u_accept, u_target)
+        else:
+            accepted, bonus = parts.accept(logits.argmax(-1), drafts, n_drafts)
+    with timer("align"):
+        target.hide_tail(kr + 1, accepted + 1)
+        drafter.commit(accepted, kr)
+        finished, n, cut = seqs.extend(emitted_block(drafts, accepted, bonus), accepted + 1)
+        seqs.rounds += 1
+        seqs.drafted += n_drafts
+        seqs.accepted += accepted
+    return finished, n, cut, accepted, n_drafts
 
 
 def _admit(parts: Parts, joins: list[Request], seqs, target, stats: Stats):
