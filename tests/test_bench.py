@@ -32,10 +32,14 @@ def test_bench_rows_and_exact_match(tmp_path):
 
 def test_bench_flags_a_faulty_engine():
     t, d = tiny.target("llama"), tiny.draft("llama")
-    rows = bench(t, d, tiny.prompts(6, seed=4), engines=["slotmask@continuous", "fault:bsp-keep-rejected-kv"],
-                 batch_sizes=[4], max_tokens=16, num_draft_tokens=3, hf=False)
+    rows = bench(t, d, tiny.prompts(6, seed=4), engines=["slotmask@continuous", "eqspec@exspec",
+                                                         "fault:bsp-keep-rejected-kv"],
+                 batch_sizes=[2], max_tokens=16, num_draft_tokens=3, hf=False)
     by = {r.engine: r for r in rows}
-    assert by["slotmask@continuous"].exact_match == 1.0 and by["slotmask@continuous"].signature == "clean"
+    for eng in ("slotmask@continuous", "eqspec@exspec"):
+        assert by[eng].exact_match == 1.0 and by[eng].signature == "clean"
+    assert 0 <= by["eqspec@exspec"].grouping_rate <= 1 and by["eqspec@exspec"].stages["schedule"] > 0
+    assert by["slotmask@continuous"].grouping_rate is None
     assert by["fault:bsp-keep-rejected-kv"].exact_match < 1.0
     assert by["fault:bsp-keep-rejected-kv"].signature == "kv-cache drift"
 
@@ -58,9 +62,26 @@ def test_bench_cli(tmp_path):
     prompts.write_text("w5 w6 w7 w5 w6\nw9 w10\nw11 w12 w13 w14 w15 w16\n")
     out = tmp_path / "bench"
     rc = main(["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompts),
-               "--engines", "plain,slotmask", "--batch-sizes", "1,2", "--max-tokens", "8", "--out", str(out)])
+               "--engines", "plain,slotmask,slotmask@exspec", "--batch-sizes", "1,2", "--max-tokens", "8",
+               "--out", str(out)])
     assert rc == 0
     rows = json.loads((out / "bench.json").read_text())
-    assert {r["engine"] for r in rows} == {"hf", "plain", "slotmask"}
+    assert {r["engine"] for r in rows} == {"hf", "plain", "slotmask", "slotmask@exspec"}
     assert all(r["exact_match"] == 1.0 for r in rows)
-    assert (out / "throughput.png").exists() and (out / "alignment_overhead.png").exists()
+    for png in ("throughput.png", "alignment_overhead.png", "grouping_rate.png"):
+        assert (out / png).exists()
+
+
+def test_bench_cli_truncate_makes_identical_lengths(tmp_path, capsys):
+    target_dir, draft_dir = tiny.save_dir(tmp_path / "m")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w5 w6 w7 w5 w6\nw9\nw11 w12 w13 w14 w15 w16\n")
+    out = tmp_path / "bench"
+    rc = main(["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompts),
+               "--engines", "plain@exspec", "--batch-sizes", "2", "--max-tokens", "6", "--truncate", "4",
+               "--no-hf", "--out", str(out)])
+    assert rc == 0
+    rows = {r["engine"]: r for r in json.loads((out / "bench.json").read_text())}
+    assert rows["plain@exspec"]["grouping_rate"] == 1.0  # two prompts cut to 4 tokens, decoded in step
+    with __import__("pytest").raises(SystemExit, match="no prompt has 400 tokens"):
+        main(["bench", "--target", str(target_dir), "--prompts", str(prompts), "--truncate", "400", "--out", str(out)])

@@ -10,6 +10,8 @@ Definitions:
 - efficiency: achieved speedup over ``plain`` at the same batch size / the ideal speedup
   ``mean accepted length x (plain's forward seconds per round) / (verify + draft forward seconds per round)``.
 - exact match: fraction of outputs equal to HF ``generate(do_sample=False)`` at batch size 1 (the HF batch-1 run).
+- grouping rate (``@exspec`` engines): share of rounds whose batch had rows of one length (no realignment needed).
+  ``--truncate N`` makes the paper's identical-length set (every prompt cut to N tokens) to compare with.
 """
 
 from __future__ import annotations
@@ -160,15 +162,15 @@ def _signature(model, spec, ids, bs, max_tokens, k) -> str:
 
 def to_markdown(rows: list[BenchRow]) -> str:
     head = ("| engine | batch | tok/s | vs HF bs1 | vs HF same bs | mean acc. len | exact match | signature | "
-            "align overhead | efficiency |")
-    lines = [head, "|" + "---|" * 10]
+            "align overhead | efficiency | grouping rate |")
+    lines = [head, "|" + "---|" * 11]
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
         lines.append(
             f"| {r.engine} | {r.batch_size} | {r.tokens_per_second:.1f} | {f(r.speedup_vs_hf_bs1, '.2f')}x | "
             f"{f(r.speedup_vs_hf_same_bs, '.2f')}x | {f(r.mean_accepted_length, '.2f')} | {f(r.exact_match, '.0%')} | "
             f"{r.signature or '-'} | "
-            f"{f(r.alignment_overhead, '.1%')} | {f(r.efficiency, '.0%')} |"
+            f"{f(r.alignment_overhead, '.1%')} | {f(r.efficiency, '.0%')} | {f(r.grouping_rate, '.0%')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -181,7 +183,10 @@ def plot(rows: list[BenchRow], out_dir: Path) -> list[Path]:
 
     paths = []
     for key, label, fname in (("alignment_overhead", "alignment overhead (align / decode)", "alignment_overhead.png"),
-                              ("tokens_per_second", "tokens / s", "throughput.png")):
+                              ("tokens_per_second", "tokens / s", "throughput.png"),
+                              ("grouping_rate", "grouping rate (exspec)", "grouping_rate.png")):
+        if not any(getattr(r, key) is not None for r in rows):
+            continue
         fig, ax = plt.subplots(figsize=(6, 4))
         for eng in dict.fromkeys(r.engine for r in rows):
             pts = [(r.batch_size, getattr(r, key)) for r in rows if r.engine == eng and getattr(r, key) is not None]
@@ -224,6 +229,8 @@ def add_arguments(parser, model_args):
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate at batch sizes above 1")
     parser.add_argument("--limit", type=int, default=None, help="benchmark only the first N prompts")
+    parser.add_argument("--truncate", type=int, default=None, metavar="N",
+                        help="an identical-length set: keep prompts of at least N tokens, cut to their first N")
     parser.add_argument("--out", default="out/bench")
     parser.set_defaults(func=run, max_tokens=128)
 
@@ -237,6 +244,10 @@ def run(args) -> int:
 
     llm = batchspec.LLM(args.target, dtype=_dtype(args.dtype), device=args.device)
     _, _, prompts = load_prompts(args.prompts, llm.tokenizer, args.chat_template)
+    if args.truncate:
+        prompts = [p[: args.truncate] for p in prompts if len(p) >= args.truncate]
+        if not prompts:
+            raise SystemExit(f"no prompt has {args.truncate} tokens or more to truncate to")
     prompts = prompts[: args.limit] if args.limit else prompts
     draft = resolve_draft(args.target, args.draft)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -248,9 +259,9 @@ def run(args) -> int:
     (out / "bench.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     md = to_markdown(rows)
     (out / "bench.md").write_text(md)
-    plot(rows, out)
+    pngs = plot(rows, out)
     Console().print(Markdown(md))
-    Console().print(f"wrote {out}/bench.json, bench.md, throughput.png, alignment_overhead.png")
+    Console().print(f"wrote {out}/bench.json, bench.md, " + ", ".join(p.name for p in pngs))
     return 0
 
 
