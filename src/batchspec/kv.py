@@ -222,16 +222,31 @@ def _grouped_query_sdpa():
             os.environ[_FORCE_GQA] = old
 
 
+# Causal LMs whose logits are exactly ``lm_head(final hidden state)`` (a bias-free linear layer, no scaling or capping)
+PLAIN_HEAD_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+
+def _plain_head(model) -> torch.Tensor | None:
+    head = model.get_output_embeddings()
+    if model.config.model_type not in PLAIN_HEAD_MODELS or type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    return head.weight
+
+
 def forward(model, cache: SlotCache, input_ids, position_ids, visible, logits_to_keep=0):
-    """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``; returns logits ``[B, q or logits_to_keep, V]``."""
+    """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``; returns logits ``[B, q or logits_to_keep, V]``.
+
+    For plain-head models the vocabulary projection is computed as ``W @ h^T``: on CPU, for a few rows against a
+    large vocabulary, that orientation ran ~2x faster than ``h @ W^T`` (the same products, summed in another order).
+    """
     mask = attention_mask(model, visible, input_ids.shape[1])
+    kwargs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True)
+    weight = _plain_head(model)
     with _grouped_query_sdpa():
-        out = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
-    return out.logits
+        if weight is None:
+            return model(**kwargs, logits_to_keep=logits_to_keep).logits
+        hidden = model.base_model(**kwargs).last_hidden_state
+    if logits_to_keep:
+        hidden = hidden[:, -logits_to_keep:]
+    b, q, h = hidden.shape
+    return (weight @ hidden.reshape(b * q, h).T).T.reshape(b, q, -1)

@@ -1,4 +1,5 @@
-"""``batchspec audit``: run engines against the batch-size-1 oracle and write audit.json, audit.md and audit.png."""
+"""``batchspec audit``: run engines against the batch-size-1 oracle and write audit.json, audit.md and audit.png; with
+``--temperature`` > 0, the distributional audit (distribution.json, distribution.md)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,43 @@ def add_arguments(parser, model_args) -> None:
     parser.description = (
         "Compare engines with HF greedy decoding at batch size 1 (exact match, partial match, ROUGE-L, repetition), "
         "attribute each divergence to numerical noise or a synchronization error, and name each failure signature. "
-        "Exits with status 1 when an engine other than an injected fault is not clean."
+        "Exits with status 1 when an engine other than an injected fault is not clean. With --temperature > 0: "
+        "the distributional audit instead (the first --n-tokens sampled tokens of --samples seeded requests per "
+        "prompt against their exact distribution; exits with status 1 when an engine other than an injected fault "
+        "fails)."
     )
     parser.add_argument(
         "--engines", default="slotmask,eqspec",
         help="comma list of slotmask, eqspec, plain, fault:<name>, or 'faults' for every injected fault "
              "(default slotmask,eqspec)",
     )
-    parser.add_argument("--batch-sizes", default="1,4,8", help="comma list of batch sizes (default 1,4,8)")
-    parser.add_argument("--out", default="out/audit", help="folder for audit.json, audit.md, audit.png (default out/audit)")
+    parser.add_argument(
+        "--batch-sizes", default=None,
+        help="comma list of batch sizes (default 1,4,8; with --temperature > 0 the largest is used, default 64)",
+    )
+    parser.add_argument(
+        "--out", default="out/audit",
+        help="folder for audit.json, audit.md, audit.png; with --temperature > 0, distribution.json and "
+             "distribution.md (default out/audit)",
+    )
     parser.add_argument(
         "--tolerance", type=float, default=None,
         help="relative logit-margin tolerance for calling a divergence numerical (default per dtype: float64 1e-6, "
              "float32 1e-3, float16 2e-2, bfloat16 5e-2; times max(1, max |logit|))",
     )
     parser.add_argument("--limit", type=int, default=None, help="audit only the first N prompts")
+    sampling = parser.add_argument_group("distributional audit (temperature > 0)")
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="sampling temperature; > 0 runs the distributional audit (default 0: greedy audit)")
+    sampling.add_argument("--top-k", type=int, default=0, help="top-k warping (default 0: off)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="top-p warping (default 1.0: off)")
+    sampling.add_argument("--samples", type=int, default=2000,
+                          help="seeded requests per prompt and engine (default 2000)")
+    sampling.add_argument("--n-tokens", type=int, default=2,
+                          help="length of the generated prefix whose distribution is tested (default 2)")
+    sampling.add_argument("--alpha", type=float, default=1e-3,
+                          help="false-alarm rate per engine, Bonferroni-split over prompts and prefix lengths "
+                               "(default 0.001)")
     parser.set_defaults(func=run)
 
 
@@ -50,13 +73,20 @@ def run(args) -> int:
     from .core import audit
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
+    sampled = args.temperature > 0
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if not sampled and (args.top_k or args.top_p != 1.0):
+        raise ValueError("--top-k and --top-p apply to sampling: give --temperature > 0 as well")
+    batch_sizes = _ints(args.batch_sizes or ("64" if sampled else "1,4,8"), "--batch-sizes")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = load_model(args.target, dtype, args.device, "target")
     tokenizer = load_tokenizer(args.target)
     _, _, prompts = load_prompts(args.prompts, tokenizer, args.chat_template)
     if args.limit is not None:
         prompts = prompts[: args.limit]
+    if sampled:
+        return _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes)
     report = audit(
         model, resolve_draft(args.target, args.draft), prompts, engines=engines, batch_sizes=batch_sizes,
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, tokenizer=tokenizer,
@@ -75,6 +105,37 @@ def run(args) -> int:
     broken = [f"{r.engine} B={r.batch_size}" for r in report.rows if not r.clean and not r.engine.startswith("fault:")]
     if broken:
         console.print(f"[red]not clean: {', '.join(broken)}[/red]")
+        return 1
+    return 0
+
+
+def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes) -> int:
+    from rich.console import Console
+
+    from batchspec.cli import resolve_draft
+    from batchspec.params import SamplingParams
+
+    from .core import audit
+
+    sampling = SamplingParams(max_tokens=args.n_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p)
+    report = audit(
+        model, resolve_draft(args.target, args.draft), prompts, engines=engines, batch_sizes=batch_sizes,
+        num_draft_tokens=args.num_draft_tokens, tokenizer=tokenizer, progress=True, sampling=sampling,
+        samples=args.samples, n_tokens=args.n_tokens, alpha=args.alpha,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report.to_json(out / "distribution.json")
+    (out / "distribution.md").write_text(report.to_markdown())
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 150)
+    console.print(report.rich_table())
+    console.print(f"wrote {out / 'distribution.json'}, {out / 'distribution.md'}")
+    failed = [e for e, ok in report.engines().items() if not ok and not e.startswith("fault:")]
+    if failed:
+        console.print(f"[red]not sampling the target's distribution: {', '.join(failed)}[/red]")
         return 1
     return 0
 

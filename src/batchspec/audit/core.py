@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from . import attribution as attr
 from . import metrics
 from .engines import resolve
 from .oracle import Oracle
 from .report import AuditReport, AuditRow
+
+if TYPE_CHECKING:
+    from .distribution import DistributionReport
 
 
 @dataclass
@@ -39,7 +43,11 @@ def audit(
     device=None,
     cache_dir=None,
     progress: bool = False,
-) -> AuditReport:
+    sampling=None,
+    samples: int = 2000,
+    n_tokens: int = 2,
+    alpha: float = 1e-3,
+) -> AuditReport | DistributionReport:
     """Audit ``engines`` against HF greedy decoding of ``target`` at batch size 1.
 
     ``target``/``draft``/``tokenizer`` are given as to ``batchspec.LLM``; ``prompts`` are strings (encoded with the
@@ -52,8 +60,22 @@ def audit(
     Returns an ``AuditReport`` whose ``rows`` hold, per engine and batch size: ``exact_match`` (fraction),
     ``partial_match`` and ``rouge_l`` (means), ``repetition_rate``, ``n``, ``divergences`` (prompt, first divergent
     index, margin, class), ``signature``, ``first_violated_invariant`` (batchspec engines) and ``tokens_per_second``.
+
+    ``sampling``: a ``SamplingParams`` with temperature > 0 switches to the distributional audit
+    (``batchspec.audit.distribution.distribution_audit``): ``samples`` seeded requests per prompt, the first
+    ``n_tokens`` tokens compared with their exact distribution at batch size ``max(batch_sizes)``, false-alarm rate
+    ``alpha`` per engine; it returns a ``DistributionReport``. ``max_tokens``, ``stop_token_ids``, ``tolerance`` and
+    ``cache_dir`` do not apply there.
     """
-    from batchspec.models import eos_ids, load_model, load_tokenizer
+    if sampling is not None and sampling.temperature > 0:
+        from .distribution import distribution_audit
+
+        return distribution_audit(
+            target, draft, prompts, sampling, engines=engines, num_draft_tokens=num_draft_tokens, samples=samples,
+            n_tokens=n_tokens, batch_size=max([int(b) for b in batch_sizes] or [1]), alpha=alpha, tokenizer=tokenizer,
+            progress=progress, dtype=dtype, device=device,
+        )
+    from batchspec.models import eos_ids
 
     batch_sizes = [int(b) for b in batch_sizes]
     if not batch_sizes or any(b < 1 for b in batch_sizes):
@@ -63,11 +85,7 @@ def audit(
     specs = resolve(engines)
     if not specs:
         raise ValueError("no engines to audit")
-    model = load_model(target, dtype, device, "target")
-    tok = load_tokenizer(tokenizer if tokenizer is not None else target if isinstance(target, str) else None)
-    if isinstance(draft, str) and draft not in ("prompt-lookup",):
-        draft = load_model(draft, model.dtype, model.device, "draft")
-    ids = _encode(list(prompts), tok)
+    model, draft, tok, ids = load_inputs(target, draft, tokenizer, prompts, dtype, device)
     stops = sorted(eos_ids(model) | {int(s) for s in stop_token_ids})
     ctx = Context(model, draft, tok, num_draft_tokens, max_tokens, [int(s) for s in stop_token_ids])
 
@@ -153,6 +171,17 @@ def _black_box_records(engine, ctx, ids, outs, ref, sync, batches, stops, probe,
             j = metrics.first_divergence(solo, ref[i])
             r["solo_clean"] = j is None or probe.divergence(i, ids[i], solo, ref[i], j, rel_tol).cls == "numerical"
     return recs
+
+
+def load_inputs(target, draft, tokenizer, prompts, dtype, device):
+    """(target model, draft model or drafter name, tokenizer, token-id prompts) as ``batchspec.LLM`` resolves them."""
+    from batchspec.models import load_model, load_tokenizer
+
+    model = load_model(target, dtype, device, "target")
+    tok = load_tokenizer(tokenizer if tokenizer is not None else target if isinstance(target, str) else None)
+    if isinstance(draft, str) and draft != "prompt-lookup":
+        draft = load_model(draft, model.dtype, model.device, "draft")
+    return model, draft, tok, _encode(list(prompts), tok)
 
 
 def _encode(prompts, tokenizer) -> list[list[int]]:
