@@ -6,9 +6,13 @@ Engines: ``plain`` (no drafter), ``slotmask`` / ``eqspec`` (the given draft), ``
 optionally suffixed ``@<scheduler>`` (e.g. ``slotmask@continuous``). Rows that are not exact get the audit's signature.
 Definitions:
 - tokens/s: generated tokens / wall seconds of ``generate`` (prefill included).
-- alignment overhead: align seconds / decode seconds (draft + verify + align), as the paper defines it.
-- efficiency: achieved speedup over ``plain`` at the same batch size / the ideal speedup
-  ``mean accepted length x (plain's forward seconds per round) / (verify + draft forward seconds per round)``.
+- alignment overhead: align seconds / decode seconds (draft + verify + align + schedule), as the paper defines it;
+  for ``@exspec`` engines the copies between the window and the batch (schedule) count as alignment work too.
+- efficiency: achieved decode speedup over ``plain`` at the same batch size (generated tokens per decode second,
+  prefill excluded, as it is the same for both) / the ideal speedup
+  ``mean accepted length x (plain's forward seconds per row-round) / (verify + draft seconds per row-round)``
+  (a row-round is one row in one round; rows leave the batch as they finish, so per round would mislead):
+  what the engine's own bookkeeping leaves of what speculation could give.
 - exact match: fraction of outputs equal to HF ``generate(do_sample=False)`` at batch size 1 (the HF batch-1 run).
 - grouping rate (``@exspec`` engines): share of rounds whose batch had rows of one length (no realignment needed).
   ``--truncate N`` makes the paper's identical-length set (every prompt cut to N tokens) to compare with.
@@ -123,7 +127,7 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
             outs = llm.generate(ids, batchspec.SamplingParams(max_tokens=max_tokens))
             secs = time.perf_counter() - t0
             s = llm.stats
-            decode = s.draft + s.verify + s.align
+            decode = s.draft + s.verify + s.align + s.schedule
             row = BenchRow(
                 name, bs, s.generated, secs, s.generated / secs,
                 speedup_vs_hf_bs1=s.generated / secs / hf_tps[1],
@@ -132,18 +136,18 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
                 exact_match=sum(o.token_ids == r for o, r in zip(outs, oracle)) / len(ids),
                 stages={k: round(getattr(s, k), 4) for k in ("prefill", "draft", "verify", "align", "schedule")
                         if hasattr(s, k)},
-                alignment_overhead=s.align / decode if decode else None,
+                alignment_overhead=(s.align + s.schedule) / decode if decode else None,
                 grouping_rate=getattr(s, "grouping_rate", None),
             )
             if row.exact_match < 1.0:
                 row.signature = _signature(model, spec, ids, bs, max_tokens, num_draft_tokens)
             else:
                 row.signature = "clean"
-            if name.startswith("plain"):
-                plain[bs] = (row.tokens_per_second, s.verify / max(s.rounds, 1))
-            elif bs in plain and s.rounds:
-                ideal = s.mean_accepted_length * plain[bs][1] / ((s.verify + s.draft) / s.rounds)
-                row.efficiency = (row.tokens_per_second / plain[bs][0]) / ideal
+            if name == "plain":
+                plain[bs] = (s.generated / decode, s.verify / max(s.row_rounds, 1))
+            elif bs in plain and s.row_rounds and decode:
+                ideal = s.mean_accepted_length * plain[bs][1] / ((s.verify + s.draft) / s.row_rounds)
+                row.efficiency = (s.generated / decode / plain[bs][0]) / ideal
             rows.append(row)
             bar.advance()
     bar.close()
