@@ -112,7 +112,7 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
                 done += _collect(seqs, fin)
                 if on_finish:
                     on_finish(done[-sum(fin):])
-                keep = [i for i, f in enumerate(fin) if not f]
+                keep = _refill_from_tail(fin)
                 lengths = [lengths[i] for i in keep]
                 scheduler.forget(keep)
                 if not keep:
@@ -189,6 +189,18 @@ def _account(stats: Stats, seqs: Sequences, finished, n, cut, accepted, n_drafts
     stats.verify_calls += 1
     stats.row_rounds += len(accepted)
     return fin, lengths, width
+
+
+def _refill_from_tail(fin: list) -> list[int]:
+    """The rows that stay, as ``new[i] = old[keep[i]]``: rows keep their place, and the last surviving rows move into
+    the places of finished ones, so removing rows moves few of them."""
+    n = len(fin) - sum(fin)
+    keep = list(range(n))
+    holes = [i for i in range(n) if fin[i]]
+    movers = [i for i in range(n, len(fin)) if not fin[i]]
+    for h, m in zip(holes, movers):
+        keep[h] = m
+    return keep
 
 
 def _collect(seqs: Sequences, fin: list) -> list[Finished]:

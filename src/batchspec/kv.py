@@ -59,17 +59,25 @@ class SlotLayer(DynamicLayer):
     def get_seq_length(self):
         return self.length
 
+    def _adopt(self, k, v, length):
+        """Make ``k``/``v`` (full buffers) the layer's storage with ``length`` slots in use."""
+        self._k, self._v, self.length, self.is_initialized = k, v, length, True
+        self.keys, self.values = k[..., :length, :], v[..., :length, :]
+
+    def fresh(self, like_k, like_v, batch: int, length: int):
+        """Empty zeroed buffers for ``batch`` rows and ``length`` slots plus spare room (so appends don't regrow them
+        at once); returns the ``[:length]`` views to fill."""
+        cap = length + max(64, length // 2)
+        k = like_k.new_zeros((batch, like_k.shape[1], cap, like_k.shape[-1]))
+        v = like_v.new_zeros((batch, like_v.shape[1], cap, like_v.shape[-1]))
+        self._adopt(k, v, length)
+        return self.keys, self.values
+
     def set(self, keys, values):
-        """Replace the content with ``keys``/``values`` (``[B, H, L, D]``), keeping some spare capacity."""
-        self._k = self._v = None
-        self.length = 0
-        self.is_initialized = True
-        self._ensure(keys, values, keys.shape[-2] + 16)
-        self._k[..., : keys.shape[-2], :] = keys
-        self._v[..., : values.shape[-2], :] = values
-        self.length = keys.shape[-2]
-        self.keys = self._k[..., : self.length, :]
-        self.values = self._v[..., : self.length, :]
+        """Replace the content with ``keys``/``values`` (``[B, H, L, D]``), keeping spare capacity."""
+        k, v = self.fresh(keys, values, keys.shape[0], keys.shape[-2])
+        k.copy_(keys)
+        v.copy_(values)
 
 
 class SlotCache(Cache):
@@ -96,21 +104,33 @@ def new_cache(model) -> SlotCache:
 
 
 def gather_slots(cache: SlotCache, index: torch.Tensor, pad: torch.Tensor) -> None:
-    """Rebuild every layer as ``new[b, :, j] = old[b, :, index[b, j]]`` (zeros where ``pad[b, j]``), one gather each."""
+    """Rebuild every layer as ``new[b, :, j] = old[b, :, index[b, j]]`` (zeros where ``pad[b, j]``), one gather each,
+    written straight into the new buffers."""
     if cache.length == 0:
         return
+    zero = pad[:, None, :, None]
     for layer in cache.layers:
-        b, h, _, d = layer.keys.shape
+        k, v = layer.keys, layer.values
+        b, h, _, d = k.shape
         idx = index[:, None, :, None].expand(b, h, index.shape[1], d)
-        keep = (~pad)[:, None, :, None].to(layer.keys.dtype)
-        layer.set(layer.keys.gather(2, idx) * keep, layer.values.gather(2, idx) * keep)
+        new_k, new_v = layer.fresh(k, v, b, index.shape[1])
+        torch.gather(k, 2, idx, out=new_k).masked_fill_(zero, 0)
+        torch.gather(v, 2, idx, out=new_v).masked_fill_(zero, 0)
 
 
 def select_rows(cache: SlotCache, rows: torch.Tensor) -> None:
-    """Keep only ``rows`` (a 1D index tensor) of the batch."""
+    """Make the batch ``new[i] = old[rows[i]]``. Only rows that change place are copied, and the batch then narrows
+    to ``len(rows)`` in place: removing a few finished rows (refilling their places from the tail) copies a few rows,
+    not the whole cache."""
+    n = len(rows)
+    dest = (rows != torch.arange(n, device=rows.device)).nonzero().squeeze(1)  # one host sync, at row removal only
+    src = rows[dest]
     for layer in cache.layers:
         if layer.length:
-            layer.set(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
+            used = layer.length
+            for buf in (layer._k, layer._v):
+                buf[:n, :, :used].index_copy_(0, dest, buf[:, :, :used].index_select(0, src))
+            layer._adopt(layer._k[:n], layer._v[:n], layer.length)
 
 
 def take_rows(cache: SlotCache, rows: torch.Tensor) -> SlotCache:
