@@ -165,14 +165,14 @@ def _signature(model, spec, ids, bs, max_tokens, k) -> str:
 
 
 def to_markdown(rows: list[BenchRow]) -> str:
-    head = ("| engine | batch | tok/s | vs HF bs1 | vs HF same bs | mean acc. len | exact match | signature | "
+    head = ("| engine | batch | tok/s | x HF bs1 | x HF same bs | mean acc. len | exact match | signature | "
             "align overhead | efficiency | grouping rate |")
     lines = [head, "|" + "---|" * 11]
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
         lines.append(
-            f"| {r.engine} | {r.batch_size} | {r.tokens_per_second:.1f} | {f(r.speedup_vs_hf_bs1, '.2f')}x | "
-            f"{f(r.speedup_vs_hf_same_bs, '.2f')}x | {f(r.mean_accepted_length, '.2f')} | {f(r.exact_match, '.0%')} | "
+            f"| {r.engine} | {r.batch_size} | {r.tokens_per_second:.1f} | {f(r.speedup_vs_hf_bs1, '.2f')} | "
+            f"{f(r.speedup_vs_hf_same_bs, '.2f')} | {f(r.mean_accepted_length, '.2f')} | {f(r.exact_match, '.0%')} | "
             f"{r.signature or '-'} | "
             f"{f(r.alignment_overhead, '.1%')} | {f(r.efficiency, '.0%')} | {f(r.grouping_rate, '.0%')} |"
         )
