@@ -95,17 +95,8 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
             stats.fallback_rounds += not grouped
         if rows is None:
             finished, *counts = speculative_round(parts, seqs, target, drafter, timer)
-        else:  # a batch drawn from the window: copy its rows out (aligned by the layout), run it, write it back
-            with timer("schedule"):
-                idx = torch.tensor(rows, device=seqs.length.device)
-                batch = seqs.take(idx), target.take(idx), drafter.take(idx)
-                for state in (batch[1], *batch[2].states):
-                    layout.align(state, max(lengths[r] for r in rows) - 1)
-            finished, *counts = speculative_round(parts, *batch, timer)
-            with timer("schedule"):
-                for holder, part in zip((seqs, target, drafter), batch):
-                    holder.put(idx, part)
-                finished = torch.zeros(len(seqs), dtype=torch.bool, device=idx.device).index_fill(0, idx[finished], True)
+        else:
+            finished, *counts = _round_from_window(parts, rows, lengths, seqs, target, drafter, timer)
         with timer("align"):
             fin, lengths, width = _account(stats, seqs, finished, *counts)  # the round's one host sync
             if any(fin):
@@ -132,6 +123,22 @@ def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats
 
 
 WINDOW = SlotMask(max_waste=0.5)
+
+
+def _round_from_window(parts: Parts, rows: list[int], lengths: list[int], seqs, target, drafter, timer: Timer):
+    """A round on ``rows`` of the window: copy them out (aligned by the layout), run the round, write them back.
+    Returns ``speculative_round``'s results with ``finished`` spread over every window row."""
+    with timer("schedule"):
+        idx = torch.tensor(rows, device=seqs.length.device)
+        batch = seqs.take(idx), target.take(idx), drafter.take(idx)
+        for state in (batch[1], *batch[2].states):
+            parts.layout.align(state, max(lengths[r] for r in rows) - 1)
+    finished, *counts = speculative_round(parts, *batch, timer)
+    with timer("schedule"):
+        for holder, part in zip((seqs, target, drafter), batch):
+            holder.put(idx, part)
+        finished = torch.zeros(len(seqs), dtype=torch.bool, device=idx.device).index_copy(0, idx, finished)
+    return finished, *counts
 
 
 def speculative_round(parts: Parts, seqs: Sequences, target, drafter, timer: Timer):
