@@ -98,3 +98,19 @@ def test_exspec_select_serves_full_groups_and_bounds_waiting():
     assert s.select([3, 4], 3) == (None, False)  # fewer rows than a batch: all run
     with pytest.raises(ValueError, match="window must be an integer >= 1"):
         ExSpec(window=0)
+
+
+def test_exspec_with_stop_tokens_and_a_fault():
+    """Stop tokens mid-block under exspec stay exact; an injected fault still shows through the window's copies."""
+    t, d = tiny.target("llama"), tiny.draft("llama")
+    seen = [tok for p in PROMPTS for tok in tiny.oracle(t, p, 20)[2:14]]
+    stop = max(set(seen), key=seen.count)  # a token the oracle emits mid-output in several rows
+    want = [tiny.oracle(t, p, 20, stop_ids=[stop]) for p in PROMPTS]
+    sp = batchspec.SamplingParams(max_tokens=20, stop_token_ids=[stop])
+    llm = batchspec.LLM(t, draft=d, num_draft_tokens=4, scheduler=ExSpec(window=3), batch_size=3,
+                        check_invariants=True)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.finish_reason == "stop" for o in outs) >= 3 and llm.stats.fallback_rounds > 0
+    bad = batchspec.LLM(t, draft=d, num_draft_tokens=4, scheduler="exspec", batch_size=3, fault="bsp-keep-rejected-kv")
+    assert [o.token_ids for o in bad.generate(PROMPTS, sp)] != want
