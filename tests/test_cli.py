@@ -70,6 +70,22 @@ def test_generate_cli_plain_text_no_template(dirs, tmp_path):
     assert rows[1]["token_ids"] == tiny.oracle(tiny.target("llama"), [9], 5)
 
 
+def test_generate_cli_sampling_is_seeded_and_scheduler_independent(dirs, tmp_path, capsys):
+    target_dir, draft_dir = dirs
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(_words(n, i) + "\n" for i, n in enumerate([4, 11, 2, 7])))
+    runs = []
+    for sched, bs in (("static", "1"), ("exspec", "2"), ("continuous", "3")):
+        out = tmp_path / f"{sched}.jsonl"
+        assert main(["generate", "--target", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompts),
+                     "--scheduler", sched, "--batch-size", bs, "--max-tokens", "9", "--temperature", "0.8",
+                     "--top-k", "20", "--top-p", "0.95", "--seed", "5", "--out", str(out)]) == 0
+        runs.append([json.loads(line)["token_ids"] for line in out.read_text().splitlines()])
+    assert runs[0] == runs[1] == runs[2]
+    assert main(["generate", "--target", str(target_dir), "--prompts", str(prompts), "--top-p", "0"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
 def test_generate_cli_bad_input(dirs, tmp_path, capsys):
     target_dir, _ = dirs
     assert main(["generate", "--target", str(target_dir), "--prompts", str(tmp_path / "missing.txt")]) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -57,11 +58,16 @@ def cmd_generate(args) -> int:
 
     llm = batchspec.LLM(
         args.target, draft=resolve_draft(args.target, args.draft), num_draft_tokens=args.num_draft_tokens,
-        layout=args.layout, batch_size=args.batch_size, dtype=_dtype(args.dtype), device=args.device,
+        layout=args.layout, scheduler=args.scheduler, batch_size=args.batch_size, dtype=_dtype(args.dtype),
+        device=args.device,
     )
+    sp = batchspec.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed)
     ids, texts, prompts = load_prompts(args.prompts, llm.tokenizer, args.chat_template)
+    if args.seed is not None:  # one seed for the run: prompt i gets seed + i
+        sp = [dataclasses.replace(sp, seed=args.seed + i) for i in range(len(prompts))]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=args.max_tokens), progress=True)
+    outs = llm.generate(prompts, sp, progress=True)
     wall = time.perf_counter() - t0
     out = Path(args.out) if args.out else None
     if out:
@@ -94,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(g)
     g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--layout", default="slotmask", choices=["slotmask", "eqspec"])
+    g.add_argument("--scheduler", default="static", choices=["static", "continuous", "exspec"])
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy decoding")
+    g.add_argument("--top-k", type=int, default=0, help="0: off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
+    g.add_argument("--seed", type=int, default=None, help="prompt i is sampled with seed + i")
     g.add_argument("--out", default=None, help="write one JSON line per prompt here")
     g.set_defaults(func=cmd_generate)
     for name, (add, _) in COMMANDS.items():
