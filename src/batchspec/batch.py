@@ -84,19 +84,13 @@ class SlotState:
 
     def put(self, rows: torch.Tensor, part: "SlotState") -> None:
         """Write ``part`` (taken from ``rows`` and advanced) back, right-aligned; widens this state if needed."""
-        width = max(self.width, part.width)
-        grow = width - self.width
-        if grow:
-            self.valid = torch.nn.functional.pad(self.valid, (0, grow), value=False)
-            self.tokens = torch.nn.functional.pad(self.tokens, (0, grow), value=-1)
-            self.positions = torch.nn.functional.pad(self.positions, (0, grow), value=0)
+        old, width = self.width, max(self.width, part.width)
         kv.put_rows(self.cache, rows, part.cache, width)
-        lead = width - part.width
+        pad = torch.nn.functional.pad
         for name, fill in (("valid", False), ("tokens", -1), ("positions", 0)):
-            new = getattr(part, name)
-            if lead:
-                new = torch.nn.functional.pad(new, (lead, 0), value=fill)
-            getattr(self, name)[rows] = new
+            mine = pad(getattr(self, name), (0, width - old), value=fill)  # new slots on the right: empty
+            mine[rows] = pad(getattr(part, name), (width - part.width, 0), value=fill)
+            setattr(self, name, mine)
 
 
 def compact_index(valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,11 +151,10 @@ def put_rows(cache: SlotCache, rows: torch.Tensor, part: SlotCache, width: int) 
         if dst._k is None:
             dst.lazy_initialization(src.keys, src.values)
         dst._ensure(src.keys, src.values, width)
-        dst.length = max(dst.length, width)
         n = src.length
         dst._k[:, :, width - n : width].index_copy_(0, rows, src.keys)
         dst._v[:, :, width - n : width].index_copy_(0, rows, src.values)
-        dst.keys, dst.values = dst._k[..., : dst.length, :], dst._v[..., : dst.length, :]
+        dst._adopt(dst._k, dst._v, max(dst.length, width))
 
 
 def stack_rows(parts: list[tuple[SlotCache | None, int]], width: int, num_layers: int) -> SlotCache:

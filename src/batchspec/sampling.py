@@ -38,10 +38,10 @@ def uniforms(seed: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tens
 
 
 def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-         filtering: bool = True) -> torch.Tensor:
+         filtering: bool = True, greedy_rows: bool = True) -> torch.Tensor:
     """Probabilities ``[B, Q, V]`` from ``logits`` with per-row ``temperature``, ``top_k`` (0: off) and ``top_p``
     (1.0: off), each ``[B]``. Rows with temperature 0 get a one-hot on the argmax (greedy). ``filtering=False`` skips
-    the top-k/top-p sort when no row uses them. Ties at the top-k threshold are kept, and top-p keeps the smallest
+    the top-k/top-p sort when no row uses them, ``greedy_rows=False`` the one-hot when no row is greedy. Ties at the top-k threshold are kept, and top-p keeps the smallest
     prefix of the sorted distribution whose mass reaches ``top_p`` (at least one token), as Hugging Face does."""
     greedy = temperature == 0
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -56,6 +56,8 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
         drop |= (before >= top_p.to(ps.dtype)[:, None, None]) & (top_p < 1)[:, None, None]
         x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     probs = x.softmax(-1)
+    if not greedy_rows:
+        return probs
     one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None, None], one_hot, probs)
 

@@ -43,13 +43,14 @@ class Sequences:
         self._flags(requests)
 
     def _flags(self, requests):
-        """Host-side switches, set when rows join: does any row sample, does any row filter (top-k / top-p)."""
+        """Host-side switches, set when rows join: does any row sample, filter (top-k / top-p), decode greedily."""
         self.sampling = any(r.temperature > 0 for r in requests)
         self.filtering = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in requests)
+        self.greedy_rows = any(r.temperature == 0 for r in requests)
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's sampling distribution from ``logits`` [B, Q, V] (one-hot argmax for greedy rows)."""
-        return warp(logits, self.temperature, self.top_k, self.top_p, self.filtering)
+        return warp(logits, self.temperature, self.top_k, self.top_p, self.filtering, self.greedy_rows)
 
     def uniforms(self, q: int, stream: int) -> torch.Tensor:
         """[B, q] uniforms for the next ``q`` tokens of each row (keyed by seed and generated-token index)."""
@@ -92,7 +93,8 @@ class Sequences:
         part = object.__new__(Sequences)
         for name in FIELDS:
             setattr(part, name, getattr(self, name)[rows])
-        part.request_ids, part.sampling, part.filtering = None, self.sampling, self.filtering
+        part.request_ids, part.sampling, part.filtering, part.greedy_rows = (
+            None, self.sampling, self.filtering, self.greedy_rows)
         return part
 
     def put(self, rows: torch.Tensor, part: "Sequences") -> None:
@@ -112,4 +114,5 @@ class Sequences:
         self.request_ids = self.request_ids + other.request_ids
         self.sampling |= other.sampling
         self.filtering |= other.filtering
+        self.greedy_rows |= other.greedy_rows
         return self

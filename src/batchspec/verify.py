@@ -52,7 +52,7 @@ def rejection_sample(p: torch.Tensor, q, drafts: torch.Tensor, n_drafts: torch.T
             q_at = torch.zeros_like(p_at).scatter(-1, drafts.gather(1, j[:, :, 0]), 1.0)
         else:
             q_at = q.gather(1, j.expand(b, 1, q.shape[-1])).squeeze(1)
-        fix = {"p-q": (p_at - q_at).clamp(min=0), "q": q_at, "p": p_at}[residual]
+        fix = (p_at - q_at).clamp(min=0) if residual == "p-q" else q_at if residual == "q" else p_at
         fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p_at)  # p == q: a rejection had probability 0
         p_at = torch.where(rejected[:, None], fix, p_at)
     bonus = draw(p_at, u_target.gather(1, accepted[:, None]).squeeze(1))

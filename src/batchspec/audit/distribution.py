@@ -383,20 +383,9 @@ class DistributionReport:
 
 
 def _engine_specs(engines) -> list:
-    from batchspec.faults import FAULTS
-
     from .engines import BatchspecEngine, resolve
 
-    names = [engines] if isinstance(engines, str) else list(engines)
-    expanded = []
-    for spec in names:
-        if isinstance(spec, str):
-            parts = [s.strip() for s in spec.split(",") if s.strip()]
-            for s in parts:  # every injected fault changes what is sampled, the sampler's own ones included
-                expanded += [f"fault:{f}" for f in FAULTS] if s == "faults" else [s]
-        else:
-            expanded.append(spec)
-    specs = resolve(expanded)
+    specs = resolve(engines, sampling=True)  # "faults": every injected fault changes what is sampled
     for s in specs:
         if not isinstance(s, BatchspecEngine):
             raise ValueError(f"the distributional audit runs batchspec engines only, not {s.name!r}")
@@ -435,7 +424,7 @@ def distribution_audit(
     """
     import batchspec
 
-    from .core import _progress, load_inputs
+    from .core import Context, _progress, load_inputs
 
     if sampling is None or not sampling.temperature > 0:
         raise ValueError("the distributional audit needs SamplingParams with temperature > 0")
@@ -459,6 +448,7 @@ def distribution_audit(
     threshold = alpha / tests
     chunk = batch_size * max(1, 1024 // batch_size)
 
+    ctx = Context(model, draft, tok, num_draft_tokens, n_tokens, [])
     rows: list[DistributionRow] = []
     engine_meta = {}
     with _progress(progress, len(ids) + len(specs) * len(requests)) as bar:
@@ -470,9 +460,7 @@ def distribution_audit(
             bar.advance()
         for spec in specs:
             bar.describe(f"{spec.name}: sampling")
-            llm = batchspec.LLM(model, draft=draft if spec.use_draft else None, tokenizer=tok,
-                                num_draft_tokens=num_draft_tokens, layout=spec.layout, batch_size=batch_size,
-                                fault=spec.fault)
+            llm = spec.llm(ctx, batch_size)
             outs: list[list[int]] = []
             t0 = time.perf_counter()
             for c in range(0, len(requests), chunk):

@@ -89,8 +89,9 @@ class CallableEngine:
         return out, time.perf_counter() - t
 
 
-def resolve(specs) -> list:
-    """Engine objects for the ``engines=`` argument of ``audit``."""
+def resolve(specs, sampling: bool = False) -> list:
+    """Engine objects for the ``engines=`` argument of ``audit``. ``"faults"`` expands to every injected fault that
+    the audit can show: with ``sampling``, the rejection sampler's own faults too (they are invisible when greedy)."""
     from batchspec.faults import FAULTS, SAMPLING_FAULTS
 
     if isinstance(specs, str):
@@ -103,8 +104,8 @@ def resolve(specs) -> list:
             elif spec == "plain":
                 out.append(BatchspecEngine("plain", "slotmask", None, False))
             elif spec == "faults":
-                # the greedy audit: faults of the rejection sampler are invisible at temperature 0
-                out += [BatchspecEngine(f"fault:{f}", "eqspec", f, True) for f in FAULTS if f not in SAMPLING_FAULTS]
+                out += [BatchspecEngine(f"fault:{f}", "eqspec", f, True) for f in FAULTS
+                        if sampling or f not in SAMPLING_FAULTS]
             elif spec.startswith("fault:"):
                 name = spec.removeprefix("fault:")
                 if name not in FAULTS:
