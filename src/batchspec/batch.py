@@ -128,7 +128,7 @@ def prefill(model, prompts: list[list[int]], name: str = "target") -> SlotState:
             cache = kv.new_cache(model)
             ids = torch.tensor([prompts[r][:n] for r in rows], device=dev)
             pos = torch.arange(n, device=dev).expand(len(rows), n)
-            kv.forward(model, cache, ids, pos, torch.ones_like(ids, dtype=torch.bool), logits_to_keep=1)
+            kv.forward(model, cache, ids, pos, logits_to_keep=1)
         caches.append((cache, len(rows)))
         order += rows
     cache = kv.stack_rows(caches, width, kv.num_layers(model))

@@ -1,0 +1,80 @@
+"""The model runner's CPU fast paths: few-row linear layers and attention split into runs of rows."""
+
+import pytest
+import torch
+
+import batchspec
+import tiny
+from batchspec import kv
+
+
+def _visible(firsts, width):
+    """Rows whose visible slots start at ``firsts[b]`` and run to the end."""
+    return torch.arange(width)[None, :] >= torch.tensor(firsts)[:, None]
+
+
+def test_row_segments_splits_short_rows_from_long_ones():
+    width, q = 100, 3
+    segs = kv.row_segments(_visible([80, 90, 85, 0, 10], width), q)
+    assert segs == [(0, 3, 80), (3, 5, 0)]
+
+
+def test_row_segments_declines_when_little_is_saved():
+    assert kv.row_segments(_visible([0, 5, 10, 3], 100), 1) is None  # rows of similar lengths
+    assert kv.row_segments(_visible([50], 100), 1) is None  # one row: nothing to split
+    # a row that sees only its new slots: its run starts at the first query slot
+    visible = torch.cat([_visible([100, 0, 0], 100), torch.ones(3, 2, dtype=torch.bool)], 1)
+    assert kv.row_segments(visible, 2) == [(0, 1, 100), (1, 3, 0)]
+    # a row whose only visible slot is its last query slot still keeps every query slot
+    visible = torch.zeros(2, 12, dtype=torch.bool)
+    visible[0, -1] = visible[1, :] = True
+    assert kv.row_segments(visible, 4) == [(0, 1, 8), (1, 2, 0)]
+
+
+def test_few_row_linear_matches_linear():
+    torch.manual_seed(0)
+    for bias in (False, True):
+        lin = torch.nn.Linear(24, 40, bias=bias).double()
+        x = torch.randn(3, 2, 24, dtype=torch.float64)
+        want = lin(x)
+        with kv._few_row_linears(lin):
+            assert type(lin) is kv._FewRowLinear
+            got = lin(x)
+            many = lin(torch.randn(kv.FEW_ROWS + 1, 24, dtype=torch.float64))  # falls back to nn.Linear
+        assert type(lin) is torch.nn.Linear
+        assert got.shape == want.shape and got.is_contiguous() and many.shape == (kv.FEW_ROWS + 1, 40)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_segmented_attention_runs_and_stays_exact(monkeypatch):
+    """Prompts of 2-4 and 50-60 tokens in one batch: attention splits into runs, output equals the oracle, and the
+    model is left exactly as it was (plain linears, sdpa) for anyone else."""
+    t, d = tiny.target(), tiny.draft()
+    prompts = [p[:4] for p in tiny.prompts(4, seed=5, lo=2, hi=4)] + tiny.prompts(4, seed=6, lo=50, hi=60)
+    used = []
+    real = kv._segmented_sdpa
+
+    def spy(*args, segments=None, **kwargs):
+        used.append(segments)
+        return real(*args, segments=segments, **kwargs)
+
+    monkeypatch.setitem(kv.AttentionInterface._global_mapping, kv.SEGMENTED, spy)
+    for layout in ("slotmask", "eqspec"):
+        for draft in (d, None):
+            llm = batchspec.LLM(t, draft=draft, num_draft_tokens=3, layout=layout, batch_size=8,
+                                check_invariants=True)
+            outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=12))
+            assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 12) for p in prompts]
+    assert used and all(len(s) == 2 for s in used), "attention never ran in row runs"
+    for model in (t, d):
+        assert model.config._attn_implementation == "sdpa"
+        assert all(type(m) is not kv._FewRowLinear for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])
+def test_segmented_attention_other_architectures(arch):
+    t = tiny.target(arch)
+    prompts = [[5, 6], [7]] + tiny.prompts(2, seed=7, lo=40, hi=50)
+    llm = batchspec.LLM(t, draft="prompt-lookup", num_draft_tokens=2, batch_size=4, check_invariants=True)
+    outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=10))
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 10) for p in prompts]
