@@ -5,7 +5,7 @@ import torch
 
 import batchspec
 import tiny
-from batchspec import kv
+from batchspec import kernels, kv
 
 
 def _visible(firsts, width):
@@ -78,3 +78,53 @@ def test_segmented_attention_other_architectures(arch):
     llm = batchspec.LLM(t, draft="prompt-lookup", num_draft_tokens=2, batch_size=4, check_invariants=True)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=10))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 10) for p in prompts]
+
+
+needs_kernel = pytest.mark.skipif(kernels._load() is None, reason="no C compiler or no AVX2 here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, kernels.MAX_ROWS])
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
+def test_skinny_kernel_matches_matmul(m, n):
+    g = torch.Generator().manual_seed(m * 100 + n)
+    x, w = torch.randn(m, 40, generator=g), torch.randn(n, 40, generator=g)
+    got = kernels.skinny_linear(x, w)
+    want = (x.double() @ w.double().T).float()
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a transposed (non-contiguous) input gives the same result
+    torch.testing.assert_close(kernels.skinny_linear(x.T.contiguous().T, w), got, rtol=0, atol=0)
+
+
+def test_skinny_kernel_declines_what_it_does_not_cover(monkeypatch):
+    w = torch.randn(16, 40)
+    assert kernels.skinny_linear(torch.randn(kernels.MAX_ROWS + 1, 40), w) is None
+    assert kernels.skinny_linear(torch.randn(2, 12), torch.randn(16, 12)) is None  # K not a multiple of 8
+    assert kernels.skinny_linear(torch.randn(2, 40, dtype=torch.float64), w.double()) is None
+    assert kernels.skinny_linear(torch.randn(2, 40), w.T.contiguous().T) is None  # weight not contiguous
+    monkeypatch.setenv("BATCHSPEC_KERNELS", "0")
+    assert kernels.skinny_linear(torch.randn(2, 40), w) is None
+
+
+@needs_kernel
+def test_engine_with_skinny_kernel_stays_exact():
+    """float32 model whose layers all go through the kernel: output equals the oracle."""
+    t = tiny.target(dtype=torch.float32)
+    calls = []
+    real = kernels.skinny_linear
+
+    def spy(x, w):
+        y = real(x, w)
+        calls.append(y is not None)
+        return y
+
+    prompts = tiny.prompts(6, seed=11, lo=2, hi=40)
+    try:
+        kv.skinny_linear = spy
+        llm = batchspec.LLM(t, draft="prompt-lookup", num_draft_tokens=3, batch_size=6, check_invariants=True)
+        outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=12))
+    finally:
+        kv.skinny_linear = real
+    assert calls and all(calls), "the kernel never ran (or declined) inside the engine"
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 12) for p in prompts]

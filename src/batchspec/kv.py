@@ -21,6 +21,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
+from .kernels import skinny_linear
+
 
 class SlotLayer(DynamicLayer):
     """One layer's keys and values, ``[batch, heads, capacity, head_dim]``, of which the first ``length`` slots are used.
@@ -250,7 +252,8 @@ FEW_ROWS = 256  # up to this many rows (batch x new tokens), linear layers run a
 
 
 class _FewRowLinear(torch.nn.Linear):
-    """``nn.Linear`` computed as ``W @ x^T`` when ``x`` has few rows (decode and verification steps).
+    """``nn.Linear`` for few rows (decode and verification steps): our skinny kernel where it applies, else
+    ``W @ x^T``.
 
     On CPU (MKL), for a few rows against a large weight, that orientation streams the weight ~1.3-2x faster than
     ``x @ W^T`` (the vocabulary projection of 8 rows: 2.3x); for long prompts ``x @ W^T`` is faster. The products are
@@ -260,10 +263,13 @@ class _FewRowLinear(torch.nn.Linear):
         rows = x.numel() // x.shape[-1]
         if rows > FEW_ROWS:
             return super().forward(x)
-        y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T
+        x2 = x.reshape(rows, x.shape[-1])
+        y = skinny_linear(x2, self.weight)
+        if y is None:
+            y = (self.weight @ x2.T).T.contiguous()
         if self.bias is not None:
             y = y + self.bias
-        return y.contiguous().view(*x.shape[:-1], y.shape[-1])
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 @contextmanager

@@ -1,0 +1,49 @@
+/* y = x @ w^T for a few rows of x (fp32, AVX2 + FMA): every weight row is read once from memory for all rows of x.
+ * x: M x K, w: N x K, y: M x N, all row-major and contiguous; K % 8 == 0. Columns are split across OpenMP threads. */
+#include <immintrin.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* two weight rows (n, n + 1) against four rows of x, all sums in registers */
+static void rows4(const float *x, const float *w0, const float *w1, float *y, long N, long K, long n, int two) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (long k = 0; k < K; k += 8) {
+        __m256 u = _mm256_loadu_ps(w0 + k), v = _mm256_loadu_ps(w1 + k), t;
+        t = _mm256_loadu_ps(x + k);         a0 = _mm256_fmadd_ps(u, t, a0); b0 = _mm256_fmadd_ps(v, t, b0);
+        t = _mm256_loadu_ps(x + K + k);     a1 = _mm256_fmadd_ps(u, t, a1); b1 = _mm256_fmadd_ps(v, t, b1);
+        t = _mm256_loadu_ps(x + 2 * K + k); a2 = _mm256_fmadd_ps(u, t, a2); b2 = _mm256_fmadd_ps(v, t, b2);
+        t = _mm256_loadu_ps(x + 3 * K + k); a3 = _mm256_fmadd_ps(u, t, a3); b3 = _mm256_fmadd_ps(v, t, b3);
+    }
+    y[n] = hsum(a0); y[N + n] = hsum(a1); y[2 * N + n] = hsum(a2); y[3 * N + n] = hsum(a3);
+    if (two) {
+        y[n + 1] = hsum(b0); y[N + n + 1] = hsum(b1); y[2 * N + n + 1] = hsum(b2); y[3 * N + n + 1] = hsum(b3);
+    }
+}
+
+/* two weight rows against one row of x */
+static void rows1(const float *x, const float *w0, const float *w1, float *y, long K, long n, int two) {
+    __m256 a = _mm256_setzero_ps(), b = a;
+    for (long k = 0; k < K; k += 8) {
+        __m256 t = _mm256_loadu_ps(x + k);
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), t, a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), t, b);
+    }
+    y[n] = hsum(a);
+    if (two) y[n + 1] = hsum(b);
+}
+
+void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K) {
+    #pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n += 2) {
+        int two = n + 1 < N;
+        const float *w0 = w + n * K, *w1 = two ? w0 + K : w0;
+        long m = 0;
+        for (; m + 4 <= M; m += 4) rows4(x + m * K, w0, w1, y + m * N, N, K, n, two);
+        for (; m < M; m++) rows1(x + m * K, w0, w1, y + m * N, K, n, two);
+    }
+}
