@@ -128,3 +128,12 @@ def test_engine_with_skinny_kernel_stays_exact():
         kv.skinny_linear = real
     assert calls and all(calls), "the kernel never ran (or declined) inside the engine"
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 12) for p in prompts]
+
+
+@needs_kernel
+def test_skinny_kernel_builds_into_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path))
+    path = kernels._build()
+    assert path is not None and path.parent == tmp_path / "kernels" and path.stat().st_size > 0
+    assert not list(path.parent.glob("*.tmp"))
+    assert kernels._build() == path  # built once per source version
