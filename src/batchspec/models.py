@@ -47,10 +47,15 @@ def default_device() -> torch.device:
 # --------------------------------------------------------------------------------------------------- cache layout
 
 
+def cache_base() -> Path:
+    """batchspec's cache folder: ``$BATCHSPEC_CACHE``, default ``~/.cache/batchspec``."""
+    base = os.environ.get("BATCHSPEC_CACHE")
+    return Path(base).expanduser() if base else Path.home() / ".cache" / "batchspec"
+
+
 def cache_root() -> Path:
     """Where converted models are kept: ``$BATCHSPEC_CACHE/models``, default ``~/.cache/batchspec/models``."""
-    base = os.environ.get("BATCHSPEC_CACHE")
-    return (Path(base).expanduser() if base else Path.home() / ".cache" / "batchspec") / "models"
+    return cache_base() / "models"
 
 
 def draft_dir() -> Path:

@@ -18,8 +18,9 @@ from .metrics import truncate
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("BATCHSPEC_CACHE")
-    return Path(root).expanduser() / "oracle" if root else Path.home() / ".cache" / "batchspec" / "oracle"
+    from batchspec.models import cache_base
+
+    return cache_base() / "oracle"
 
 
 def fingerprint(model, n_tensors: int = 4, sample: int = 4096) -> str:

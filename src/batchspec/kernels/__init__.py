@@ -28,8 +28,9 @@ _tried = False
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("BATCHSPEC_CACHE")
-    return (Path(base).expanduser() if base else Path.home() / ".cache" / "batchspec") / "kernels"
+    from batchspec.models import cache_base
+
+    return cache_base() / "kernels"
 
 
 def _build() -> Path | None:
@@ -54,6 +55,8 @@ def _load() -> ctypes.CDLL | None:
     global _lib, _tried
     if os.environ.get("BATCHSPEC_KERNELS", "1") == "0":
         return None
+    if _tried:  # the hot path: no lock once the first call has built (or given up on) the kernel
+        return _lib
     with _lock:
         if not _tried:
             _tried = True
