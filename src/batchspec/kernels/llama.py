@@ -1,0 +1,125 @@
+"""A whole Llama forward for few new tokens per row, one C call per decoder layer (``layer.c``).
+
+Hugging Face's Llama runs a decode step as ~40 small torch operations per layer plus attention over a masked
+rectangle; on a 2-core CPU that overhead and the padded attention cost as much as the weight reads themselves. Here
+each layer is one call: norms, the projections (``skinny.c``), rotary embedding, the cache write, attention over the
+visible slots only (each key/value head read once for its query heads) and the MLP. The embedding, the rotary
+tables, the final norm and the output head stay the model's own modules.
+
+Used for ``LlamaForCausalLM`` models in fp32 on CPU (SiLU MLP without biases, attention without biases, one
+projection per weight) when the kernels are built; anything else returns None and the caller runs the model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+from transformers.models.llama import modeling_llama as hf
+
+from . import MAX_ROWS, _load, skinny_linear
+
+
+class _Plan:
+    """Per model: the weights of each layer as a C array of pointers, and the shapes and constants."""
+
+    def __init__(self, model, layers):
+        self.tensors = [t for ws in layers for t in ws]  # keeps the pointed-to memory alive
+        self.pointers = [(ctypes.c_void_p * 9)(*(w.data_ptr() for w in ws)) for ws in layers]
+        self.key = _fingerprint(model)
+        a = model.model.layers[0].self_attn
+        self.heads, self.kv_heads = a.q_proj.weight.shape[0] // a.head_dim, a.k_proj.weight.shape[0] // a.head_dim
+        self.head_dim, self.hidden = a.head_dim, model.config.hidden_size
+        self.inter = model.model.layers[0].mlp.gate_proj.weight.shape[0]
+        self.eps, self.scale = model.model.layers[0].input_layernorm.variance_epsilon, a.scaling
+
+
+def _fingerprint(model):
+    """Changes when the model's parameters are replaced (``model.to(...)``, reloading): the plan is then rebuilt."""
+    w = model.model.layers[0].self_attn.q_proj.weight if len(model.model.layers) else model.lm_head.weight
+    return w.data_ptr(), w.dtype, w.device, model.lm_head.weight.data_ptr()
+
+
+def _layer_weights(layer) -> list[torch.Tensor] | None:
+    a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if (type(layer) is not hf.LlamaDecoderLayer or type(a) is not hf.LlamaAttention or type(m) is not hf.LlamaMLP
+            or type(layer.input_layernorm) is not hf.LlamaRMSNorm or type(layer.post_attention_layernorm) is not hf.LlamaRMSNorm):
+        return None
+    if layer.input_layernorm.variance_epsilon != layer.post_attention_layernorm.variance_epsilon:
+        return None
+    linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+    if any(type(lin) is not torch.nn.Linear or lin.bias is not None for lin in linears):
+        return None
+    ws = [layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+          layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+    if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in ws):
+        return None
+    if any(w.shape[-1] % 8 for w in ws[1:]) or a.head_dim % 8:
+        return None
+    return [w.detach() for w in ws]
+
+
+def _make_plan(model) -> _Plan | None:
+    cfg = model.config
+    if (type(model) is not hf.LlamaForCausalLM or cfg.hidden_act != "silu" or getattr(cfg, "pretraining_tp", 1) != 1
+            or not len(model.model.layers) or model.lm_head.weight.dtype != torch.float32):
+        return None
+    layers = [_layer_weights(layer) for layer in model.model.layers]
+    if any(ws is None for ws in layers):
+        return None
+    scales = {layer.self_attn.scaling for layer in model.model.layers}
+    return _Plan(model, layers) if len(scales) == 1 else None
+
+
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan | None]" = weakref.WeakKeyDictionary()
+
+
+def plan(model) -> _Plan | None:
+    """The model's plan, or None when the fused path does not cover it (checked once per set of parameters)."""
+    if _load() is None:
+        return None
+    p = _PLANS.get(model, False)
+    if p is False or (p is not None and p.key != _fingerprint(model)):
+        p = _PLANS[model] = _make_plan(model)
+    return p
+
+
+def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0) -> torch.Tensor | None:
+    """Logits of one forward over a slot cache (see ``kv.forward``), or None where this path does not apply."""
+    b, q = input_ids.shape
+    if b * q > MAX_ROWS or input_ids.device.type != "cpu":
+        return None
+    p = plan(model)
+    if p is None:
+        return None
+    lib, inner = _load(), model.model
+    x = inner.embed_tokens(input_ids)
+    cos, sin = inner.rotary_emb(x, position_ids)
+    x = x.reshape(b * q, p.hidden).contiguous()
+    cos, sin = cos.reshape(b * q, -1).contiguous(), sin.reshape(b * q, -1).contiguous()
+    vis = visible.to(torch.uint8).contiguous()
+    start = cache.layers[0].length
+    like = x.new_empty((b, p.kv_heads, q, p.head_dim))
+    dims = (ctypes.c_long * 9)(b, q, start, 0, p.hidden, p.heads, p.kv_heads, p.head_dim, p.inter)
+    for layer, weights in zip(cache.layers, p.pointers):
+        if not layer.is_initialized:
+            layer.lazy_initialization(like, like)
+        layer._ensure(like, like, start + q)
+        if not (layer._k.is_contiguous() and layer._v.is_contiguous()):
+            layer._k, layer._v = layer._k.contiguous(), layer._v.contiguous()
+        dims[3] = layer._k.shape[-2]
+        if lib.llama_layer(x.data_ptr(), weights, cos.data_ptr(), sin.data_ptr(), layer._k.data_ptr(),
+                           layer._v.data_ptr(), vis.data_ptr(), dims, p.eps, p.scale):
+            raise MemoryError("batchspec's layer kernel could not allocate its scratch memory")
+        layer._adopt(layer._k, layer._v, start + q)
+    hidden = x.view(b, q, p.hidden)
+    if logits_to_keep:
+        hidden = hidden[:, -logits_to_keep:]
+    hidden = inner.norm(hidden)
+    n = hidden.shape[1]
+    flat = hidden.reshape(b * n, p.hidden)
+    logits = skinny_linear(flat, model.lm_head.weight)
+    if logits is None:
+        logits = model.lm_head(flat)
+    return logits.view(b, n, -1)
