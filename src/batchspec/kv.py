@@ -353,13 +353,14 @@ def forward(model, cache: SlotCache, input_ids, position_ids, visible=None, logi
     """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``; returns logits ``[B, q or logits_to_keep, V]``.
 
     ``visible`` ``[B, S+q]`` says which slots attention may see; ``None`` means a fresh cache and unpadded rows,
-    where HF's own causal path (which skips the masked half of the work) is used.
+    where HF's own causal path (which skips the masked half of the work) is used for long prompts.
     """
     mask = segments = None
+    everything = visible if visible is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    logits = fused_llama.forward(model, cache, input_ids, position_ids, everything, logits_to_keep)
+    if logits is not None:
+        return logits
     if visible is not None:
-        logits = fused_llama.forward(model, cache, input_ids, position_ids, visible, logits_to_keep)
-        if logits is not None:
-            return logits
         q = input_ids.shape[1]
         mask, segments = attention_mask(model, visible, q), row_segments(visible, q)
     with _grouped_query_sdpa(), _few_row_linears(model), _attention(model, segments) as extra:
