@@ -165,14 +165,27 @@ def _ragged_state(model, seed):
     return st
 
 
+def _wide_heads_llama():
+    """fp32 Llama with 128-wide heads: two of the C attention's 64-dimension register blocks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4)
+    cfg = LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
 @needs_kernel
 @pytest.mark.parametrize("q", [1, 3])
-def test_fused_llama_layer_matches_the_model(monkeypatch, q):
+@pytest.mark.parametrize("arch", ["tiny", "wide"])
+def test_fused_llama_layer_matches_the_model(monkeypatch, q, arch):
     """One forward through the C layers equals the model's own forward (fp32): logits and every cached key/value,
-    over ragged rows, a hidden slot, and a hidden new slot."""
+    over ragged rows, a hidden slot, and a hidden new slot; heads of 8 and of 128 dimensions."""
     from batchspec.kernels import llama as fused
 
-    t = tiny.target(dtype=torch.float32)
+    t = tiny.target(dtype=torch.float32) if arch == "tiny" else _wide_heads_llama()
     assert fused.plan(t) is not None
     ids = torch.tensor([[5, 6, 7][:q]] * 5)
     new_valid = torch.ones(5, q, dtype=torch.bool)

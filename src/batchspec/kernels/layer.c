@@ -33,52 +33,100 @@ static void rope(float *v, const float *cs, const float *sn, long D) {
     }
 }
 
-static inline float dot(const float *a, const float *b, long D) {
-    __m256 acc = _mm256_setzero_ps();
-    for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
+/* e^x for 8 lanes (Cephes' single-precision polynomial, within ~2 ulp); lanes below -87 (including -inf, the hidden
+ * slots) give 0. */
+static inline __m256 exp8(__m256 x) {
+    __m256 hidden = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(hidden, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-/* Attention of the G query heads of key/value head g, for the q new tokens of row b. p: scratch [q * G * T]. */
+/* Eight sums of eight lanes each, as one vector: [sum(d[0]), ..., sum(d[7])]. */
+static inline __m256 sum8(const __m256 *d) {
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* May query i (slot S + i) see slot s? */
+static inline int seen(const unsigned char *vis, long S, long i, long s) {
+    return s <= S + i && (vis[s] || s == S + i);
+}
+
+/* Attention of the G query heads of key/value head g, for the q new tokens of row b (queries n = i * G + j).
+ * Scores come eight slots at a time (blocks no query may see are skipped unread); then softmax; then each query's
+ * weighted sum of values, 64 dimensions at a time in registers. p: scratch [q * G * T]. */
 static void attend(const float *qb, const float *K, const float *V, float *out, const unsigned char *vis, long S,
-                   long q, long nh, long G, long g, long D, float scale, float *p, float *acc) {
+                   long q, long nh, long G, long g, long D, float scale, float *p) {
     long T = S + q, nq = q * G;
-    for (long s = 0; s < T; s++) {
-        int any = s >= S || vis[s];
-        for (long i = 0; i < q; i++) {
-            int seen = any && s <= S + i && (vis[s] || s == S + i);
-            for (long j = 0; j < G; j++)
-                p[(i * G + j) * T + s] = seen ? dot(qb + (i * nh + g * G + j) * D, K + s * D, D) * scale : -INFINITY;
-        }
-    }
     for (long n = 0; n < nq; n++) {
+        long i = n / G;
+        const float *qv = qb + (i * nh + g * G + n % G) * D;
         float *pn = p + n * T, m = -INFINITY, sum = 0.0f;
-        for (long s = 0; s < T; s++) m = pn[s] > m ? pn[s] : m;
-        for (long s = 0; s < T; s++) {
+        for (long s0 = 0; s0 < T; s0 += 8) {
+            long w = T - s0 < 8 ? T - s0 : 8, any = 0;
+            for (long u = 0; u < w; u++) any |= seen(vis, S, i, s0 + u);
+            if (!any) {
+                for (long u = 0; u < w; u++) pn[s0 + u] = -INFINITY;
+                continue;
+            }
+            __m256 d[8];
+            for (long u = 0; u < 8; u++) {
+                d[u] = _mm256_setzero_ps();
+                if (u < w)
+                    for (long k = 0; k < D; k += 8)
+                        d[u] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + k), _mm256_loadu_ps(K + (s0 + u) * D + k), d[u]);
+            }
+            float sc[8];
+            _mm256_storeu_ps(sc, sum8(d));
+            for (long u = 0; u < w; u++) {
+                pn[s0 + u] = seen(vis, S, i, s0 + u) ? sc[u] * scale : -INFINITY;
+                m = pn[s0 + u] > m ? pn[s0 + u] : m;
+            }
+        }
+        long s = 0;
+        __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
+        for (; s + 8 <= T; s += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pn + s), vm));
+            _mm256_storeu_ps(pn + s, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vsum);
+        for (int j = 0; j < 8; j++) sum += lanes[j];
+        for (; s < T; s++) {
             pn[s] = pn[s] == -INFINITY ? 0.0f : expf(pn[s] - m);
             sum += pn[s];
         }
-        for (long s = 0; s < T; s++) pn[s] /= sum;
-    }
-    memset(acc, 0, nq * D * sizeof(float));
-    for (long s = 0; s < T; s++) {
-        if (s < S && !vis[s]) continue;
-        const float *vs = V + s * D;
-        for (long n = 0; n < nq; n++) {
-            float w = p[n * T + s];
-            if (w == 0.0f) continue;
-            __m256 wv = _mm256_set1_ps(w);
-            float *a = acc + n * D;
-            for (long d = 0; d < D; d += 8)
-                _mm256_storeu_ps(a + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(vs + d), _mm256_loadu_ps(a + d)));
+        float inv = 1.0f / sum;
+        float *o = out + (i * nh + g * G + n % G) * D;
+        for (long d0 = 0; d0 < D; d0 += 64) {
+            long nk = (D - d0 < 64 ? D - d0 : 64) / 8;
+            __m256 acc[8];
+            for (long k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+            for (long t = 0; t < T; t++) {
+                if (pn[t] == 0.0f) continue;
+                __m256 wv = _mm256_set1_ps(pn[t]);
+                const float *vs = V + t * D + d0;
+                if (nk == 8)
+                    for (long k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vs + 8 * k), acc[k]);
+                else
+                    for (long k = 0; k < nk; k++) acc[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vs + 8 * k), acc[k]);
+            }
+            for (long k = 0; k < nk; k++) _mm256_storeu_ps(o + d0 + 8 * k, _mm256_mul_ps(acc[k], _mm256_set1_ps(inv)));
         }
     }
-    for (long i = 0; i < q; i++)
-        for (long j = 0; j < G; j++)
-            memcpy(out + (i * nh + g * G + j) * D, acc + (i * G + j) * D, D * sizeof(float));
 }
 
 /* w: input norm, Wq, Wk, Wv, Wo, post-attention norm, Wgate, Wup, Wdown. x: [B*q, H], updated in place.
@@ -112,7 +160,7 @@ int llama_layer(float *x, const float *const *w, const float *cos, const float *
     int failed = 0;
     #pragma omp parallel
     {
-        float *p = malloc(sizeof(float) * (q * G * T + q * G * D));
+        float *p = malloc(sizeof(float) * q * G * T);
         if (!p) {
             #pragma omp atomic write
             failed = 1;
@@ -123,7 +171,7 @@ int llama_layer(float *x, const float *const *w, const float *cos, const float *
                 if (!p) continue;
                 long base = (b * nkv + g) * cap * D;
                 attend(qb + b * q * nh * D, kc + base, vc + base, att + b * q * nh * D, vis + b * T, S, q, nh, G,
-                       g, D, scale, p, p + q * G * T);
+                       g, D, scale, p);
             }
         free(p);
     }
