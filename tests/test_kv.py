@@ -86,9 +86,10 @@ needs_kernel = pytest.mark.skipif(kernels._load() is None, reason="no C compiler
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, kernels.MAX_ROWS])
 @pytest.mark.parametrize("n", [1, 2, 7, 64])
-def test_skinny_kernel_matches_matmul(m, n):
+@pytest.mark.parametrize("k", [40, 13])
+def test_skinny_kernel_matches_matmul(m, n, k):
     g = torch.Generator().manual_seed(m * 100 + n)
-    x, w = torch.randn(m, 40, generator=g), torch.randn(n, 40, generator=g)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     got = kernels.skinny_linear(x, w)
     want = (x.double() @ w.double().T).float()
     assert got.shape == (m, n)
@@ -100,7 +101,6 @@ def test_skinny_kernel_matches_matmul(m, n):
 def test_skinny_kernel_declines_what_it_does_not_cover(monkeypatch):
     w = torch.randn(16, 40)
     assert kernels.skinny_linear(torch.randn(kernels.MAX_ROWS + 1, 40), w) is None
-    assert kernels.skinny_linear(torch.randn(2, 12), torch.randn(16, 12)) is None  # K not a multiple of 8
     assert kernels.skinny_linear(torch.randn(2, 40, dtype=torch.float64), w.double()) is None
     assert kernels.skinny_linear(torch.randn(2, 40), w.T.contiguous().T) is None  # weight not contiguous
     monkeypatch.setenv("BATCHSPEC_KERNELS", "0")
@@ -165,13 +165,13 @@ def _ragged_state(model, seed):
     return st
 
 
-def _wide_heads_llama():
-    """fp32 Llama with 128-wide heads: two of the C attention's 64-dimension register blocks."""
+def _llama(hidden, head_dim, heads, inter):
+    """A random fp32 Llama with the given widths (2 layers, one key/value head)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(4)
-    cfg = LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=256)
+    cfg = LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=256)
     model = LlamaForCausalLM(cfg)
     model.config._attn_implementation = "sdpa"
     return model.eval()
@@ -179,13 +179,15 @@ def _wide_heads_llama():
 
 @needs_kernel
 @pytest.mark.parametrize("q", [1, 3])
-@pytest.mark.parametrize("arch", ["tiny", "wide"])
+@pytest.mark.parametrize("arch", ["tiny", "wide", "odd"])
 def test_fused_llama_layer_matches_the_model(monkeypatch, q, arch):
     """One forward through the C layers equals the model's own forward (fp32): logits and every cached key/value,
-    over ragged rows, a hidden slot, and a hidden new slot; heads of 8 and of 128 dimensions."""
+    over ragged rows, a hidden slot, and a hidden new slot. Heads of 8 and of 128 dimensions (two register blocks);
+    widths that are not multiples of 8 and heads x head_dim != hidden (like the default draft's 162)."""
     from batchspec.kernels import llama as fused
 
-    t = tiny.target(dtype=torch.float32) if arch == "tiny" else _wide_heads_llama()
+    t = {"tiny": lambda: tiny.target(dtype=torch.float32), "wide": lambda: _llama(128, 128, 2, 256),
+         "odd": lambda: _llama(36, 16, 2, 76)}[arch]()
     assert fused.plan(t) is not None
     ids = torch.tensor([[5, 6, 7][:q]] * 5)
     new_valid = torch.ones(5, q, dtype=torch.bool)

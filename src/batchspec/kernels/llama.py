@@ -55,7 +55,7 @@ def _layer_weights(layer) -> list[torch.Tensor] | None:
           layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
     if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in ws):
         return None
-    if any(w.shape[-1] % 8 for w in ws[1:]) or a.head_dim % 8:
+    if a.head_dim % 8:  # attention works on 8 dimensions at a time
         return None
     return [w.detach() for w in ws]
 
