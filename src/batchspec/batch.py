@@ -112,8 +112,8 @@ def compact_index(valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
 def prefill(model, prompts: list[list[int]], name: str = "target") -> SlotState:
     """Cache every prompt but its last token, without padding waste, as one left-padded ``SlotState``.
 
-    Prompts of equal length share one forward; the per-length caches are then padded and stacked (cost follows the
-    sum of prompt lengths, not batch x longest).
+    Prompts of equal length share one forward; each group's keys and values are then copied once into its rows of
+    the final rectangle (cost follows the sum of prompt lengths, not batch x longest).
     """
     dev = model.device
     lengths = [len(p) - 1 for p in prompts]
@@ -121,30 +121,23 @@ def prefill(model, prompts: list[list[int]], name: str = "target") -> SlotState:
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         groups.setdefault(n, []).append(i)
-    caches, order = [], []
+    cache = kv.new_cache(model)
     for n, rows in sorted(groups.items()):
-        cache = None
         if n:
-            cache = kv.new_cache(model)
+            part = kv.new_cache(model)
             ids = torch.tensor([prompts[r][:n] for r in rows], device=dev)
             pos = torch.arange(n, device=dev).expand(len(rows), n)
-            kv.forward(model, cache, ids, pos, logits_to_keep=1)
-        caches.append((cache, len(rows)))
-        order += rows
-    cache = kv.stack_rows(caches, width, kv.num_layers(model))
-    n = torch.tensor([lengths[r] for r in order], device=dev, dtype=torch.long)
+            kv.forward(model, part, ids, pos, logits_to_keep=1)
+            kv.place_rows(cache, torch.tensor(rows, device=dev), part, len(prompts), width)
+    n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]
     valid = col >= (width - n[:, None])
-    tokens = torch.full((len(order), width), -1, dtype=torch.long, device=dev)
-    for j, r in enumerate(order):  # once per request at prefill, not per round
-        if lengths[r]:
-            tokens[j, width - lengths[r] :] = torch.tensor(prompts[r][:-1], device=dev)
+    tokens = torch.full((len(prompts), width), -1, dtype=torch.long, device=dev)
+    for r, length in enumerate(lengths):  # once per request at prefill, not per round
+        if length:
+            tokens[r, width - length :] = torch.tensor(prompts[r][:-1], device=dev)
     positions = (col - (width - n[:, None])).clamp(min=0)
-    state = SlotState(model, cache, valid, tokens, positions, name)
-    inverse = torch.empty(len(order), dtype=torch.long, device=dev)
-    inverse[torch.tensor(order, device=dev)] = torch.arange(len(order), device=dev)
-    state.select_rows(inverse)
-    return state
+    return SlotState(model, cache, valid, tokens, positions, name)
 
 
 def merge(a: SlotState, b: SlotState) -> SlotState:

@@ -3,8 +3,8 @@
 A transformers upgrade should only ever need changes here. The engine sees four things:
 - ``SlotCache``: a KV cache whose per-layer buffers are preallocated and written in place;
 - ``attention_mask``: a ready 4D mask built from a per-slot visibility mask (HF's mask builders are bypassed);
-- ``gather_slots`` / ``select_rows`` / ``stack_rows`` / ``take_rows`` / ``put_rows``: one gather per cache for
-  realignment, row removal, splicing, and moving rows between a window and a batch;
+- ``gather_slots`` / ``select_rows`` / ``stack_rows`` / ``take_rows`` / ``put_rows`` / ``place_rows``: one gather per
+  cache for realignment, row removal, splicing, moving rows between a window and a batch, and assembling a prefill;
 - ``check_supported``: refuses models whose attention this engine cannot address by slot;
 - ``forward``: one model forward over the cache, with CPU fast paths scoped to our forwards only: for Llama models
   in fp32, a whole layer per C call (``kernels/llama.py``, which reads the Llama module layout); otherwise linear
@@ -164,6 +164,17 @@ def put_rows(cache: SlotCache, rows: torch.Tensor, part: SlotCache, width: int) 
         dst._k[:, :, width - n : width].index_copy_(0, rows, src.keys)
         dst._v[:, :, width - n : width].index_copy_(0, rows, src.values)
         dst._adopt(dst._k, dst._v, max(dst.length, width))
+
+
+def place_rows(cache: SlotCache, rows: torch.Tensor, part: SlotCache, batch: int, width: int) -> None:
+    """Copy ``part``'s rows into ``rows`` of ``cache``, right-aligned in ``width`` slots; an empty ``cache`` first gets
+    zeroed buffers of ``batch`` rows (so the left padding holds zeros)."""
+    for dst, src in zip(cache.layers, part.layers):
+        if not dst.length:
+            dst.fresh(src.keys, src.values, batch, width)
+        n = src.length
+        dst.keys[:, :, width - n :].index_copy_(0, rows, src.keys)
+        dst.values[:, :, width - n :].index_copy_(0, rows, src.values)
 
 
 def stack_rows(parts: list[tuple[SlotCache | None, int]], width: int, num_layers: int) -> SlotCache:
