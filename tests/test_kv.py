@@ -174,6 +174,10 @@ def _llama(hidden, head_dim, heads, inter):
                       num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=256)
     model = LlamaForCausalLM(cfg)
     model.config._attn_implementation = "sdpa"
+    with torch.no_grad():  # larger than the default init, so that every part of a layer moves the logits visibly
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
     return model.eval()
 
 

@@ -64,16 +64,99 @@ static inline int seen(const unsigned char *vis, long S, long i, long s) {
     return s <= S + i && (vis[s] || s == S + i);
 }
 
+/* Scores of query qv against the eight keys at K (rows kst apart), as one vector; only the first w keys are read.
+ * (Named accumulators: an array here ends up in memory, and every sum then waits on a store.) */
+static inline __m256 scores8(const float *qv, const float *K, long kst, long D, long w) {
+    __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0, d4 = d0, d5 = d0, d6 = d0, d7 = d0;
+    if (w == 8) {
+        for (long k = 0; k < D; k += 8) {
+            __m256 qk = _mm256_loadu_ps(qv + k);
+            d0 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + k), d0);
+            d1 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + kst + k), d1);
+            d2 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 2 * kst + k), d2);
+            d3 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 3 * kst + k), d3);
+            d4 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 4 * kst + k), d4);
+            d5 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 5 * kst + k), d5);
+            d6 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 6 * kst + k), d6);
+            d7 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 7 * kst + k), d7);
+        }
+        __m256 d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
+        return sum8(d);
+    }
+    float sc[8] = {0};
+    for (long u = 0; u < w; u++) {
+        __m256 a = _mm256_setzero_ps();
+        for (long k = 0; k < D; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + k), _mm256_loadu_ps(K + u * kst + k), a);
+        __m256 d[8] = {a, d1, d2, d3, d4, d5, d6, d7};  /* zeros but the first */
+        float one[8];
+        _mm256_storeu_ps(one, sum8(d));
+        sc[u] = one[0];
+    }
+    return _mm256_loadu_ps(sc);
+}
+
+/* o[:64] = sum_t pn[t] V[t, :64] * inv, the sums in eight named registers */
+static void values64(const float *pn, long T, const float *V, long vst, __m256 inv, float *o) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (long t = 0; t < T; t++) {
+        if (pn[t] == 0.0f) continue;
+        __m256 w = _mm256_set1_ps(pn[t]);
+        const float *v = V + t * vst;
+        a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+        a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+        a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+        a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+        a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), a4);
+        a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), a5);
+        a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), a6);
+        a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), a7);
+    }
+    _mm256_storeu_ps(o, _mm256_mul_ps(a0, inv));
+    _mm256_storeu_ps(o + 8, _mm256_mul_ps(a1, inv));
+    _mm256_storeu_ps(o + 16, _mm256_mul_ps(a2, inv));
+    _mm256_storeu_ps(o + 24, _mm256_mul_ps(a3, inv));
+    _mm256_storeu_ps(o + 32, _mm256_mul_ps(a4, inv));
+    _mm256_storeu_ps(o + 40, _mm256_mul_ps(a5, inv));
+    _mm256_storeu_ps(o + 48, _mm256_mul_ps(a6, inv));
+    _mm256_storeu_ps(o + 56, _mm256_mul_ps(a7, inv));
+}
+
+/* Softmax of the T scores pn (-inf: hidden, max m) times the values at V (rows vst apart), written to o [D]. */
+static void softmax_values(float *pn, float m, long T, const float *V, long vst, long D, float *o) {
+    long s = 0;
+    float sum = 0.0f, lanes[8];
+    __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
+    for (; s + 8 <= T; s += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pn + s), vm));
+        _mm256_storeu_ps(pn + s, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    _mm256_storeu_ps(lanes, vsum);
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+    for (; s < T; s++) {
+        pn[s] = pn[s] == -INFINITY ? 0.0f : expf(pn[s] - m);
+        sum += pn[s];
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / sum);
+    long d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) values64(pn, T, V + d0, vst, inv, o + d0);
+    for (; d0 < D; d0 += 8) {  /* what is left, 8 dimensions at a time */
+        __m256 a = _mm256_setzero_ps();
+        for (long t = 0; t < T; t++) a = _mm256_fmadd_ps(_mm256_set1_ps(pn[t]), _mm256_loadu_ps(V + t * vst + d0), a);
+        _mm256_storeu_ps(o + d0, _mm256_mul_ps(a, inv));
+    }
+}
+
 /* Attention of the G query heads of key/value head g, for the q new tokens of row b (queries n = i * G + j).
- * Scores come eight slots at a time (blocks no query may see are skipped unread); then softmax; then each query's
- * weighted sum of values, 64 dimensions at a time in registers. p: scratch [q * G * T]. */
+ * Scores come eight slots at a time (blocks no query may see are skipped unread); then softmax and each query's
+ * weighted sum of values. p: scratch [q * G * T]. */
 static void attend(const float *qb, const float *K, const float *V, float *out, const unsigned char *vis, long S,
                    long q, long nh, long G, long g, long D, float scale, float *p) {
     long T = S + q, nq = q * G;
     for (long n = 0; n < nq; n++) {
         long i = n / G;
         const float *qv = qb + (i * nh + g * G + n % G) * D;
-        float *pn = p + n * T, m = -INFINITY, sum = 0.0f;
+        float *pn = p + n * T, m = -INFINITY;
         for (long s0 = 0; s0 < T; s0 += 8) {
             long w = T - s0 < 8 ? T - s0 : 8, any = 0;
             for (long u = 0; u < w; u++) any |= seen(vis, S, i, s0 + u);
@@ -81,51 +164,14 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
                 for (long u = 0; u < w; u++) pn[s0 + u] = -INFINITY;
                 continue;
             }
-            __m256 d[8];
-            for (long u = 0; u < 8; u++) {
-                d[u] = _mm256_setzero_ps();
-                if (u < w)
-                    for (long k = 0; k < D; k += 8)
-                        d[u] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + k), _mm256_loadu_ps(K + (s0 + u) * D + k), d[u]);
-            }
             float sc[8];
-            _mm256_storeu_ps(sc, sum8(d));
+            _mm256_storeu_ps(sc, scores8(qv, K + s0 * D, D, D, w));
             for (long u = 0; u < w; u++) {
                 pn[s0 + u] = seen(vis, S, i, s0 + u) ? sc[u] * scale : -INFINITY;
                 m = pn[s0 + u] > m ? pn[s0 + u] : m;
             }
         }
-        long s = 0;
-        __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
-        for (; s + 8 <= T; s += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pn + s), vm));
-            _mm256_storeu_ps(pn + s, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vsum);
-        for (int j = 0; j < 8; j++) sum += lanes[j];
-        for (; s < T; s++) {
-            pn[s] = pn[s] == -INFINITY ? 0.0f : expf(pn[s] - m);
-            sum += pn[s];
-        }
-        float inv = 1.0f / sum;
-        float *o = out + (i * nh + g * G + n % G) * D;
-        for (long d0 = 0; d0 < D; d0 += 64) {
-            long nk = (D - d0 < 64 ? D - d0 : 64) / 8;
-            __m256 acc[8];
-            for (long k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
-            for (long t = 0; t < T; t++) {
-                if (pn[t] == 0.0f) continue;
-                __m256 wv = _mm256_set1_ps(pn[t]);
-                const float *vs = V + t * D + d0;
-                if (nk == 8)
-                    for (long k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vs + 8 * k), acc[k]);
-                else
-                    for (long k = 0; k < nk; k++) acc[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vs + 8 * k), acc[k]);
-            }
-            for (long k = 0; k < nk; k++) _mm256_storeu_ps(o + d0 + 8 * k, _mm256_mul_ps(acc[k], _mm256_set1_ps(inv)));
-        }
+        softmax_values(pn, m, T, V, D, D, out + (i * nh + g * G + n % G) * D);
     }
 }
 
