@@ -83,16 +83,10 @@ static inline __m256 scores8(const float *qv, const float *K, long kst, long D, 
         __m256 d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
         return sum8(d);
     }
-    float sc[8] = {0};
-    for (long u = 0; u < w; u++) {
-        __m256 a = _mm256_setzero_ps();
-        for (long k = 0; k < D; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + k), _mm256_loadu_ps(K + u * kst + k), a);
-        __m256 d[8] = {a, d1, d2, d3, d4, d5, d6, d7};  /* zeros but the first */
-        float one[8];
-        _mm256_storeu_ps(one, sum8(d));
-        sc[u] = one[0];
-    }
-    return _mm256_loadu_ps(sc);
+    __m256 d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};  /* the last, partial block: zeros past w */
+    for (long u = 0; u < w; u++)
+        for (long k = 0; k < D; k += 8) d[u] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + k), _mm256_loadu_ps(K + u * kst + k), d[u]);
+    return sum8(d);
 }
 
 /* o[:64] = sum_t pn[t] V[t, :64] * inv, the sums in eight named registers */
