@@ -201,7 +201,7 @@ def test_oracle_cache(tmp_path, monkeypatch, prompts):
     changed = copy.deepcopy(model)
     with torch.no_grad():
         changed.lm_head.weight[5, 0] += 1.0
-    assert fingerprint(changed) != fingerprint(model) != fingerprint(model.to(torch.float32))
+    assert fingerprint(changed) != fingerprint(model) != fingerprint(copy.deepcopy(model).to(torch.float32))
 
 
 def test_engine_names_are_checked(prompts, cache):

@@ -79,9 +79,9 @@ def test_draft_cache_is_checked():
     drafter = llm.drafter
     original = drafter.commit
 
-    def bad_commit(accepted, k):
-        original(accepted, k)
-        drafter.state.valid[:, -1] = True  # reveal the last (possibly rejected) draft slot
+    def bad_commit(state, proposal, accepted, target):
+        original(state, proposal, accepted, target)
+        state.slots.valid[:, -1] = True  # reveal the last (possibly rejected) draft slot
 
     drafter.commit = bad_commit
     with pytest.raises(InvariantError) as e:

@@ -103,7 +103,8 @@ def test_repetition_rate():
 
 def test_classify_margin():
     assert attr.classify(0.0, 1e-6) == "numerical"  # an exact tie
-    assert attr.classify(-0.5, 1e-6) == "numerical"  # the target itself prefers the engine's token here
+    assert attr.classify(-1e-6, 1e-6) == "numerical"
+    assert attr.classify(-0.5, 1e-6) == "reference"  # the target itself prefers the engine's token: a wrong oracle
     assert attr.classify(1e-6, 1e-6) == "numerical"
     assert attr.classify(2e-6, 1e-6) == "synchronization"
     assert attr.classify(None, 1.0) == "synchronization"  # a length difference has no margin
@@ -175,7 +176,7 @@ def test_black_box_signature_rules():
     assert attr.black_box_signature(8, [_rec(pm=0.6, loops=True), _rec(pm=0.8)]) == "kv-cache drift"
     # the oracle looping as well is no evidence of drift
     assert attr.black_box_signature(8, [_rec(pm=0.6, loops=True, oracle_loops=True)]) == "unknown"
-    assert set(attr.SIGNATURES) >= {"clean", "unknown"} and len(attr.SIGNATURES) == 6
+    assert set(attr.SIGNATURES) >= {"clean", "unknown", attr.REFERENCE} and len(attr.SIGNATURES) == 7
 
 
 def test_invariant_kind_from_attribute_or_message():

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 
 import torch
 
 from . import kv
 from .drafters import ModelDrafter, NoDrafter, PromptLookup
-from .engine import Parts, Request, run
+from .engine import Engine, Parts, Request
 from .faults import apply_fault
 from .layouts import get_layout
 from .models import context_length, eos_ids, load_model, load_tokenizer, vocab_size
 from .params import RequestOutput, SamplingParams, Stats
+from .runner import Runner
 from .schedulers import get_scheduler
 
 
@@ -30,6 +32,7 @@ class LLM:
         device=None,
         check_invariants: bool = False,
         fault: str | None = None,
+        profile: bool = False,
     ):
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
@@ -43,8 +46,8 @@ class LLM:
         self.batch_size, self.check_invariants = batch_size, check_invariants
         self.drafter = self._drafter(draft, dtype)
         self.k = 0 if isinstance(self.drafter, NoDrafter) else num_draft_tokens
-        self.parts = apply_fault(Parts(self.target, self.drafter, self.layout, self.k), fault)
-        self.fault = fault
+        self.parts = apply_fault(Parts(Runner(self.target), self.drafter, self.layout, self.k), fault)
+        self.fault, self.profile = fault, profile
         self.stats = Stats()
 
     def _drafter(self, draft, dtype):
@@ -80,8 +83,10 @@ class LLM:
                 if self.tokenizer is None:
                     raise ValueError("string prompts need a tokenizer; pass tokenizer= or token-id prompts")
                 ids = self.tokenizer(p)["input_ids"]
+            elif isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() == 1):
+                ids = [_token_id(t, i) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)]
             else:
-                ids = [int(t) for t in p]
+                raise ValueError(f"prompt {i} is a {type(p).__name__}; give a string or a list of token ids")
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
             bad = [t for t in ids if not 0 <= t < vocab]
@@ -90,54 +95,123 @@ class LLM:
             out.append(ids)
         return out
 
-    def generate(self, prompts, sampling_params=None, progress: bool = False) -> list[RequestOutput]:
-        prompts = list(prompts)
-        if not prompts:
-            return []
+    def _check(self, ids: list[list[int]], params: list[SamplingParams]) -> None:
+        """Every limit that could fail mid-run, checked before any work: the target's and the draft's context
+        (speculative blocks are clipped near the end of the target's context, so whatever fits there is served),
+        and sampling values the model's dtype cannot compute."""
+        ctx = context_length(self.target)
+        draft = self.draft if isinstance(self.drafter, ModelDrafter) else None
+        draft_ctx = context_length(draft) if draft is not None else None
+        smallest = 64.0 / torch.finfo(self.target.dtype).max
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            need = len(p) + sp.max_tokens
+            if ctx is not None and need > ctx:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} prompt tokens + max_tokens {sp.max_tokens} = {need} "
+                    f"exceeds the model's context of {ctx} positions"
+                )
+            if draft_ctx is not None and need > draft_ctx:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} prompt tokens + max_tokens {sp.max_tokens} = {need} exceeds the draft "
+                    f"model's context of {draft_ctx} positions; use a draft with a longer context, or prompt-lookup"
+                )
+            if 0 < sp.temperature < smallest:
+                raise ValueError(
+                    f"prompt {i}: temperature {sp.temperature} cannot be computed in {self.target.dtype} (logits / "
+                    f"temperature overflows); use at least {smallest:.3g}, or 0 for greedy decoding"
+                )
+
+    def context(self) -> int | None:
+        """Positions a speculative block may reach (the target's context; a draft model drafts one position less
+        than the block it fills)."""
+        ctx = context_length(self.target)
+        if isinstance(self.drafter, ModelDrafter) and context_length(self.draft) is not None:
+            d = context_length(self.draft) + 1
+            ctx = d if ctx is None else min(ctx, d)
+        return ctx
+
+    def requests(self, prompts, sampling_params=None) -> tuple[list[list[int]], list[Request]]:
+        """Validate ``prompts`` and their params; returns (token ids, engine requests numbered 0..n-1)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
         ids = self._encode(prompts)
-        ctx = context_length(self.target)
-        for i, (p, sp) in enumerate(zip(ids, params)):
-            if ctx is not None and len(p) + sp.max_tokens > ctx:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} prompt tokens + max_tokens {sp.max_tokens} = {len(p) + sp.max_tokens} "
-                    f"exceeds the model's context of {ctx} positions"
-                )
+        self._check(ids, params)
         eos = eos_ids(self.target)
         stops = [set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos) for sp in params]
         seeds = [sp.seed if sp.seed is not None else int(torch.randint(2**62, ())) for sp in params]
-        requests = [
-            Request(i, p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed)
+        return ids, [
+            Request(p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed, id=i)
             for i, (p, sp, stop, seed) in enumerate(zip(ids, params, stops, seeds))
         ]
+
+    def engine(self) -> Engine:
+        """A step-able engine over this LLM's models and components (``add_request`` / ``step`` / ``abort``)."""
+        self.parts.context = self.context()
+        return Engine(self.parts, self.scheduler, self.batch_size, self.stats, self.check_invariants, self.profile)
+
+    def output(self, prompt_ids: list[int], f) -> RequestOutput:
+        """A ``RequestOutput`` from an engine's ``Finished``."""
+        return RequestOutput(
+            prompt_token_ids=prompt_ids,
+            token_ids=f.token_ids,
+            text=self.tokenizer.decode(f.token_ids, skip_special_tokens=True) if self.tokenizer else None,
+            finish_reason=f.reason,
+            num_rounds=f.rounds,
+            num_drafted=f.drafted,
+            num_accepted=f.accepted,
+        )
+
+    def generate(self, prompts, sampling_params=None, progress: bool = False, on_tokens=None) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. ``on_tokens(index, new_token_ids, finished)`` (optional) is called
+        after every engine step for each prompt that gained tokens, to stream them.
+
+        If anything raises mid-run, the exception propagates with ``exc.outputs``: a list in prompt order holding
+        the ``RequestOutput`` of every prompt that had finished and None for the others; the ``LLM`` stays usable."""
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        ids, requests = self.requests(prompts, sampling_params)
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = _progress(progress, len(ids))
-
-        def finish(rows):
-            for f in rows:
-                results[f.request_id] = RequestOutput(
-                    prompt_token_ids=ids[f.request_id],
-                    token_ids=f.token_ids,
-                    text=self.tokenizer.decode(f.token_ids, skip_special_tokens=True) if self.tokenizer else None,
-                    finish_reason="stop" if f.stopped else "length",
-                    num_rounds=f.rounds,
-                    num_drafted=f.drafted,
-                    num_accepted=f.accepted,
-                )
-                if bar:
-                    bar.advance()
-
+        engine = self.engine()
+        for r in requests:
+            engine.add_request(r)
         t0 = time.perf_counter()
         try:
-            run(self.parts, requests, self.scheduler, self.batch_size, self.stats, self.check_invariants, finish)
+            while engine.has_work():
+                for o in engine.step():
+                    if on_tokens is not None and (o.new_token_ids or o.finished):
+                        on_tokens(o.request_id, o.new_token_ids, o.finished is not None)
+                    if o.finished is not None:
+                        results[o.request_id] = self.output(ids[o.request_id], o.finished)
+                        if bar:
+                            bar.advance()
+        except BaseException as exc:
+            engine.reset()
+            try:
+                exc.outputs = list(results)
+            except AttributeError:  # an exception type that takes no attributes
+                pass
+            raise
         finally:
             self.stats.total += time.perf_counter() - t0
             if bar:
                 bar.close()
         return results
+
+
+def _token_id(t, prompt: int) -> int:
+    """An integer token id (bool, float, str and other types are refused, numpy / torch integers accepted)."""
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        if isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() and t.dtype != torch.bool:
+            return int(t)
+        raise ValueError(f"prompt {prompt} has token {t!r} of type {type(t).__name__}; token ids are integers")
+    return int(t)
 
 
 class _progress:

@@ -7,12 +7,12 @@ rejected draft tokens become holes (invalid slots) until a layout realigns the r
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+import copy
 
 import torch
 
 from . import kv
+from .runner import Runner
 
 
 class InvariantError(AssertionError):
@@ -28,18 +28,58 @@ class InvariantError(AssertionError):
         super().__init__(f"{invariant} ({kind}) violated in the {cache} cache, row {row}, round {round}: {message}")
 
 
-@dataclass
+def _grow(t: torch.Tensor, capacity: int, fill) -> torch.Tensor:
+    """``t`` ``[B, W]`` copied into a ``[B, capacity]`` buffer (the rest ``fill``)."""
+    out = t.new_full((t.shape[0], capacity), fill)
+    out[:, : t.shape[1]] = t
+    return out
+
+
 class SlotState:
-    model: torch.nn.Module
-    cache: kv.SlotCache
-    valid: torch.Tensor  # [B, S] bool: the slot holds a token that attention may see
-    tokens: torch.Tensor  # [B, S] long: token id written at each slot (-1 for padding)
-    positions: torch.Tensor  # [B, S] long: position id each slot was written with
-    name: str = "target"
+    """One model's slot rectangle: its runner, its KV cache and, per slot, ``valid`` ``[B, S]`` (the slot holds a
+    token that attention may see), ``tokens`` (the token id written there, -1 for padding) and ``positions`` (the
+    position id it was written with). The three live in buffers of fixed capacity with a write cursor (``width``):
+    a round writes its new slots in place, and the buffers grow geometrically, rarely, never per round."""
+
+    _FILL = {"valid": False, "tokens": -1, "positions": 0}
+
+    def __init__(self, runner, cache: kv.SlotCache, valid, tokens, positions, name: str = "target"):
+        self.runner, self.cache, self.name = runner, cache, name
+        self.width = 0
+        self._buf = {}
+        self.store(valid, tokens, positions)
+
+    def store(self, valid, tokens, positions) -> None:
+        """Replace the per-slot tensors (all ``[B, W]``); keeps the buffers when they are large enough."""
+        w = valid.shape[1]
+        fresh = not self._buf or self._buf["valid"].shape[0] != valid.shape[0] or self.capacity < w
+        for name, t in (("valid", valid), ("tokens", tokens), ("positions", positions)):
+            if fresh:
+                self._buf[name] = _grow(t, max(w + 64, w * 3 // 2), self._FILL[name])
+            else:
+                self._buf[name][:, :w] = t
+        self.width = w
 
     @property
-    def width(self) -> int:
-        return self.valid.shape[1]
+    def capacity(self) -> int:
+        return self._buf["valid"].shape[1]
+
+    def _reserve(self, width: int) -> None:
+        if width > self.capacity:
+            cap = max(width, 2 * self.capacity)
+            self._buf = {n: _grow(t, cap, self._FILL[n]) for n, t in self._buf.items()}
+
+    valid = property(lambda self: self._buf["valid"][:, : self.width])
+    tokens = property(lambda self: self._buf["tokens"][:, : self.width])
+    positions = property(lambda self: self._buf["positions"][:, : self.width])
+
+    @valid.setter
+    def valid(self, t):
+        self._buf["valid"][:, : self.width] = t
+
+    @property
+    def model(self):
+        return self.runner.model
 
     def count(self) -> torch.Tensor:
         """Valid (cached) tokens per row ``[B]``."""
@@ -47,19 +87,21 @@ class SlotState:
 
     def new_positions(self, new_valid: torch.Tensor) -> torch.Tensor:
         """Positions for new slots ``[B, q]``: the number of valid tokens before each one."""
-        before = self.count()[:, None] + torch.cumsum(new_valid, 1) - new_valid.long()
-        return before
+        return self.count()[:, None] + torch.cumsum(new_valid, 1) - new_valid.long()
 
-    def append(self, input_ids: torch.Tensor, new_valid: torch.Tensor | None = None, logits_to_keep: int = 0):
-        """Run the model on ``input_ids`` ``[B, q]`` written into ``q`` new slots per row; returns logits."""
+    def append(self, input_ids: torch.Tensor, new_valid: torch.Tensor | None = None, logits_to_keep: int = 0,
+               hidden: bool = False):
+        """Run the model on ``input_ids`` ``[B, q]`` written into ``q`` new slots per row; returns a
+        ``TargetOutput`` (logits, and the final hidden states when ``hidden``)."""
         if new_valid is None:
             new_valid = torch.ones_like(input_ids, dtype=torch.bool)
+        q, w = input_ids.shape[1], self.width
         pos = self.new_positions(new_valid)
-        visible = torch.cat([self.valid, new_valid], 1)
-        logits = kv.forward(self.model, self.cache, input_ids, pos, visible, logits_to_keep)
-        self.valid, self.tokens = visible, torch.cat([self.tokens, input_ids], 1)
-        self.positions = torch.cat([self.positions, pos], 1)
-        return logits
+        self._reserve(w + q)
+        for name, t in (("valid", new_valid), ("tokens", input_ids), ("positions", pos)):
+            self._buf[name][:, w : w + q] = t
+        self.width = w + q
+        return self.runner.forward(self.cache, input_ids, pos, self.valid, logits_to_keep, hidden)
 
     def hide_tail(self, q: int, keep: torch.Tensor) -> None:
         """Of the last ``q`` slots, keep the first ``keep[b]`` of each row visible and hide the rest (rejected)."""
@@ -67,30 +109,52 @@ class SlotState:
         self.valid[:, -q:] &= tail
 
     def gather(self, index: torch.Tensor, pad: torch.Tensor) -> None:
-        """Rearrange every per-slot tensor and the KV cache by one gather: ``new[b, j] = old[b, index[b, j]]``."""
+        """Rearrange every per-slot tensor and the KV cache in place by one gather: ``new[b, j] = old[b, index[b,
+        j]]`` (``index`` no wider than the state)."""
         kv.gather_slots(self.cache, index, pad)
-        self.valid = self.valid.gather(1, index) & ~pad
-        self.tokens = self.tokens.gather(1, index).masked_fill(pad, -1)
-        self.positions = self.positions.gather(1, index).masked_fill(pad, 0)
+        self.store(self.valid.gather(1, index) & ~pad, self.tokens.gather(1, index).masked_fill(pad, -1),
+                   self.positions.gather(1, index).masked_fill(pad, 0))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         kv.select_rows(self.cache, rows)
-        self.valid, self.tokens, self.positions = self.valid[rows], self.tokens[rows], self.positions[rows]
+        self._buf = {n: t[rows] for n, t in self._buf.items()}
+
+    def _like(self, cache, valid, tokens, positions) -> "SlotState":
+        part = copy.copy(self)  # keeps the class (an injected fault's overrides travel with it)
+        part.cache, part._buf, part.width = cache, {}, 0
+        part.store(valid, tokens, positions)
+        return part
 
     def take(self, rows: torch.Tensor) -> "SlotState":
         """A copy of ``rows`` as a state of its own (a batch drawn from a larger window)."""
-        return dataclasses.replace(self, cache=kv.take_rows(self.cache, rows), valid=self.valid[rows],
-                                   tokens=self.tokens[rows], positions=self.positions[rows])
+        return self._like(kv.take_rows(self.cache, rows), self.valid[rows], self.tokens[rows], self.positions[rows])
 
     def put(self, rows: torch.Tensor, part: "SlotState") -> None:
         """Write ``part`` (taken from ``rows`` and advanced) back, right-aligned; widens this state if needed."""
-        old, width = self.width, max(self.width, part.width)
+        width = max(self.width, part.width)
         kv.put_rows(self.cache, rows, part.cache, width)
-        pad = torch.nn.functional.pad
-        for name, fill in (("valid", False), ("tokens", -1), ("positions", 0)):
-            mine = pad(getattr(self, name), (0, width - old), value=fill)  # new slots on the right: empty
-            mine[rows] = pad(getattr(part, name), (width - part.width, 0), value=fill)
-            setattr(self, name, mine)
+        self._reserve(width)
+        for name in self._FILL:
+            buf = self._buf[name]
+            buf[:, self.width : width] = self._FILL[name]  # new slots on the right: empty
+            buf[rows, : width - part.width] = self._FILL[name]
+            buf[rows, width - part.width : width] = getattr(part, name)
+        self.width = width
+
+    def merge(self, other: "SlotState") -> "SlotState":
+        """Rows of this state then rows of ``other`` in one left-padded state (the narrower is padded on the left)."""
+        width = max(self.width, other.width)
+        cache = kv.stack_rows([(self.cache, len(self)), (other.cache, len(other))], width, len(self.cache.layers))
+
+        def pad(name):
+            fill = self._FILL[name]
+            return torch.cat([torch.nn.functional.pad(getattr(s, name), (width - s.width, 0), value=fill)
+                              for s in (self, other)])
+
+        return self._like(cache, pad("valid"), pad("tokens"), pad("positions"))
+
+    def __len__(self) -> int:
+        return self._buf["valid"].shape[0]
 
 
 def compact_index(valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,25 +173,26 @@ def compact_index(valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
     return index, pad
 
 
-def prefill(model, prompts: list[list[int]], name: str = "target") -> SlotState:
+def prefill(runner, prompts: list[list[int]], name: str = "target") -> SlotState:
     """Cache every prompt but its last token, without padding waste, as one left-padded ``SlotState``.
 
     Prompts of equal length share one forward; each group's keys and values are then copied once into its rows of
     the final rectangle (cost follows the sum of prompt lengths, not batch x longest).
     """
-    dev = model.device
+    runner = runner if isinstance(runner, Runner) else Runner(runner)  # a model: a runner of its own
+    dev = runner.device
     lengths = [len(p) - 1 for p in prompts]
     width = max(lengths, default=0)
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         groups.setdefault(n, []).append(i)
-    cache = kv.new_cache(model)
+    cache = kv.new_cache(runner.model)
     for n, rows in sorted(groups.items()):
         if n:
-            part = kv.new_cache(model)
+            part = kv.new_cache(runner.model)
             ids = torch.tensor([prompts[r][:n] for r in rows], device=dev)
             pos = torch.arange(n, device=dev).expand(len(rows), n)
-            kv.forward(model, part, ids, pos, logits_to_keep=1)
+            runner.forward(part, ids, pos, logits_to_keep=1)
             kv.place_rows(cache, torch.tensor(rows, device=dev), part, len(prompts), width)
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]
@@ -137,23 +202,7 @@ def prefill(model, prompts: list[list[int]], name: str = "target") -> SlotState:
         if length:
             tokens[r, width - length :] = torch.tensor(prompts[r][:-1], device=dev)
     positions = (col - (width - n[:, None])).clamp(min=0)
-    return SlotState(model, cache, valid, tokens, positions, name)
-
-
-def merge(a: SlotState, b: SlotState) -> SlotState:
-    """Rows of ``a`` then rows of ``b`` in one left-padded state (the narrower is padded on the left)."""
-    width = max(a.width, b.width)
-    cache = kv.stack_rows([(a.cache, a.valid.shape[0]), (b.cache, b.valid.shape[0])], width, kv.num_layers(a.model))
-
-    def pad(t, value):
-        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
-
-    return dataclasses.replace(
-        a, cache=cache,
-        valid=torch.cat([pad(a.valid, False), pad(b.valid, False)]),
-        tokens=torch.cat([pad(a.tokens, -1), pad(b.tokens, -1)]),
-        positions=torch.cat([pad(a.positions, 0), pad(b.positions, 0)]),
-    )
+    return SlotState(runner, cache, valid, tokens, positions, name)
 
 
 def check_invariants(state: SlotState, history: torch.Tensor, processed: torch.Tensor, round: int) -> None:
@@ -206,3 +255,48 @@ def check_invariants(state: SlotState, history: torch.Tensor, processed: torch.T
         if kind == "count":
             message += f" ({int(n[row])} valid, {int(processed[row])} processed)"
         raise InvariantError("I2", kind, message, row, round, state.name)
+
+
+class Batch:
+    """The running rows, in one place: their sequences (``Sequences``), the target's slots, the drafter's per-row
+    state (None for drafters without one) and each row's current length (prompt + generated, on the host, read with
+    the round's one host sync). Row operations are written once, here, for all of them."""
+
+    def __init__(self, seqs, target: SlotState, draft, lengths: list[int]):
+        self.seqs, self.target, self.draft, self.lengths = seqs, target, draft, lengths
+
+    def _parts(self):
+        return (self.seqs, self.target) if self.draft is None else (self.seqs, self.target, self.draft)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def request_ids(self) -> list[int]:
+        return self.seqs.request_ids
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` (host indices, ``new[i] = old[keep[i]]``)."""
+        idx = torch.tensor(keep, dtype=torch.long, device=self.seqs.length.device)
+        for part in self._parts():
+            part.select_rows(idx)
+        self.lengths = [self.lengths[i] for i in keep]
+
+    def take(self, rows: list[int]) -> "Batch":
+        """A copy of ``rows`` (a batch drawn from a larger window)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.seqs.length.device)
+        return Batch(*(part.take(idx) for part in self._parts()), *(() if self.draft is not None else (None,)),
+                     [self.lengths[i] for i in rows])
+
+    def put(self, rows: list[int], part: "Batch") -> None:
+        """Write back what ``take(rows)`` returned, after a round."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.seqs.length.device)
+        for mine, theirs in zip(self._parts(), part._parts()):
+            mine.put(idx, theirs)
+        for r, length in zip(rows, part.lengths):
+            self.lengths[r] = length
+
+    def merge(self, other: "Batch") -> "Batch":
+        """This batch's rows followed by ``other``'s (requests joining)."""
+        merged = [mine.merge(theirs) for mine, theirs in zip(self._parts(), other._parts())]
+        return Batch(*merged, *(() if self.draft is not None else (None,)), self.lengths + other.lengths)

@@ -91,6 +91,8 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
           num_draft_tokens=5, tokenizer=None, hf=True, progress=False) -> list[BenchRow]:
     import batchspec
 
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
     llm0 = batchspec.LLM(target, tokenizer=tokenizer)
     model = llm0.target
     ids = llm0._encode(prompts)
@@ -232,8 +234,8 @@ def add_arguments(parser, model_args):
     parser.add_argument("--engines", default="plain,slotmask,eqspec,slotmask-lookup")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate at batch sizes above 1")
-    parser.add_argument("--limit", type=int, default=None, help="benchmark only the first N prompts")
-    parser.add_argument("--truncate", type=int, default=None, metavar="N",
+    parser.add_argument("--limit", type=positive_int, default=None, help="benchmark only the first N prompts")
+    parser.add_argument("--truncate", type=positive_int, default=None, metavar="N",
                         help="an identical-length set: keep prompts of at least N tokens, cut to their first N")
     parser.add_argument("--out", default="out/bench")
     parser.set_defaults(func=run, max_tokens=128)
@@ -243,23 +245,25 @@ def run(args) -> int:
     from rich.console import Console
     from rich.markdown import Markdown
 
-    from .cli import _dtype, load_prompts, resolve_draft
+    from .cli import _dtype, encode_prompts, int_list, prepare_out, read_prompt_set, resolve_draft
     import batchspec
 
+    draft = resolve_draft(args.target, args.draft)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for e in engines:  # unknown engine names fail here, before any model loads
+        parse_engine(e, draft)
+    sizes = int_list(args.batch_sizes, "--batch-sizes")
+    pairs = read_prompt_set(args.prompts)
+    out = prepare_out(args.out, folder=True)
     llm = batchspec.LLM(args.target, dtype=_dtype(args.dtype), device=args.device)
-    _, _, prompts = load_prompts(args.prompts, llm.tokenizer, args.chat_template)
+    _, _, prompts = encode_prompts(pairs, llm.tokenizer, args.chat_template)
     if args.truncate:
         prompts = [p[: args.truncate] for p in prompts if len(p) >= args.truncate]
         if not prompts:
-            raise SystemExit(f"no prompt has {args.truncate} tokens or more to truncate to")
-    prompts = prompts[: args.limit] if args.limit else prompts
-    draft = resolve_draft(args.target, args.draft)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
+            raise ValueError(f"no prompt has {args.truncate} tokens or more to truncate to")
+    prompts = prompts[: args.limit]
     rows = bench(llm.target, draft, prompts, engines, sizes, args.max_tokens, args.num_draft_tokens,
                  llm.tokenizer, hf=not args.no_hf, progress=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     md = to_markdown(rows)
     (out / "bench.md").write_text(md)
@@ -269,6 +273,6 @@ def run(args) -> int:
     return 0
 
 
-from .cli import COMMANDS  # noqa: E402
+from .cli import COMMANDS, positive_int  # noqa: E402
 
 COMMANDS["bench"] = (add_arguments, run)

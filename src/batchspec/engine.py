@@ -1,191 +1,301 @@
-"""The engine loop: admit -> select a batch -> round (draft -> verify -> accept -> emit) -> keep rows aligned.
-Rows that finish leave the batch."""
+"""The engine: requests come in (``add_request``), each ``step`` runs one round on a batch of running rows (admit ->
+select -> draft -> verify -> accept -> emit -> keep rows aligned) and says which tokens each request gained; rows
+that finish (or are aborted) leave the batch."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from .batch import InvariantError, check_invariants, merge, prefill
-from .params import Stats
+from .batch import Batch, InvariantError, check_invariants, prefill
 from .layouts.slotmask import SlotMask
-from .sequences import Sequences
+from .params import Stats
+from .policy import FixedLength
 from .sampling import ACCEPT, TARGET
+from .sequences import Sequences
 from .verify import emitted_block, greedy_accept, rejection_sample
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    stop_ids: set = field(default_factory=set)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    id: int | None = None  # given by ``Engine.add_request`` when None
 
 
 @dataclass
 class Finished:
     request_id: int
     token_ids: list[int]
-    stopped: bool
-    rounds: int
-    drafted: int
-    accepted: int
+    reason: str  # "stop" | "length" | "abort"
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class StepOutput:
+    """What a step did for one request: the tokens it gained, and its result when it finished in this step."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: Finished | None = None
 
 
 @dataclass
 class Parts:
-    """The swappable components of a round (an injected fault replaces exactly one of them)."""
+    """The swappable components of a round (an injected fault replaces exactly one of them). ``target`` is the
+    target's ``Runner``; ``policy`` chooses the speculation length of each round."""
 
-    target: torch.nn.Module
+    target: object
     drafter: object
     layout: object
     k: int
     accept: Callable = greedy_accept
     sample: Callable = rejection_sample
     prefill: Callable = prefill
+    policy: object = field(default_factory=FixedLength)
+    context: int | None = None  # positions a verification block may reach (None: unlimited)
 
 
 class Timer:
-    def __init__(self, stats: Stats, device: torch.device):
-        self.stats, self.cuda = stats, device.type == "cuda"
+    """Adds each stage's seconds to ``stats``. On CUDA the GPU is synchronised after a stage only when ``sync``
+    (profiling): otherwise stage seconds are host seconds and the round keeps its one host read."""
+
+    def __init__(self, stats: Stats, device: torch.device, sync: bool = False):
+        self.stats, self.sync = stats, sync and device.type == "cuda"
 
     @contextmanager
     def __call__(self, stage: str):
         t = time.perf_counter()
         yield
-        if self.cuda:
+        if self.sync:
             torch.cuda.synchronize()
         setattr(self.stats, stage, getattr(self.stats, stage) + time.perf_counter() - t)
 
 
 @dataclass
-class Request:
-    id: int
-    prompt: list[int]
-    max_tokens: int
-    stop_ids: set
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+class RoundResult:
+    finished: torch.Tensor  # [rows of the batch] after the round
+    block: torch.Tensor  # [B, k+1] emitted tokens (first ``emitted`` of each row)
+    emitted: torch.Tensor  # [B]
+    cut: torch.Tensor  # [B] verified tokens dropped after a stop token
+    accepted: torch.Tensor  # [B] accepted drafts that were emitted
+    n_drafts: torch.Tensor  # [B]
 
 
-@torch.inference_mode()
-def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats: Stats, check: bool = False,
-        on_finish: Callable | None = None) -> list[Finished]:
-    """Generate for every request. At each round boundary ``scheduler.admit(running, waiting, batch_size)`` says how
-    many waiting requests join the running rows (prefilled and spliced in) and ``scheduler.select(lengths,
-    batch_size)`` which running rows form this round's batch (None: all). Returns rows in finishing order."""
-    timer = Timer(stats, parts.target.device)
-    drafter, layout = parts.drafter, parts.layout
-    waiting = deque(requests)
-    seqs = target = None
-    lengths: list[int] = []  # each running row's length (prompt + generated), read with the round's one host sync
-    done: list[Finished] = []
-    rnd = 0
-    scheduler.forget([])
-    while waiting or seqs is not None:
-        n_join = min(len(waiting), scheduler.admit(len(seqs) if seqs else 0, len(waiting), batch_size))
-        if n_join:
-            joins = [waiting.popleft() for _ in range(n_join)]
-            with timer("prefill"):
-                seqs, target = _admit(parts, joins, seqs, target, stats)
-            lengths += [len(r.prompt) for r in joins]
-        rnd += 1
-        rows, grouped = scheduler.select(lengths, batch_size)
-        if grouped is not None:
-            stats.grouped_rounds += grouped
-            stats.fallback_rounds += not grouped
-        if rows is None:
-            finished, *counts = speculative_round(parts, seqs, target, drafter, timer)
+def speculative_round(parts: Parts, batch: Batch, timer: Timer) -> RoundResult:
+    """One round on a batch: draft -> verify -> accept -> hide rejected slots -> emit."""
+    seqs, target, drafter = batch.seqs, batch.target, parts.drafter
+    with timer("draft"):
+        proposal = drafter.propose(seqs, batch.draft, parts.policy.length(batch, _room(parts, batch)))
+        drafts, n_drafts = proposal.drafts, proposal.n_drafts
+        k = drafts.shape[1]  # this round's block: a drafter may propose fewer for every row
+    with timer("verify"):
+        out = target.append(torch.cat([seqs.pending()[:, None], drafts], 1), hidden=drafter.needs_hidden)
+        if seqs.sampling:
+            u_accept, u_target = seqs.uniforms(k, ACCEPT), seqs.uniforms(k + 1, TARGET)
+            accepted, bonus = parts.sample(seqs.warp(out.logits), proposal.q, drafts, n_drafts, u_accept, u_target)
         else:
-            finished, *counts = _round_from_window(parts, rows, lengths, seqs, target, drafter, timer)
-        with timer("align"):
-            fin, lengths, width = _account(stats, seqs, finished, *counts)  # the round's one host sync
-            if any(fin):
-                done += _collect(seqs, fin)
-                if on_finish:
-                    on_finish(done[-sum(fin):])
-                keep = _refill_from_tail(fin)
-                lengths = [lengths[i] for i in keep]
-                scheduler.forget(keep)
-                if not keep:
-                    seqs = target = None
-                    drafter.reset()
-                    continue
-                idx = torch.tensor(keep, dtype=torch.long, device=seqs.length.device)
-                for holder in (seqs, target, drafter):
-                    holder.select_rows(idx)
-            # a window keeps the layout's slots between batches; its waste is bounded like slotmask's
-            window_layout = layout if rows is None else WINDOW
-            for state in (target, *drafter.states):
-                window_layout.align(state, width)
-        if check:
-            check_round(target, drafter, seqs, rnd)
-    return done
+            accepted, bonus = parts.accept(out.logits.argmax(-1), drafts, n_drafts)
+    with timer("align"):
+        target.hide_tail(k + 1, accepted + 1)
+        drafter.commit(batch.draft, proposal, accepted, out)
+        block = emitted_block(drafts, accepted, bonus)
+        finished, n, cut = seqs.extend(block, accepted + 1)
+        accepted = torch.minimum(accepted, n)  # drafts cut after a stop token or at the limit were not emitted
+        seqs.rounds += 1
+        seqs.drafted += n_drafts
+        seqs.accepted += accepted
+    return RoundResult(finished, block, n, cut, accepted, n_drafts)
+
+
+def _room(parts: Parts, batch: Batch) -> int:
+    """The most tokens any row may draft this round: K, clipped so the block stays inside the context (a running
+    row always has room for one more position, as prompt + max_tokens fits the context)."""
+    if parts.context is None or not parts.k:
+        return parts.k
+    return max(1, min(parts.k, parts.context - max(batch.lengths)))
 
 
 WINDOW = SlotMask(max_waste=0.5)
 
 
-def _round_from_window(parts: Parts, rows: list[int], lengths: list[int], seqs, target, drafter, timer: Timer):
-    """A round on ``rows`` of the window: copy them out (aligned by the layout), run the round, write them back.
-    Returns ``speculative_round``'s results with ``finished`` spread over every window row."""
-    with timer("schedule"):
-        idx = torch.tensor(rows, device=seqs.length.device)
-        batch = seqs.take(idx), target.take(idx), drafter.take(idx)
-        for state in (batch[1], *batch[2].states):
-            parts.layout.align(state, max(lengths[r] for r in rows) - 1)
-    finished, *counts = speculative_round(parts, *batch, timer)
-    with timer("schedule"):
-        for holder, part in zip((seqs, target, drafter), batch):
-            holder.put(idx, part)
-        finished = torch.zeros(len(seqs), dtype=torch.bool, device=idx.device).index_copy(0, idx, finished)
-    return finished, *counts
+class Engine:
+    """Runs requests through rounds. ``add_request`` queues a request and returns its id; ``step`` runs one round
+    (admitting waiting requests first, as the scheduler says) and returns a ``StepOutput`` per request that gained
+    tokens or finished; ``abort`` drops a request; ``has_work`` says whether a step would do anything.
 
+    The scheduler decides at each step how many waiting requests join (``admit``) and which running rows form the
+    round's batch (``select``; the others wait in the window). If a step raises, the engine drops every request
+    (running and waiting) and stays usable."""
 
-def speculative_round(parts: Parts, seqs: Sequences, target, drafter, timer: Timer):
-    """One round on a batch: draft -> verify -> accept -> hide rejected slots -> emit. Returns (finished [B],
-    emitted [B], verified tokens dropped after a stop token [B], accepted [B], drafted [B])."""
-    with timer("draft"):
-        drafts, n_drafts, q = drafter.propose(seqs, parts.k)
-        kr = drafts.shape[1]  # this round's block: a drafter may propose fewer than k for every row
-    with timer("verify"):
-        logits = target.append(torch.cat([seqs.pending()[:, None], drafts], 1))
-        if seqs.sampling:
-            u_accept, u_target = seqs.uniforms(kr, ACCEPT), seqs.uniforms(kr + 1, TARGET)
-            accepted, bonus = parts.sample(seqs.warp(logits), q, drafts, n_drafts, u_accept, u_target)
+    def __init__(self, parts: Parts, scheduler, batch_size: int, stats: Stats | None = None, check: bool = False,
+                 profile: bool = False):
+        self.parts, self.scheduler, self.batch_size, self.check = parts, scheduler, batch_size, check
+        self.stats = stats if stats is not None else Stats()
+        self.timer = Timer(self.stats, parts.target.device, profile)
+        self.waiting: deque[Request] = deque()
+        self.batch: Batch | None = None
+        self.rounds = 0
+        self._next_id = 0
+        self._aborted: set[int] = set()
+        self._done: list[StepOutput] = []  # results to hand out at the next step (requests aborted while waiting)
+        scheduler.forget([])
+
+    # ---------------------------------------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> int:
+        if request.id is None:
+            request.id = self._next_id
+        self._next_id = max(self._next_id, request.id + 1)
+        self.waiting.append(request)
+        return request.id
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request: a waiting one at once, a running one at the start of the next step (its ``StepOutput``
+        then carries a ``Finished`` with reason "abort" and the tokens it had). False if the id is unknown."""
+        for r in self.waiting:
+            if r.id == request_id:
+                self.waiting.remove(r)
+                self._done.append(StepOutput(r.id, [], Finished(r.id, [], "abort")))
+                return True
+        if self.batch is not None and request_id in self.batch.request_ids:
+            self._aborted.add(request_id)
+            return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.batch is not None or self._done)
+
+    def reset(self) -> None:
+        """Drop every request and all per-batch state (target, drafter and scheduler)."""
+        self.waiting.clear()
+        self.batch = None
+        self._aborted.clear()
+        self._done = []
+        self.scheduler.forget([])
+
+    # ---------------------------------------------------------------------------------------------- the loop
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        try:
+            return self._step()
+        except BaseException:
+            self.reset()
+            raise
+
+    def _step(self) -> list[StepOutput]:
+        outs, self._done = self._done, []
+        if self._aborted and self.batch is not None:
+            gone = [rid in self._aborted for rid in self.batch.request_ids]
+            self._aborted.clear()
+            outs += [StepOutput(f.request_id, [], f) for f in self._remove(gone, reason="abort")]
+        self._admit()
+        if self.batch is None:
+            return outs
+        batch, timer, stats = self.batch, self.timer, self.stats
+        self.rounds += 1
+        rows, grouped = self.scheduler.select(batch.lengths, self.batch_size)
+        if grouped is not None:
+            stats.grouped_rounds += grouped
+            stats.fallback_rounds += not grouped
+        if rows is None:
+            result = speculative_round(self.parts, batch, timer)
         else:
-            accepted, bonus = parts.accept(logits.argmax(-1), drafts, n_drafts)
-    with timer("align"):
-        target.hide_tail(kr + 1, accepted + 1)
-        drafter.commit(accepted, kr)
-        finished, n, cut = seqs.extend(emitted_block(drafts, accepted, bonus), accepted + 1)
-        seqs.rounds += 1
-        seqs.drafted += n_drafts
-        seqs.accepted += accepted
-    return finished, n, cut, accepted, n_drafts
+            result = self._round_from_window(rows)
+        with timer("align"):
+            fin, width, new = _account(stats, batch, rows, result)  # the round's one host sync
+            by_id = {o.request_id: o for o in new}
+            if any(fin):
+                for f in self._remove(fin):
+                    by_id[f.request_id].finished = f
+            if self.batch is not None:
+                # a window keeps the layout's slots between batches; its waste is bounded like slotmask's
+                layout = self.parts.layout if rows is None else WINDOW
+                for state in self._slot_states():
+                    layout.align(state, width)
+        if self.check and self.batch is not None:
+            check_round(self.parts.drafter, self.batch, self.rounds)
+        return outs + new
+
+    def _slot_states(self):
+        return (self.batch.target, *self.parts.drafter.states(self.batch.draft))
+
+    def _admit(self) -> None:
+        running = len(self.batch) if self.batch is not None else 0
+        n = min(len(self.waiting), self.scheduler.admit(running, len(self.waiting), self.batch_size))
+        if n <= 0:
+            return
+        joins = [self.waiting.popleft() for _ in range(n)]
+        prompts = [r.prompt for r in joins]
+        with self.timer("prefill"):
+            new = Batch(Sequences(joins, self.parts.k, self.parts.target.device),
+                        self.parts.prefill(self.parts.target, prompts), self.parts.drafter.prefill(prompts),
+                        [len(p) for p in prompts])
+            if self.batch is None:
+                self.batch = new
+            else:
+                self.stats.joined_running += n
+                self.batch = self.batch.merge(new)
+
+    def _round_from_window(self, rows: list[int]) -> RoundResult:
+        """A round on ``rows`` of the window: copy them out (aligned by the layout), run the round, write them back.
+        ``finished`` of the result is spread over every window row."""
+        window = self.batch
+        with self.timer("schedule"):
+            part = window.take(rows)
+            width = max(window.lengths[r] for r in rows) - 1
+            for state in (part.target, *self.parts.drafter.states(part.draft)):
+                self.parts.layout.align(state, width)
+        result = speculative_round(self.parts, part, self.timer)
+        with self.timer("schedule"):
+            window.put(rows, part)
+            idx = torch.tensor(rows, device=result.finished.device)
+            result.finished = torch.zeros(len(window), dtype=torch.bool, device=idx.device).index_copy(
+                0, idx, result.finished)
+        return result
+
+    def _remove(self, gone: list[bool], reason: str | None = None) -> list[Finished]:
+        """Take rows flagged in ``gone`` out of the batch; returns their results. The last surviving rows move into
+        the places of leaving ones, so removing rows moves few of them."""
+        done = _collect(self.batch.seqs, gone, reason)
+        keep = _refill_from_tail(gone)
+        self.scheduler.forget(keep)
+        if keep:
+            self.batch.select_rows(keep)
+        else:
+            self.batch = None
+        return done
 
 
-def _admit(parts: Parts, joins: list[Request], seqs, target, stats: Stats):
-    """Prefill the joining requests and splice them after the running rows (target, draft and sequence state)."""
-    new = Sequences(joins, parts.k, parts.target.device)
-    new_target = parts.prefill(parts.target, [r.prompt for r in joins])
-    parts.drafter.add([r.prompt for r in joins])
-    if seqs is None:
-        return new, new_target
-    stats.joined_running += len(joins)
-    return seqs.merge(new), merge(target, new_target)
-
-
-def _account(stats: Stats, seqs: Sequences, finished, n, cut, accepted, n_drafts) -> tuple[list, list, int]:
-    """Update global counters with one host read; returns (finished flags, row lengths, widest remaining row).
-    ``finished`` covers every running row; the other arguments, this round's batch."""
-    width = (seqs.length - 1).masked_fill(finished, 0).max()
-    acc = accepted.masked_fill(n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
-    full = ((accepted == n_drafts) & (n_drafts > 0)).sum()
-    ctrl = torch.stack([width, n.sum(), n_drafts.sum(), accepted.sum(), acc.max(),
-                        acc.masked_fill(acc < 0, acc.max() + 1).min(), full, cut.sum()])
-    r = len(seqs)
-    ctrl = torch.cat([finished.long(), seqs.length, ctrl]).tolist()
-    fin, lengths, (width, generated, drafted, acc_sum, acc_max, acc_min, full, cut) = ctrl[:r], ctrl[r : 2 * r], ctrl[2 * r :]
+def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult):
+    """Update global counters and read what the host needs, in one host read: (finished flags of every running row,
+    widest remaining row, a ``StepOutput`` with the new tokens of each row of the round's batch). Updates
+    ``batch.lengths``."""
+    seqs = batch.seqs
+    width = (seqs.length - 1).masked_fill(r.finished, 0).max()
+    acc = r.accepted.masked_fill(r.n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
+    full = ((r.accepted == r.n_drafts) & (r.n_drafts > 0)).sum()
+    ctrl = torch.stack([width, r.emitted.sum(), r.n_drafts.sum(), r.accepted.sum(), acc.max(),
+                        acc.masked_fill(acc < 0, acc.max() + 1).min(), full, r.cut.sum()])
+    n, b, w = len(seqs), r.block.shape[0], r.block.shape[1]
+    flat = torch.cat([r.finished.long(), seqs.length, ctrl, r.emitted, r.block.flatten()]).tolist()
+    fin, lengths = flat[:n], flat[n : 2 * n]
+    width, generated, drafted, acc_sum, acc_max, acc_min, full, cut = flat[2 * n : 2 * n + 8]
+    emitted, block = flat[2 * n + 8 : 2 * n + 8 + b], flat[2 * n + 8 + b :]
+    ids = seqs.request_ids if rows is None else [seqs.request_ids[i] for i in rows]
+    new = [StepOutput(rid, block[i * w : i * w + emitted[i]]) for i, rid in enumerate(ids)]
+    batch.lengths = lengths
     stats.generated += generated
     stats.drafted += drafted
     stats.accepted += acc_sum
@@ -194,13 +304,13 @@ def _account(stats: Stats, seqs: Sequences, finished, n, cut, accepted, n_drafts
     stats.dropped_after_stop += cut
     stats.rounds += 1
     stats.verify_calls += 1
-    stats.row_rounds += len(accepted)
-    return fin, lengths, width
+    stats.row_rounds += b
+    return fin, width, new
 
 
 def _refill_from_tail(fin: list) -> list[int]:
     """The rows that stay, as ``new[i] = old[keep[i]]``: rows keep their place, and the last surviving rows move into
-    the places of finished ones, so removing rows moves few of them."""
+    the places of finished ones."""
     n = len(fin) - sum(fin)
     keep = list(range(n))
     holes = [i for i in range(n) if fin[i]]
@@ -210,7 +320,7 @@ def _refill_from_tail(fin: list) -> list[int]:
     return keep
 
 
-def _collect(seqs: Sequences, fin: list) -> list[Finished]:
+def _collect(seqs: Sequences, fin: list, reason: str | None) -> list[Finished]:
     rows = [i for i, f in enumerate(fin) if f]
     idx = torch.tensor(rows, device=seqs.length.device)
     hist = seqs.history[idx].tolist()
@@ -218,16 +328,36 @@ def _collect(seqs: Sequences, fin: list) -> list[Finished]:
     stopped, rounds = seqs.stopped[idx].tolist(), seqs.rounds[idx].tolist()
     drafted, accepted = seqs.drafted[idx].tolist(), seqs.accepted[idx].tolist()
     return [
-        Finished(seqs.request_ids[r], hist[j][start[j] : end[j]], stopped[j], rounds[j], drafted[j], accepted[j])
+        Finished(seqs.request_ids[r], hist[j][start[j] : end[j]], reason or ("stop" if stopped[j] else "length"),
+                 rounds[j], drafted[j], accepted[j])
         for j, r in enumerate(rows)
     ]
 
 
-def check_round(target: SlotState, drafter, seqs: Sequences, rnd: int) -> None:
-    """Assert I1 and I2 on the target cache and on the draft model's cache (if any)."""
-    check_invariants(target, seqs.history, seqs.length - 1, rnd)
-    for state in drafter.states:
-        check_invariants(state, seqs.history, drafter.processed(seqs), rnd)
-    for state in (target, *drafter.states):
+def check_round(drafter, batch: Batch, rnd: int) -> None:
+    """Assert I1 and I2 on the target cache and on the drafter's caches (if any)."""
+    seqs = batch.seqs
+    check_invariants(batch.target, seqs.history, seqs.length - 1, rnd)
+    states = drafter.states(batch.draft)
+    for state in states:
+        check_invariants(state, seqs.history, drafter.processed(seqs, batch.draft), rnd)
+    for state in (batch.target, *states):
         if state.valid.shape[0] != len(seqs):
-            raise InvariantError("I1", "shape", f"cache has {state.valid.shape[0]} rows, batch has {len(seqs)}", None, rnd, state.name)
+            raise InvariantError("I1", "shape", f"cache has {state.valid.shape[0]} rows, batch has {len(seqs)}", None,
+                                 rnd, state.name)
+
+
+@torch.inference_mode()
+def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats: Stats, check: bool = False,
+        on_step: Callable | None = None, profile: bool = False) -> list[Finished]:
+    """Generate for every request; returns results in finishing order. ``on_step`` gets each step's outputs."""
+    engine = Engine(parts, scheduler, batch_size, stats, check, profile)
+    for r in requests:
+        engine.add_request(r)
+    done = []
+    while engine.has_work():
+        outs = engine.step()
+        if on_step:
+            on_step(outs)
+        done += [o.finished for o in outs if o.finished is not None]
+    return done

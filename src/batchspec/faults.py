@@ -41,18 +41,17 @@ class UnmaskedPadding(SlotState):
     def count(self):
         return (self.valid & (self.tokens >= 0)).sum(1)
 
-    def append(self, input_ids, new_valid=None, logits_to_keep=0):
+    def append(self, input_ids, new_valid=None, logits_to_keep=0, hidden=False):
         self.valid = self.valid | (self.tokens < 0)
-        return super().append(input_ids, new_valid, logits_to_keep)
+        return super().append(input_ids, new_valid, logits_to_keep, hidden)
 
 
 class RealignOffByOne(SlotState):
     def gather(self, index, pad):
         shifted = (index + 1).clamp(max=self.width - 1)
         kv.gather_slots(self.cache, shifted, pad)
-        self.valid = self.valid.gather(1, index) & ~pad
-        self.tokens = self.tokens.gather(1, shifted).masked_fill(pad, -1)
-        self.positions = self.positions.gather(1, shifted).masked_fill(pad, 0)
+        self.store(self.valid.gather(1, index) & ~pad, self.tokens.gather(1, shifted).masked_fill(pad, -1),
+                   self.positions.gather(1, shifted).masked_fill(pad, 0))
 
 
 def draft_token_accepted(target_ids, drafts, n_drafts):
@@ -69,9 +68,11 @@ def _target_state(cls):
     def apply(parts):
         base = parts.prefill
 
-        def prefill(model, prompts, name="target"):
-            state = base(model, prompts, name)
-            return cls(**{f.name: getattr(state, f.name) for f in dataclasses.fields(state)})
+        def prefill(runner, prompts, name="target"):
+            state = base(runner, prompts, name)
+            faulty = cls.__new__(cls)
+            faulty.__dict__.update(state.__dict__)
+            return faulty
 
         return dataclasses.replace(parts, prefill=prefill)
 

@@ -1,29 +1,19 @@
-"""The only module that touches Hugging Face cache and attention-mask internals.
+"""The only module that touches Hugging Face cache and attention-mask internals (with ``runner.py``'s attention
+function, which follows HF's attention-function signature).
 
-A transformers upgrade should only ever need changes here. The engine sees four things:
-- ``SlotCache``: a KV cache whose per-layer buffers are preallocated and written in place;
+A transformers upgrade should only ever need changes here. The engine sees:
+- ``SlotCache``: a KV cache whose per-layer buffers are preallocated (grown geometrically, rarely) and written in
+  place; ``SlotLayer.reserve`` / ``advance`` are the public way for a kernel to write slots itself;
 - ``attention_mask``: a ready 4D mask built from a per-slot visibility mask (HF's mask builders are bypassed);
 - ``gather_slots`` / ``select_rows`` / ``stack_rows`` / ``take_rows`` / ``put_rows`` / ``place_rows``: one gather per
   cache for realignment, row removal, splicing, moving rows between a window and a batch, and assembling a prefill;
-- ``check_supported``: refuses models whose attention this engine cannot address by slot;
-- ``forward``: one model forward over the cache, with CPU fast paths scoped to our forwards only: for Llama models
-  in fp32, a whole layer per C call (``kernels/llama.py``, which reads the Llama module layout); otherwise linear
-  layers as ``W @ x^T`` for few rows, and attention split into two runs of rows when their lengths differ widely.
+- ``check_supported``: refuses models whose attention this engine cannot address by slot.
 """
 
 from __future__ import annotations
 
-import os
-import weakref
-from contextlib import contextmanager
-
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_utils import AttentionInterface
-
-from .kernels import llama as fused_llama
-from .kernels import skinny_linear
 
 
 class SlotLayer(DynamicLayer):
@@ -67,6 +57,20 @@ class SlotLayer(DynamicLayer):
 
     def get_seq_length(self):
         return self.length
+
+    def reserve(self, like_k, like_v, needed: int):
+        """Contiguous key and value buffers with room for ``needed`` slots (grown if need be), for a kernel that
+        writes slots itself; call ``advance`` once they are written."""
+        if not self.is_initialized:
+            self.lazy_initialization(like_k, like_v)
+        self._ensure(like_k, like_v, needed)
+        if not (self._k.is_contiguous() and self._v.is_contiguous()):
+            self._k, self._v = self._k.contiguous(), self._v.contiguous()
+        return self._k, self._v
+
+    def advance(self, length: int) -> None:
+        """``length`` slots of the buffers are now in use."""
+        self._adopt(self._k, self._v, length)
 
     def _adopt(self, k, v, length):
         """Make ``k``/``v`` (full buffers) the layer's storage with ``length`` slots in use."""
@@ -113,18 +117,21 @@ def new_cache(model) -> SlotCache:
 
 
 def gather_slots(cache: SlotCache, index: torch.Tensor, pad: torch.Tensor) -> None:
-    """Rebuild every layer as ``new[b, :, j] = old[b, :, index[b, j]]`` (zeros where ``pad[b, j]``), one gather each,
-    written straight into the new buffers."""
+    """Rearrange every layer in place as ``new[b, :, j] = old[b, :, index[b, j]]`` (zeros where ``pad[b, j]``), one
+    gather each; ``index`` is no wider than the cache, and the buffers are kept."""
     if cache.length == 0:
         return
     zero = pad[:, None, :, None]
     for layer in cache.layers:
         k, v = layer.keys, layer.values
         b, h, _, d = k.shape
-        idx = index[:, None, :, None].expand(b, h, index.shape[1], d)
-        new_k, new_v = layer.fresh(k, v, b, index.shape[1])
-        torch.gather(k, 2, idx, out=new_k).masked_fill_(zero, 0)
-        torch.gather(v, 2, idx, out=new_v).masked_fill_(zero, 0)
+        w = index.shape[1]
+        idx = index[:, None, :, None].expand(b, h, w, d)
+        moved_k = torch.gather(k, 2, idx).masked_fill_(zero, 0)
+        moved_v = torch.gather(v, 2, idx).masked_fill_(zero, 0)
+        layer._k[:, :, :w].copy_(moved_k)
+        layer._v[:, :, :w].copy_(moved_v)
+        layer.advance(w)
 
 
 def select_rows(cache: SlotCache, rows: torch.Tensor) -> None:
@@ -206,7 +213,7 @@ def attention_mask(model, visible: torch.Tensor, q: int) -> torch.Tensor:
     """A 4D mask for a forward of ``q`` new slots over a cache whose slots (old and new) are ``visible`` ``[B, S+q]``.
 
     Query ``i`` (slot ``S+i``) sees visible slots ``<= S+i``; it always sees itself, so a query on a hidden slot (a
-    hole) still has one key and never produces NaN. Bool for sdpa, additive float for eager attention.
+    hole) still has one key and never produces NaN. Additive float for eager attention, bool otherwise (sdpa).
     """
     total = visible.shape[1]
     kv = torch.arange(total, device=visible.device)
@@ -214,7 +221,7 @@ def attention_mask(model, visible: torch.Tensor, q: int) -> torch.Tensor:
     causal = kv[None, :] <= qs[:, None]
     allowed = (visible[:, None, :] & causal[None]) | (kv[None, :] == qs[:, None])[None]
     allowed = allowed[:, None]
-    if model.config._attn_implementation == "sdpa":
+    if model.config._attn_implementation != "eager":
         return allowed
     dtype = model.dtype
     return torch.zeros((), dtype=dtype, device=visible.device).masked_fill(~allowed, torch.finfo(dtype).min)
@@ -240,140 +247,3 @@ def check_supported(model, role: str) -> None:
             "batchspec's layouts address the cache by slot, where a window would cover holes as well as tokens, so "
             "such models are refused rather than silently diverging"
         )
-
-
-_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
-
-
-@contextmanager
-def _grouped_query_sdpa():
-    """With a mask, HF's sdpa path repeats each key/value head for every query head it serves (a copy of the whole
-    cache per layer) unless told that torch's ``enable_gqa`` may be used; on CPU that copy made a 5-token verification
-    forward ~3x slower in attention. The switch is HF's own, set only for the duration of our forward."""
-    old = os.environ.get(_FORCE_GQA)
-    os.environ[_FORCE_GQA] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[_FORCE_GQA]
-        else:
-            os.environ[_FORCE_GQA] = old
-
-
-FEW_ROWS = 256  # up to this many rows (batch x new tokens), linear layers run as ``W @ x^T``
-
-
-class _FewRowLinear(torch.nn.Linear):
-    """``nn.Linear`` for few rows (decode and verification steps): our skinny kernel where it applies, else
-    ``W @ x^T``.
-
-    On CPU (MKL), for a few rows against a large weight, that orientation streams the weight ~1.3-2x faster than
-    ``x @ W^T`` (the vocabulary projection of 8 rows: 2.3x); for long prompts ``x @ W^T`` is faster. The products are
-    the same; only their summation order may differ, like any change of batch size."""
-
-    def forward(self, x):
-        rows = x.numel() // x.shape[-1]
-        if rows > FEW_ROWS:
-            return super().forward(x)
-        x2 = x.reshape(rows, x.shape[-1])
-        y = skinny_linear(x2, self.weight)
-        if y is None:
-            y = (self.weight @ x2.T).T.contiguous()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-
-_LINEARS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
-
-
-@contextmanager
-def _few_row_linears(model):
-    """Every plain ``nn.Linear`` of ``model`` runs as ``_FewRowLinear`` for the duration of our forward only (the
-    model behaves as before for anyone else, e.g. HF ``generate`` in the benchmark). The list of linears is found
-    once per model (walking the modules took ~3.7 ms per forward on SmolLM2)."""
-    linears = _LINEARS.get(model)
-    if linears is None:
-        linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
-        _LINEARS[model] = linears
-    for m in linears:  # object.__setattr__: nn.Module's own __setattr__ costs ~4 us per call here
-        object.__setattr__(m, "__class__", _FewRowLinear)
-    try:
-        yield
-    finally:
-        for m in linears:
-            object.__setattr__(m, "__class__", torch.nn.Linear)
-
-
-SEGMENTED = "batchspec_segmented_sdpa"
-
-
-def row_segments(visible: torch.Tensor, q: int) -> list[tuple[int, int, int]] | None:
-    """Split a ragged rectangle's rows into two runs ``(row_from, row_to, first_slot)`` so that each run's attention
-    skips the slots left of its rows' first visible one; ``None`` when that saves less than a quarter of the work.
-
-    Rows of very different lengths share one rectangle (the short ones left-padded), so attention over the whole
-    width spends most of a short row's time on padding. One host read of the first visible slot per row; only used
-    on CPU, where reading it costs nothing. The ``q`` new slots are always kept (each query sees itself)."""
-    b, width = visible.shape
-    if b < 2 or visible.device.type != "cpu":
-        return None
-    first = visible.to(torch.uint8).argmax(1).clamp(max=width - q)
-    head = first.cummin(0).values  # the earliest first slot of rows [0, i]
-    tail = first.flip(0).cummin(0).values.flip(0)  # ... of rows [i, b)
-    split = torch.arange(1, b)
-    cost = split * (width - head[:-1]) + (b - split) * (width - tail[1:])
-    i = int(cost.argmin())  # the first cheapest split
-    c, h, t, earliest = torch.stack([cost[i], head[i], tail[i + 1], head[-1]]).tolist()
-    if c > 0.75 * b * (width - earliest):
-        return None
-    return [(0, i + 1, h), (i + 1, b, t)]
-
-
-def _segmented_sdpa(module, query, key, value, attention_mask, *args, segments=None, **kwargs):
-    """HF's sdpa attention run once per run of rows, each over its own slots only (see ``row_segments``)."""
-    if not segments:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    outs = [
-        sdpa_attention_forward(module, query[a:b], key[a:b, :, s:], value[a:b, :, s:], attention_mask[a:b, ..., s:],
-                               *args, **kwargs)[0]
-        for a, b, s in segments
-    ]
-    return torch.cat(outs), None
-
-
-AttentionInterface.register(SEGMENTED, _segmented_sdpa)
-
-
-@contextmanager
-def _attention(model, segments):
-    """Our segmented sdpa for the duration of our forward only, when there are segments to use."""
-    config, impl = model.config, model.config._attn_implementation
-    if segments is None or impl != "sdpa":
-        yield {}
-        return
-    config._attn_implementation = SEGMENTED
-    try:
-        yield {"segments": segments}
-    finally:
-        config._attn_implementation = impl
-
-
-def forward(model, cache: SlotCache, input_ids, position_ids, visible=None, logits_to_keep=0):
-    """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``; returns logits ``[B, q or logits_to_keep, V]``.
-
-    ``visible`` ``[B, S+q]`` says which slots attention may see; ``None`` means a fresh cache and unpadded rows,
-    where HF's own causal path (which skips the masked half of the work) is used for long prompts.
-    """
-    mask = segments = None
-    everything = visible if visible is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    logits = fused_llama.forward(model, cache, input_ids, position_ids, everything, logits_to_keep)
-    if logits is not None:
-        return logits
-    if visible is not None:
-        q = input_ids.shape[1]
-        mask, segments = attention_mask(model, visible, q), row_segments(visible, q)
-    with _grouped_query_sdpa(), _few_row_linears(model), _attention(model, segments) as extra:
-        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache,
-                     use_cache=True, logits_to_keep=logits_to_keep, **extra).logits

@@ -12,10 +12,14 @@ Built-in names:
 
 GGUF files given by path go through the same conversion and are cached too, keyed by path, size and mtime.
 The cache lives in ``$BATCHSPEC_CACHE/models`` (default ``~/.cache/batchspec/models``).
+
+Nothing is ever downloaded from the Hugging Face hub: a model id loads only from the local Hugging Face cache, and a
+spec that is no local path, built-in name or cached model id raises ``FileNotFoundError`` at once.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import shutil
@@ -227,46 +231,97 @@ def builtin_dir(name: str, download: bool = True) -> Path | None:
     raise KeyError(name)
 
 
-def resolve(spec) -> str:
-    """The Hugging Face directory (or model id) a string spec stands for; converts GGUF files and fetches built-ins."""
+def resolve(spec, role: str = "model") -> str:
+    """The Hugging Face directory (or model id) a string spec stands for; converts GGUF files and fetches built-ins.
+    A spec that is neither a built-in name, a local path nor a model id in the local Hugging Face cache raises
+    ``FileNotFoundError`` (nothing is downloaded from the hub)."""
     spec = os.fspath(spec)
     if spec in BUILTIN_MODELS:
         return str(builtin_dir(spec))
-    if spec.lower().endswith(".gguf") and os.path.isfile(spec):
-        return str(gguf_model_dir(spec))
-    return spec
+    path = os.path.expanduser(spec)
+    if path.lower().endswith(".gguf") and os.path.isfile(path):
+        return str(gguf_model_dir(path))
+    if os.path.exists(path) or _in_hf_cache(spec):
+        return path
+    raise FileNotFoundError(
+        f"the {role} model {spec!r} not found: no such file or directory, and no model of that id in the local "
+        "Hugging Face cache (batchspec never downloads from the hub); give a local model directory, a .gguf file "
+        f"or a built-in name ({', '.join(BUILTIN_MODELS)})"
+    )
+
+
+def _in_hf_cache(spec: str) -> bool:
+    """Whether a model id (``org/name``) has a config in the local Hugging Face cache (never asks the hub)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(spec, "config.json"), str)
+    except ValueError:  # not a valid model id
+        return False
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (b.index is None or a.index == b.index)
+
+
+def check_device(device) -> torch.device:
+    """``device`` as a ``torch.device``; ``ValueError`` when it is no device name or not available here."""
+    usable = "'cpu' or 'cuda'" if torch.cuda.is_available() else "'cpu' (no CUDA device here)"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use {usable}") from None
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"device {device!r} is not available ({str(e).splitlines()[0]}); use {usable}") from None
+    return dev
 
 
 # --------------------------------------------------------------------------------------------------- public API
 
 
 def load_model(spec, dtype=None, device=None, role: str = "target") -> PreTrainedModel:
-    """A model in eval mode from a ``PreTrainedModel``, a HF directory / model id, a ``.gguf`` file or a built-in
-    name (``smollm2-135m``, ``smollm2-135m-draft``). Paths load with sdpa attention; built-ins default to float32."""
+    """A model in eval mode from a ``PreTrainedModel``, a local HF directory, a model id in the local Hugging Face
+    cache, a ``.gguf`` file or a built-in name (``smollm2-135m``, ``smollm2-135m-draft``). Paths load with sdpa
+    attention; built-ins default to float32.
+
+    A ``PreTrainedModel`` passed in is never changed: it keeps its dtype, device and training flag. When it needs
+    another dtype or device, a converted copy is used; when it is in training mode, an eval-mode copy that shares its
+    parameter and buffer tensors (no memory is copied)."""
+    if device is not None:
+        device = check_device(device)
     if isinstance(spec, PreTrainedModel):
-        model = spec
-    elif isinstance(spec, (str, os.PathLike)):
-        builtin = os.fspath(spec) in BUILTIN_MODELS
-        path = resolve(spec)
-        kwargs = {"attn_implementation": "sdpa"}
-        if dtype is not None:
-            kwargs["dtype"] = dtype
-        elif builtin:
-            kwargs["dtype"] = torch.float32
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        except OSError as e:
-            raise ValueError(f"cannot load the {role} model {os.fspath(spec)!r}: {e}") from e
-        device = device or default_device()
-    else:
+        return _eval_view(spec, dtype, device)
+    if not isinstance(spec, (str, os.PathLike)):
         raise TypeError(
             f"{role} must be a transformers PreTrainedModel, a path or a built-in name, got {type(spec).__name__}"
         )
+    builtin = os.fspath(spec) in BUILTIN_MODELS
+    path = resolve(spec, role)
+    kwargs = {"attn_implementation": "sdpa", "local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    elif builtin:
+        kwargs["dtype"] = torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise ValueError(f"cannot load the {role} model {os.fspath(spec)!r}: {e}") from e
     if dtype is not None and model.dtype != dtype:
         model = model.to(dtype)
-    if device is not None and model.device != torch.device(device):
-        model = model.to(device)
-    return model.eval()
+    return model.to(device or default_device()).eval()
+
+
+def _eval_view(model: PreTrainedModel, dtype, device) -> PreTrainedModel:
+    """``model`` itself when it is in eval mode with the wanted dtype and device; else a copy that is (sharing the
+    parameter and buffer tensors when only the training flag differs)."""
+    if (dtype is not None and model.dtype != dtype) or (device is not None and not _same_device(model.device, device)):
+        return copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+    if model.training:
+        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        return copy.deepcopy(model, memo=shared).eval()
+    return model
 
 
 def load_tokenizer(spec):
@@ -281,9 +336,10 @@ def load_tokenizer(spec):
         if spec in BUILTIN_MODELS:
             d = builtin_dir(DEFAULT_TARGET, download=False) if spec == DEFAULT_TARGET else None
             return AutoTokenizer.from_pretrained(str(d if d is not None else draft_dir()))
-        if spec.lower().endswith(".gguf") and os.path.isfile(spec):
-            return AutoTokenizer.from_pretrained(str(gguf_model_dir(spec)))
-        return AutoTokenizer.from_pretrained(spec)
+        path = os.path.expanduser(spec)
+        if path.lower().endswith(".gguf") and os.path.isfile(path):
+            return AutoTokenizer.from_pretrained(str(gguf_model_dir(path)))
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError):
         return None
 

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields
+
+
+def _integer(value):
+    """``value`` as an ``int`` when it is an integer (numpy's included), else None; ``True``/``False`` are not."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
+
+
+def _real(value):
+    """``value`` as a ``float`` when it is a real number (numpy's included), else None; ``True``/``False`` are not."""
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
 
 
 @dataclass
@@ -24,17 +35,33 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        max_tokens, top_k, temperature, top_p = (_integer(self.max_tokens), _integer(self.top_k),
+                                                 _real(self.temperature), _real(self.top_p))
+        if max_tokens is None or max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also refuses NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if temperature is None or not temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0 (a number; 0 is greedy), got {self.temperature!r}")
+        if top_k is None or top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+        if top_p is None or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+        seed = None if self.seed is None else _integer(self.seed)
+        if self.seed is not None and (seed is None or not 0 <= seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
+        stops = None if isinstance(self.stop_token_ids, (str, bytes)) else _token_ids(self.stop_token_ids)
+        if stops is None:
+            raise ValueError(f"stop_token_ids must be a list of integer token ids >= 0, got {self.stop_token_ids!r}")
+        self.max_tokens, self.temperature, self.top_k, self.top_p = max_tokens, temperature, top_k, top_p
+        self.seed, self.stop_token_ids = seed, stops
+
+
+def _token_ids(values) -> list[int] | None:
+    """``values`` as a list of ints >= 0, or None when it is not an iterable of such integers."""
+    try:
+        ids = [_integer(v) for v in values]
+    except TypeError:
+        return None
+    return None if any(i is None or i < 0 for i in ids) else ids
 
 
 @dataclass

@@ -10,8 +10,11 @@ def read_prompts(path) -> list[tuple[str, str]]:
     """Return ``(prompt id, text)`` pairs. JSONL records may carry ``question_id`` and ``category``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    lines = path.read_text(encoding="utf-8").splitlines()
+        raise FileNotFoundError(f"prompt file {path} " + ("is not a file" if path.exists() else "does not exist"))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from e
     if path.suffix == ".jsonl" or (lines and lines[0].lstrip().startswith("{")):
         out = []
         for n, line in enumerate(lines, 1):

@@ -93,8 +93,8 @@ class Sequences:
         part = object.__new__(Sequences)
         for name in FIELDS:
             setattr(part, name, getattr(self, name)[rows])
-        part.request_ids, part.sampling, part.filtering, part.greedy_rows = (
-            None, self.sampling, self.filtering, self.greedy_rows)
+        part.request_ids = [self.request_ids[i] for i in rows.tolist()]
+        part.sampling, part.filtering, part.greedy_rows = self.sampling, self.filtering, self.greedy_rows
         return part
 
     def put(self, rows: torch.Tensor, part: "Sequences") -> None:

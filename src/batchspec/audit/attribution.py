@@ -1,11 +1,14 @@
-"""Why an output diverged: numerical noise or a synchronisation error, and which bug class it looks like.
+"""Why an output diverged: numerical noise, a synchronisation error or a wrong reference, and which bug class it looks
+like.
 
 Margin rule. At an output's first divergent index ``j`` the target alone, at batch size 1, reads the prompt plus the
 oracle's first ``j`` tokens; the *margin* is its logit for the oracle's token minus its logit for the engine's token.
-A correct engine only picks another token where the two are (nearly) tied, so::
+A correct engine only picks another token where the two are (nearly) tied, and the oracle, being the target's own
+greedy choice, is never beaten by the engine's token beyond rounding, so::
 
-    margin <= tolerance  ->  "numerical"        tolerance = rel[dtype] * max(1, max |logit|) at that position
-    otherwise            ->  "synchronization"
+    |margin| <= tolerance  ->  "numerical"        tolerance = rel[dtype] * max(1, max |logit|) at that position
+    margin > tolerance     ->  "synchronization"
+    margin < -tolerance    ->  "reference"        the target prefers the engine's token: the oracle is wrong
 
 ``rel`` defaults to ``DEFAULT_TOLERANCE`` (float64 1e-6, float32 1e-3, float16 2e-2, bfloat16 5e-2) and is looked up
 for the less precise of the oracle's and the engine's dtypes. float64 is not tighter because HF ``generate`` rounds
@@ -14,6 +17,9 @@ rounding (about 1e-7 of the logit scale). A length difference with no differing 
 that stops early without a stop token, or runs on) has no margin and counts as synchronization.
 
 Signature rules (exactly one per engine and batch size), in order:
+
+``stale or wrong reference``: some divergence is of class "reference": the oracle output is not what the target
+decodes (a stale cache, another model, another attention implementation), so it cannot judge the engine.
 
 ``clean``: no synchronization divergence.
 
@@ -39,8 +45,11 @@ from dataclasses import dataclass
 
 import torch
 
+REFERENCE = "stale or wrong reference"
+
 SIGNATURES = (
     "clean", "position-id misalignment", "kv-cache drift", "acceptance-rule error", "padding leakage", "unknown",
+    REFERENCE,
 )
 
 DEFAULT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
@@ -83,10 +92,11 @@ def relative_tolerance(dtype, tolerance=None) -> float:
 
 
 def classify(margin: float | None, tolerance: float) -> str:
-    """"numerical" when the target's preference for the oracle's token is within ``tolerance``, else "synchronization"."""
-    if margin is None:
+    """"numerical" when the target's preference between the two tokens is within ``tolerance``; "synchronization"
+    when it prefers the oracle's token beyond it (or there is no margin); "reference" when it prefers the engine's."""
+    if margin is None or margin > tolerance:
         return "synchronization"
-    return "numerical" if margin <= tolerance else "synchronization"
+    return "reference" if margin < -tolerance else "numerical"
 
 
 @dataclass
@@ -95,7 +105,7 @@ class Divergence:
     index: int  # first divergent token index
     margin: float | None  # target logit of the oracle's token minus that of the engine's token
     tolerance: float | None
-    cls: str  # "numerical" | "synchronization"
+    cls: str  # "numerical" | "synchronization" | "reference"
     oracle_token: int | None
     engine_token: int | None
 
@@ -166,7 +176,9 @@ def invariant_record(err, batch: list[int]) -> dict:
     }
 
 
-def white_box_signature(n_sync: int, violation: dict | None) -> str:
+def white_box_signature(n_sync: int, violation: dict | None, *, n_reference: int = 0) -> str:
+    if n_reference:
+        return REFERENCE
     if n_sync == 0:
         return "clean"
     if violation is None:
@@ -175,11 +187,14 @@ def white_box_signature(n_sync: int, violation: dict | None) -> str:
 
 
 def black_box_signature(
-    batch_size: int, sync: list[dict], immediate: float = IMMEDIATE
+    batch_size: int, sync: list[dict], immediate: float = IMMEDIATE, *, n_reference: int = 0
 ) -> str:
     """``sync``: one record per output with a synchronization divergence: ``partial_match``, ``padded`` (its prompt
     was shorter than the longest of its batch), ``solo_clean`` (it decodes cleanly alone; None if not checked),
-    ``loops`` and ``oracle_loops`` (whether it, and its oracle output, end in a repetition loop)."""
+    ``loops`` and ``oracle_loops`` (whether it, and its oracle output, end in a repetition loop). ``n_reference``:
+    the number of divergences of class "reference"."""
+    if n_reference:
+        return REFERENCE
     if not sync:
         return "clean"
     if batch_size > 1 and all(r["padded"] and r.get("solo_clean") for r in sync):

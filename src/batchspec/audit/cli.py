@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from batchspec.cli import COMMANDS
+from batchspec.cli import COMMANDS, positive_int
 
 
 def add_arguments(parser, model_args) -> None:
@@ -37,15 +35,15 @@ def add_arguments(parser, model_args) -> None:
         help="relative logit-margin tolerance for calling a divergence numerical (default per dtype: float64 1e-6, "
              "float32 1e-3, float16 2e-2, bfloat16 5e-2; times max(1, max |logit|))",
     )
-    parser.add_argument("--limit", type=int, default=None, help="audit only the first N prompts")
+    parser.add_argument("--limit", type=positive_int, default=None, help="audit only the first N prompts")
     sampling = parser.add_argument_group("distributional audit (temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0,
                           help="sampling temperature; > 0 runs the distributional audit (default 0: greedy audit)")
     sampling.add_argument("--top-k", type=int, default=0, help="top-k warping (default 0: off)")
     sampling.add_argument("--top-p", type=float, default=1.0, help="top-p warping (default 1.0: off)")
-    sampling.add_argument("--samples", type=int, default=2000,
+    sampling.add_argument("--samples", type=positive_int, default=2000,
                           help="seeded requests per prompt and engine (default 2000)")
-    sampling.add_argument("--n-tokens", type=int, default=2,
+    sampling.add_argument("--n-tokens", type=positive_int, default=2,
                           help="length of the generated prefix whose distribution is tested (default 2)")
     sampling.add_argument("--alpha", type=float, default=1e-3,
                           help="false-alarm rate per engine, Bonferroni-split over prompts and prefix lengths "
@@ -53,47 +51,34 @@ def add_arguments(parser, model_args) -> None:
     parser.set_defaults(func=run)
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be a comma list of integers, got {text!r}") from None
-    if not out:
-        raise ValueError(f"{what} is empty")
-    return out
-
-
 def run(args) -> int:
     import torch
     from rich.console import Console
 
-    from batchspec.cli import load_prompts, resolve_draft
+    from batchspec.cli import encode_prompts, int_list, prepare_out, read_prompt_set, resolve_draft, sampling_flags
     from batchspec.models import load_model, load_tokenizer
 
     from .core import audit
+    from .engines import resolve
 
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     sampled = args.temperature > 0
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if not sampled and (args.top_k or args.top_p != 1.0):
-        raise ValueError("--top-k and --top-p apply to sampling: give --temperature > 0 as well")
-    batch_sizes = _ints(args.batch_sizes or ("64" if sampled else "1,4,8"), "--batch-sizes")
+    sampling = sampling_flags(args, max_tokens=args.n_tokens if sampled else args.max_tokens)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    resolve(engines, sampling=sampled)  # unknown engine names fail here, before any model loads
+    batch_sizes = int_list(args.batch_sizes or ("64" if sampled else "1,4,8"), "--batch-sizes")
+    pairs = read_prompt_set(args.prompts)[: args.limit]
+    out = prepare_out(args.out, folder=True)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = load_model(args.target, dtype, args.device, "target")
     tokenizer = load_tokenizer(args.target)
-    _, _, prompts = load_prompts(args.prompts, tokenizer, args.chat_template)
-    if args.limit is not None:
-        prompts = prompts[: args.limit]
+    _, _, prompts = encode_prompts(pairs, tokenizer, args.chat_template)
     if sampled:
-        return _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes)
+        return _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling, out)
     report = audit(
         model, resolve_draft(args.target, args.draft), prompts, engines=engines, batch_sizes=batch_sizes,
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, tokenizer=tokenizer,
         tolerance=args.tolerance, progress=True,
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     report.to_json(out / "audit.json")
     (out / "audit.md").write_text(report.to_markdown())
     report.plot(out / "audit.png")
@@ -109,23 +94,18 @@ def run(args) -> int:
     return 0
 
 
-def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes) -> int:
+def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling, out) -> int:
     from rich.console import Console
 
     from batchspec.cli import resolve_draft
-    from batchspec.params import SamplingParams
 
     from .core import audit
 
-    sampling = SamplingParams(max_tokens=args.n_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p)
     report = audit(
         model, resolve_draft(args.target, args.draft), prompts, engines=engines, batch_sizes=batch_sizes,
         num_draft_tokens=args.num_draft_tokens, tokenizer=tokenizer, progress=True, sampling=sampling,
         samples=args.samples, n_tokens=args.n_tokens, alpha=args.alpha,
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     report.to_json(out / "distribution.json")
     (out / "distribution.md").write_text(report.to_markdown())
     console = Console()

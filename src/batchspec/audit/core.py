@@ -1,5 +1,6 @@
 """``audit``: run engines at several batch sizes, compare every output with the batch-size-1 oracle, attribute each
-divergence (numerical or synchronization) and name the failure signature of each engine and batch size."""
+divergence (numerical, synchronization or a wrong reference) and name the failure signature of each engine and batch
+size."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def audit(
 
     Returns an ``AuditReport`` whose ``rows`` hold, per engine and batch size: ``exact_match`` (fraction),
     ``partial_match`` and ``rouge_l`` (means), ``repetition_rate``, ``n``, ``divergences`` (prompt, first divergent
-    index, margin, class), ``signature``, ``first_violated_invariant`` (batchspec engines) and ``tokens_per_second``.
+    index, margin, class: numerical, synchronization or reference), ``signature``, ``first_violated_invariant``
+    (batchspec engines) and ``tokens_per_second``.
 
     ``sampling``: a ``SamplingParams`` with temperature > 0 switches to the distributional audit
     (``batchspec.audit.distribution.distribution_audit``): ``samples`` seeded requests per prompt, the first
@@ -123,6 +125,7 @@ def _audit_one(engine, bs, ctx, ids, ref, stops, probe, tolerance) -> AuditRow:
         if j is not None:
             divs.append(probe.divergence(i, ids[i], o, r, j, rel_tol))
     sync = [d for d in divs if d.cls == "synchronization"]
+    n_ref = sum(d.cls == "reference" for d in divs)
     violation = None
     batches = engine.batches(n, bs)
     if engine.white_box:
@@ -134,10 +137,10 @@ def _audit_one(engine, bs, ctx, ids, ref, stops, probe, tolerance) -> AuditRow:
                     if err is not None:
                         violation = attr.invariant_record(err, batch)
                         break
-        signature = attr.white_box_signature(len(sync), violation)
+        signature = attr.white_box_signature(len(sync), violation, n_reference=n_ref)
     else:
-        signature = attr.black_box_signature(bs, _black_box_records(engine, ctx, ids, outs, ref, sync, batches, stops,
-                                                                    probe, rel_tol))
+        records = _black_box_records(engine, ctx, ids, outs, ref, sync, batches, stops, probe, rel_tol)
+        signature = attr.black_box_signature(bs, records, n_reference=n_ref)
     return AuditRow(
         engine=engine.name, batch_size=bs, n=n,
         exact_match=sum(metrics.exact_match(o, r) for o, r in zip(outs, ref)) / n if n else 1.0,

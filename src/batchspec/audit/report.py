@@ -33,14 +33,20 @@ class AuditRow:
         return sum(d.cls == "numerical" for d in self.divergences)
 
     @property
+    def reference(self) -> int:
+        """Divergences where the target prefers the engine's token: the oracle output is stale or wrong."""
+        return sum(d.cls == "reference" for d in self.divergences)
+
+    @property
     def clean(self) -> bool:
-        return self.synchronization == 0
+        return self.synchronization == 0 and self.reference == 0
 
     def as_dict(self, outputs: bool = True) -> dict:
         d = {
             "engine": self.engine, "batch_size": self.batch_size, "n": self.n, "exact_match": self.exact_match,
             "partial_match": self.partial_match, "rouge_l": self.rouge_l, "repetition_rate": self.repetition_rate,
-            "numerical": self.numerical, "synchronization": self.synchronization, "signature": self.signature,
+            "numerical": self.numerical, "synchronization": self.synchronization, "reference": self.reference,
+            "signature": self.signature,
             "first_violated_invariant": self.first_violated_invariant, "tokens_per_second": self.tokens_per_second,
             "divergences": [x.as_dict() for x in self.divergences],
         }
@@ -85,7 +91,8 @@ class AuditReport:
     def _cells(self, r: AuditRow) -> list[str]:
         return [
             r.engine, str(r.batch_size), f"{r.exact_match:.3f}", f"{r.partial_match:.3f}", f"{r.rouge_l:.3f}",
-            f"{r.repetition_rate:.3f}", f"{r.numerical}/{r.synchronization}", r.signature,
+            f"{r.repetition_rate:.3f}",
+            f"{r.numerical}/{r.synchronization}" + (f" ({r.reference} ref)" if r.reference else ""), r.signature,
             _invariant(r.first_violated_invariant), f"{r.tokens_per_second:.1f}",
         ]
 
@@ -93,11 +100,13 @@ class AuditReport:
         lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
         lines += ["| " + " | ".join(self._cells(r)) + " |" for r in self.rows]
         m = self.meta
+        ref = " (ref: the target prefers the engine's token, so the oracle is stale or wrong)" if any(
+            r.reference for r in self.rows) else ""
         lines += [
             "",
             f"{m.get('n_prompts')} prompts, max_tokens {m.get('max_tokens')}, K={m.get('num_draft_tokens')}, "
             f"oracle: HF greedy at batch size 1 ({m.get('target_dtype')}); num/sync: divergences within / beyond the "
-            f"margin tolerance; oracle repetition rate {m.get('oracle_repetition_rate', 0):.3f}.",
+            f"margin tolerance{ref}; oracle repetition rate {m.get('oracle_repetition_rate', 0):.3f}.",
         ]
         return "\n".join(lines) + "\n"
 

@@ -1,13 +1,11 @@
-"""Drafters propose up to K tokens per row. One interface:
+"""Drafters propose up to K tokens per row (interface in ``base``): ``prefill(prompts) -> state``,
+``propose(seqs, state, k) -> Proposal``, ``commit(state, proposal, accepted, target_output)``, ``states(state)`` (the
+caches a layout keeps aligned) and ``processed(seqs, state)`` (tokens each of those must hold, for the invariant
+checker). The running batch owns each drafter's state."""
 
-``add(prompts)``, ``propose(seqs, k) -> (drafts [B, k], n_drafts [B], q [B, k, V] | None)``, ``commit(accepted [B], k)``,
-``select_rows(rows)``, ``reset()``, ``states`` (the caches a layout must keep aligned) and ``processed(seqs)`` (tokens each of
-those caches must hold, for the invariant checker).
-"""
-
+from .base import Drafter, Proposal
 from .lookup import PromptLookup
-from .model import ModelDrafter
-from .base import Drafter
+from .model import DraftState, ModelDrafter
 from .none import NoDrafter
 
-__all__ = ["Drafter", "ModelDrafter", "PromptLookup", "NoDrafter"]
+__all__ = ["Drafter", "DraftState", "ModelDrafter", "Proposal", "PromptLookup", "NoDrafter"]

@@ -1,30 +1,45 @@
-"""The drafter interface, with no-op defaults for drafters that keep no per-row state."""
+"""The drafter interface. A drafter keeps no per-batch state of its own: what it needs per row (a draft model's
+cache, say) is a *state* object that it creates at prefill and that the running batch owns and moves with its rows
+(``select_rows`` / ``take`` / ``put`` / ``merge``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Proposal:
+    """A round's drafts: ``drafts`` ``[B, k]`` (entries past ``n_drafts[b]`` are meaningless), ``n_drafts`` ``[B]``
+    and ``q`` ``[B, k, V]``, the distributions they were sampled from (None for greedy or deterministic drafting:
+    one-hot on the drafts)."""
+
+    drafts: torch.Tensor
+    n_drafts: torch.Tensor
+    q: torch.Tensor | None = None
 
 
 class Drafter:
     name = "drafter"
-    states = ()  # SlotStates a layout must keep aligned
+    needs_hidden = False  # whether ``commit`` reads the target's final hidden states
 
-    def add(self, prompts):
-        """Rows joining the batch (appended after the current rows)."""
+    def prefill(self, prompts: list[list[int]]):
+        """The state of rows starting with ``prompts`` (None for drafters that keep no per-row state)."""
+        return None
 
-    def propose(self, seqs, k):
-        """(drafts [B, k], n_drafts [B], q): up to k proposed tokens per row, and ``q`` [B, k, V] the distributions
-        they were sampled from when ``seqs.sampling`` (None for a deterministic drafter: one-hot on its tokens)."""
+    def propose(self, seqs, state, k: int) -> Proposal:
+        """Up to ``k`` proposed tokens per row."""
         raise NotImplementedError
 
-    def commit(self, accepted, k):
-        """After verification: row b accepted ``accepted[b]`` drafts."""
+    def commit(self, state, proposal: Proposal, accepted: torch.Tensor, target) -> None:
+        """After verification: row b accepted ``accepted[b]`` drafts; ``target`` is the verification's
+        ``TargetOutput``."""
 
-    def select_rows(self, rows):
-        """Keep only ``rows`` (a 1D index tensor)."""
+    def states(self, state) -> tuple:
+        """The ``SlotState``s inside ``state`` that the layout keeps aligned and the invariant checker checks."""
+        return ()
 
-    def take(self, rows):
-        """A drafter for ``rows`` only (a batch drawn from a larger window); stateless drafters return themselves."""
-        return self
-
-    def put(self, rows, part):
-        """Write back what ``take(rows)`` returned, after a round."""
-
-    def reset(self):
-        """The batch emptied."""
+    def processed(self, seqs, state) -> torch.Tensor:
+        """Tokens each of those caches must hold, per row (for the invariant checker)."""
+        raise NotImplementedError

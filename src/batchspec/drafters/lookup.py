@@ -8,7 +8,7 @@ costs one plain decoding step.
 
 import torch
 
-from .base import Drafter
+from .base import Drafter, Proposal
 
 
 class PromptLookup(Drafter):
@@ -19,7 +19,7 @@ class PromptLookup(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, seqs, k):
+    def propose(self, seqs, state, k):
         hist, length = seqs.history, seqs.length
         b, t = hist.shape
         dev = hist.device
@@ -46,4 +46,4 @@ class PromptLookup(Drafter):
         idx = (start[:, None] + torch.arange(w, device=dev)[None, :]).clamp(max=t - 1)
         drafts = hist.gather(1, idx)
         drafts = torch.where(torch.arange(w, device=dev)[None, :] < n_drafts[:, None], drafts, 0)
-        return drafts, n_drafts, None  # deterministic: q is one-hot on the proposal
+        return Proposal(drafts, n_drafts)  # deterministic: q is one-hot on the proposal

@@ -2,12 +2,12 @@
 
 import torch
 
-from .base import Drafter
+from .base import Drafter, Proposal
 
 
 class NoDrafter(Drafter):
     name = "none"
 
-    def propose(self, seqs, k):
+    def propose(self, seqs, state, k):
         b, dev = seqs.length.shape[0], seqs.length.device
-        return torch.empty((b, 0), dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev), None
+        return Proposal(torch.empty((b, 0), dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev))

@@ -85,8 +85,9 @@ def plan(model) -> _Plan | None:
     return p
 
 
-def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0) -> torch.Tensor | None:
-    """Logits of one forward over a slot cache (see ``kv.forward``), or None where this path does not apply."""
+def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hidden=False):
+    """``(logits, hidden states or None)`` of one forward over a slot cache (see ``Runner.forward``), or None where
+    this path does not apply. Reads the model's modules and weights; writes only the cache."""
     b, q = input_ids.shape
     if b * q > MAX_ROWS or input_ids.device.type != "cpu":
         return None
@@ -103,23 +104,19 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0) ->
     like = x.new_empty((b, p.kv_heads, q, p.head_dim))
     dims = (ctypes.c_long * 9)(b, q, start, 0, p.hidden, p.heads, p.kv_heads, p.head_dim, p.inter)
     for layer, weights in zip(cache.layers, p.pointers):
-        if not layer.is_initialized:
-            layer.lazy_initialization(like, like)
-        layer._ensure(like, like, start + q)
-        if not (layer._k.is_contiguous() and layer._v.is_contiguous()):
-            layer._k, layer._v = layer._k.contiguous(), layer._v.contiguous()
-        dims[3] = layer._k.shape[-2]
-        if lib.llama_layer(x.data_ptr(), weights, cos.data_ptr(), sin.data_ptr(), layer._k.data_ptr(),
-                           layer._v.data_ptr(), vis.data_ptr(), dims, p.eps, p.scale):
+        keys, values = layer.reserve(like, like, start + q)  # contiguous buffers with room for q more slots
+        dims[3] = keys.shape[-2]
+        if lib.llama_layer(x.data_ptr(), weights, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+                           values.data_ptr(), vis.data_ptr(), dims, p.eps, p.scale):
             raise MemoryError("batchspec's layer kernel could not allocate its scratch memory")
-        layer._adopt(layer._k, layer._v, start + q)
-    hidden = x.view(b, q, p.hidden)
+        layer.advance(start + q)
+    states = x.view(b, q, p.hidden)
     if logits_to_keep:
-        hidden = hidden[:, -logits_to_keep:]
-    hidden = inner.norm(hidden)
-    n = hidden.shape[1]
-    flat = hidden.reshape(b * n, p.hidden)
+        states = states[:, -logits_to_keep:]
+    states = inner.norm(states)
+    n = states.shape[1]
+    flat = states.reshape(b * n, p.hidden)
     logits = skinny_linear(flat, model.lm_head.weight)
     if logits is None:
         logits = model.lm_head(flat)
-    return logits.view(b, n, -1)
+    return logits.view(b, n, -1), (states if hidden else None)

@@ -1,0 +1,199 @@
+"""The model runner: owns every forward batchspec runs, and changes nothing anyone else can see.
+
+A ``Runner`` wraps one model. Its forwards go, in order of preference, through
+- the C layer (``kernels/llama.py``): fp32 Llama models on CPU, at most ``kernels.MAX_ROWS`` rows (batch x new
+  tokens): one call per decoder layer, between the model's own embedding, rotary tables, final norm and head;
+- the runner's *private copy* of the model's module tree, which shares every parameter and buffer with the user's
+  model (no memory cost) but has its own config and its own modules. Only that copy is changed: its linear layers
+  run few rows as ``W @ x^T`` (or the skinny kernel), and its attention is ``slot_sdpa`` (grouped-query attention
+  without copying key/value heads, and rows of very different lengths attended over their own slots only).
+
+The user's model object, its config, its classes and the process environment are never written, so HF ``generate``
+(or another engine) may use the same model from another thread at the same time. The copy is rebuilt when the
+model's parameters are replaced (``model.to(...)``); in-place edits of the weights are shared and seen at once.
+
+A forward returns ``TargetOutput(logits, hidden)``; ``hidden`` (the final hidden states the head reads) only when
+asked for, so plain decoding pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+from transformers.modeling_utils import AttentionInterface
+
+from . import kv
+from .kernels import llama as fused_llama
+from .kernels import skinny_linear
+
+FEW_ROWS = 256  # up to this many rows (batch x new tokens), linear layers run as ``W @ x^T``
+SLOT_SDPA = "batchspec_slot_sdpa"
+
+
+@dataclass
+class TargetOutput:
+    """A forward's result: ``logits`` ``[B, n, V]`` and, when asked for, ``hidden`` ``[B, n, H]``."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+class FewRowLinear(torch.nn.Linear):
+    """``nn.Linear`` for few rows (decode and verification steps): the skinny kernel where it applies, else
+    ``W @ x^T``. On CPU (MKL), for a few rows against a large weight, that orientation streams the weight ~1.3-2x
+    faster than ``x @ W^T`` (the vocabulary projection of 8 rows: 2.3x); for many rows ``x @ W^T`` is used. The
+    products are the same; only their summation order may differ, like any change of batch size."""
+
+    @classmethod
+    def sharing(cls, linear: torch.nn.Linear) -> "FewRowLinear":
+        """A module of this class over the same parameters as ``linear`` (which is left as it is)."""
+        new = cls.__new__(cls)
+        new.__dict__.update(linear.__dict__)
+        new._parameters = dict(linear._parameters)
+        return new
+
+    def forward(self, x):
+        rows = x.numel() // x.shape[-1]
+        if rows > FEW_ROWS:
+            return super().forward(x)
+        x2 = x.reshape(rows, x.shape[-1])
+        y = skinny_linear(x2, self.weight)
+        if y is None:
+            y = (self.weight @ x2.T).T.contiguous()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def row_segments(visible: torch.Tensor, q: int) -> list[tuple[int, int, int]] | None:
+    """Split a ragged rectangle's rows into two runs ``(row_from, row_to, first_slot)`` so that each run's attention
+    skips the slots left of its rows' first visible one; ``None`` when that saves less than a quarter of the work.
+
+    Rows of very different lengths share one rectangle (the short ones left-padded), so attention over the whole
+    width spends most of a short row's time on padding. One host read of the first visible slot per row; only used
+    on CPU, where reading it costs nothing. The ``q`` new slots are always kept (each query sees itself)."""
+    b, width = visible.shape
+    if b < 2 or visible.device.type != "cpu":
+        return None
+    first = visible.to(torch.uint8).argmax(1).clamp(max=width - q)
+    head = first.cummin(0).values  # the earliest first slot of rows [0, i]
+    tail = first.flip(0).cummin(0).values.flip(0)  # ... of rows [i, b)
+    split = torch.arange(1, b)
+    cost = split * (width - head[:-1]) + (b - split) * (width - tail[1:])
+    i = int(cost.argmin())  # the first cheapest split
+    c, h, t, earliest = torch.stack([cost[i], head[i], tail[i + 1], head[-1]]).tolist()
+    if c > 0.75 * b * (width - earliest):
+        return None
+    return [(0, i + 1, h), (i + 1, b, t)]
+
+
+def slot_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, segments=None, **kwargs):
+    """Scaled dot-product attention for the runner's private model copy (HF's attention-function signature).
+
+    Key/value heads are shared by their query heads without being copied (torch's ``enable_gqa``); with
+    ``segments`` (see ``row_segments``) each run of rows attends over its own slots only. Without a mask (a fresh,
+    unpadded prefill) attention is causal."""
+
+    def attend(q, k, v, mask):
+        causal = mask is None and q.shape[2] > 1
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+
+    if segments and attention_mask is not None:
+        out = torch.cat([attend(query[a:b], key[a:b, :, s:], value[a:b, :, s:], attention_mask[a:b, ..., s:])
+                         for a, b, s in segments])
+    else:
+        out = attend(query, key, value, attention_mask)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = threading.Lock()
+
+
+def _register_slot_sdpa() -> None:
+    """Make ``slot_sdpa`` known to transformers under its own name (done once, when the first runner needs it; only
+    the runners' private model copies select it)."""
+    with _registered:
+        if SLOT_SDPA not in AttentionInterface._global_mapping:
+            AttentionInterface.register(SLOT_SDPA, slot_sdpa)
+
+
+def _fingerprint(model):
+    """Changes when the model's parameters are replaced (not when they are edited in place)."""
+    params = list(model.parameters())
+    ends = (params[0], params[-1]) if params else ()
+    return tuple((p.data_ptr(), p.dtype, p.device) for p in ends), len(params)
+
+
+def private_copy(model):
+    """A copy of ``model``'s module tree (and config) that shares its parameters and buffers, in eval mode, with
+    linears over few rows as ``FewRowLinear`` on CPU and ``slot_sdpa`` attention where the model uses sdpa."""
+    shared = {id(t): t for t in chain(model.parameters(), model.buffers())}
+    mine = copy.deepcopy(model, memo=shared)
+    mine.eval()
+    for module in list(mine.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.device.type == "cpu":
+                setattr(module, name, FewRowLinear.sharing(child))
+    if mine.config._attn_implementation == "sdpa":
+        _register_slot_sdpa()
+        mine.config._attn_implementation = SLOT_SDPA  # the copy's own config object
+    return mine
+
+
+class Runner:
+    """Runs forwards of one model over slot caches (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._copy = None
+        self._key = None
+        self._lock = threading.Lock()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def modules(self):
+        """The private copy (built on first use, rebuilt when the model's parameters were replaced)."""
+        key = _fingerprint(self.model)
+        if self._copy is None or key != self._key:
+            with self._lock:
+                if self._copy is None or key != self._key:
+                    self._copy, self._key = private_copy(self.model), key
+        return self._copy
+
+    def forward(self, cache: kv.SlotCache, input_ids, position_ids, visible=None, logits_to_keep=0,
+                hidden=False) -> TargetOutput:
+        """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``.
+
+        ``visible`` ``[B, S+q]`` says which slots attention may see; ``None`` means a fresh cache and unpadded rows
+        (causal attention, which skips the masked half of the work). ``logits_to_keep`` > 0 keeps the last that
+        many positions; ``hidden`` also returns the final hidden states at those positions."""
+        everything = visible if visible is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        out = fused_llama.forward(self.model, cache, input_ids, position_ids, everything, logits_to_keep, hidden)
+        if out is not None:  # the C layer only reads the model
+            return TargetOutput(*out)
+        model = self.modules
+        mask = segments = None
+        extra = {}
+        if visible is not None:
+            q = input_ids.shape[1]
+            mask = kv.attention_mask(model, visible, q)
+            segments = row_segments(visible, q) if model.config._attn_implementation == SLOT_SDPA else None
+            if segments:
+                extra["segments"] = segments
+        res = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache,
+                    use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden, **extra)
+        states = None
+        if hidden:
+            states = res.hidden_states[-1]
+            if logits_to_keep:
+                states = states[:, -logits_to_keep:]
+        return TargetOutput(res.logits, states)
+

@@ -1,0 +1,223 @@
+"""A user error never costs a run and never changes the user's objects: bad flags, prompt files, ``--out`` paths,
+devices and model paths are refused at once with one line and exit status 2, before any model loads."""
+
+import numpy as np
+import pytest
+import torch
+
+import batchspec
+import batchspec.models as models
+import tiny
+from batchspec.cli import main
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return tiny.save_dir(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any attempt to load a model from disk fails the test: the error must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("w5 w6 w7\nw9 w10\n")
+    return path
+
+
+def _one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"batchspec {command}: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def _args(command, target_dir, prompts, *extra):
+    engines = [] if command == "generate" else ["--engines", "plain"]
+    return [command, "--target", str(target_dir), "--draft", "none", "--prompts", str(prompts), *engines, *extra]
+
+
+# ------------------------------------------------------------------------------------------------ --out
+
+
+@pytest.mark.parametrize("command,kind,message", [
+    ("generate", "folder", "is a folder; give a file path"),
+    ("generate", "under-file", "is a file, not a folder"),
+    ("audit", "file", "is a file, not a folder"),
+    ("audit", "under-file", "is a file, not a folder"),
+    ("bench", "file", "is a file, not a folder"),
+    ("bench", "under-file", "is a file, not a folder"),
+])
+def test_bad_out_is_refused_before_any_model_loads(dirs, prompts, tmp_path, no_model_load, capsys, command, kind,
+                                                   message):
+    regular = tmp_path / "regular"
+    regular.write_text("keep me")
+    out = {"folder": tmp_path, "file": regular, "under-file": regular / "sub" / "out.jsonl"}[kind]
+    assert main(_args(command, dirs[0], prompts, "--out", str(out))) == 2
+    assert message in _one_error_line(capsys, command)
+    assert regular.read_text() == "keep me"
+
+
+def test_generate_creates_the_out_folder_before_loading(dirs, prompts, tmp_path, no_model_load):
+    out = tmp_path / "new" / "deeper" / "out.jsonl"
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        main(_args("generate", dirs[0], prompts, "--out", str(out)))
+    assert out.parent.is_dir()
+
+
+# ------------------------------------------------------------------------------------------------ flags
+
+
+@pytest.mark.parametrize("argv", [
+    ["audit", "--limit", "0"], ["audit", "--limit", "-1"], ["bench", "--limit", "0"], ["bench", "--limit", "-1"],
+    ["bench", "--truncate", "0"], ["bench", "--truncate", "-1"], ["generate", "--max-tokens", "0"],
+    ["audit", "--samples", "0"],
+])
+def test_counts_below_one_are_refused(dirs, prompts, no_model_load, capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(_args(argv[0], dirs[0], prompts, *argv[1:]))
+    assert e.value.code == 2
+    assert f"argument {argv[1]}: must be an integer >= 1, got '{argv[2]}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "audit"])
+@pytest.mark.parametrize("flag", [["--top-k", "5"], ["--top-p", "0.9"]])
+def test_top_k_top_p_without_temperature_refused_alike(dirs, prompts, no_model_load, capsys, command, flag):
+    assert main(_args(command, dirs[0], prompts, *flag)) == 2
+    assert "--top-k and --top-p apply to sampling: give --temperature > 0 as well" in _one_error_line(capsys, command)
+
+
+@pytest.mark.parametrize("device,message", [
+    ("bogus", "unknown device 'bogus'"),
+    pytest.param("cuda", "device 'cuda' is not available", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a CUDA device is present")),
+])
+def test_unusable_device_is_one_line(dirs, prompts, capsys, device, message):
+    for command in ("generate", "audit", "bench"):
+        assert main(_args(command, dirs[0], prompts, "--device", device)) == 2
+        assert message in _one_error_line(capsys, command)
+    with pytest.raises(ValueError, match=message):
+        batchspec.LLM(tiny.target("llama"), device=device)
+
+
+@pytest.mark.parametrize("command", ["generate", "audit", "bench"])
+def test_empty_prompt_file_refused(dirs, tmp_path, no_model_load, capsys, command):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    assert main(_args(command, dirs[0], empty)) == 2
+    assert f"no prompts in {empty}" in _one_error_line(capsys, command)
+
+
+def test_non_utf8_prompt_file_is_named(dirs, tmp_path, no_model_load, capsys):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9 w5\n".encode("latin-1"))
+    assert main(_args("generate", dirs[0], bad)) == 2
+    assert f"prompt file {bad} is not UTF-8 text" in _one_error_line(capsys, "generate")
+
+
+# ------------------------------------------------------------------------------------------------ model specs
+
+
+@pytest.mark.parametrize("spec", ["./no-such-model", "~/no-such-model-dir", "no-such-dir/model", "/no/such/model",
+                                  "missing.gguf", "someone/no-such-model"])
+def test_missing_model_path_is_not_found_at_once(no_model_load, spec):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        models.load_model(spec)
+
+
+def test_missing_target_on_the_command_line(tmp_path, prompts, no_model_load, capsys):
+    assert main(["generate", "--target", str(tmp_path / "nowhere"), "--prompts", str(prompts)]) == 2
+    assert "not found" in _one_error_line(capsys, "generate")
+
+
+def test_models_and_tokenizers_load_from_local_files_only(dirs, monkeypatch):
+    from transformers import AutoTokenizer
+
+    seen = []
+    for cls in (models.AutoModelForCausalLM, AutoTokenizer):
+        original = cls.from_pretrained
+        def record(*a, _original=original, **k):
+            seen.append(k.get("local_files_only"))
+            return _original(*a, **k)
+
+        monkeypatch.setattr(cls, "from_pretrained", record)
+    llm = batchspec.LLM(str(dirs[0]), draft=str(dirs[1]))
+    assert llm.tokenizer is not None and len(seen) == 3 and all(seen), seen
+
+
+# ------------------------------------------------------------------------------------------------ user objects
+
+
+def _fresh(dtype):
+    return tiny._build("llama", 0, dtype, "sdpa")
+
+
+def test_user_models_keep_dtype_device_and_training_flag():
+    target64, draft32 = _fresh(torch.float64), _fresh(torch.float32).train()
+    llm = batchspec.LLM(target64, draft=draft32, num_draft_tokens=3, batch_size=2)
+    assert draft32.dtype == torch.float32 and draft32.training
+    assert all(p.dtype == torch.float32 for p in draft32.parameters())
+    assert llm.draft.dtype == torch.float64 and not llm.draft.training
+    ps = tiny.prompts(3, seed=4)
+    outs = llm.generate(ps, batchspec.SamplingParams(max_tokens=8))
+    assert [o.token_ids for o in outs] == [tiny.oracle(tiny.target("llama"), p, 8) for p in ps]
+    assert draft32.training and draft32.dtype == torch.float32
+
+    batchspec.LLM(target64, dtype=torch.float32)
+    assert target64.dtype == torch.float64 and all(p.dtype == torch.float64 for p in target64.parameters())
+
+
+def test_training_mode_model_runs_as_an_eval_copy_sharing_its_tensors():
+    target = _fresh(torch.float64).train()
+    llm = batchspec.LLM(target, num_draft_tokens=3)
+    assert target.training and all(m.training for m in target.modules())
+    assert llm.target is not target and not llm.target.training
+    for mine, theirs in ((llm.target.parameters(), target.parameters()), (llm.target.buffers(), target.buffers())):
+        assert all(a is b for a, b in zip(mine, theirs))
+    p = tiny.prompts(1, seed=5)[0]
+    out = llm.generate([p], batchspec.SamplingParams(max_tokens=6))[0]
+    assert out.token_ids == tiny.oracle(tiny.target("llama"), p, 6)
+    eval_model = tiny.target("llama")
+    assert batchspec.LLM(eval_model).target is eval_model  # nothing to change: the model itself
+
+
+# ------------------------------------------------------------------------------------------------ SamplingParams
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_tokens": True}, "max_tokens must be an integer"),
+    ({"max_tokens": 5.0}, "max_tokens must be an integer"),
+    ({"max_tokens": 5.9}, "max_tokens must be an integer"),
+    ({"top_k": False}, "top_k must be an integer"),
+    ({"top_k": 5.0}, "top_k must be an integer"),
+    ({"seed": True}, "seed must be an integer"),
+    ({"seed": 3.0}, "seed must be an integer"),
+    ({"temperature": "0.7"}, "temperature must be >= 0"),
+    ({"temperature": True}, "temperature must be >= 0"),
+    ({"top_p": "0.9"}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": True}, r"top_p must be in \(0, 1\]"),
+    ({"stop_token_ids": [True]}, "stop_token_ids must be a list of integer token ids >= 0"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of integer token ids >= 0"),
+    ({"stop_token_ids": [2.0]}, "stop_token_ids must be a list of integer token ids >= 0"),
+    ({"stop_token_ids": 2}, "stop_token_ids must be a list of integer token ids >= 0"),
+    ({"stop_token_ids": "2"}, "stop_token_ids must be a list of integer token ids >= 0"),
+])
+def test_sampling_params_refuse_bools_floats_and_strings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        batchspec.SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_numpy_numbers():
+    sp = batchspec.SamplingParams(max_tokens=np.int64(7), temperature=np.float32(0.5), top_k=np.int32(3),
+                                  top_p=np.float64(0.9), seed=np.uint64(11), stop_token_ids=np.array([2, 5]))
+    assert (sp.max_tokens, sp.top_k, sp.seed, sp.stop_token_ids) == (7, 3, 11, [2, 5])
+    assert all(type(v) is int for v in (sp.max_tokens, sp.top_k, sp.seed, *sp.stop_token_ids))
+    assert type(sp.temperature) is float and type(sp.top_p) is float
+    out = batchspec.LLM(tiny.target("llama")).generate([[5, 6, 7]], sp)[0]
+    assert len(out.token_ids) <= 7
