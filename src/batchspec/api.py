@@ -83,10 +83,11 @@ class LLM:
                 if self.tokenizer is None:
                     raise ValueError("string prompts need a tokenizer; pass tokenizer= or token-id prompts")
                 ids = self.tokenizer(p)["input_ids"]
-            elif isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() == 1):
-                ids = [_token_id(t, i) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)]
+            elif isinstance(p, (list, tuple)) or (hasattr(p, "tolist") and getattr(p, "ndim", None) == 1):
+                ids = [_token_id(t, i) for t in (p if isinstance(p, (list, tuple)) else p.tolist())]
             else:
-                raise ValueError(f"prompt {i} is a {type(p).__name__}; give a string or a list of token ids")
+                raise ValueError(f"prompt {i} is a {type(p).__name__}; give a string or a list (or 1-D array) of "
+                                 "token ids")
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
             bad = [t for t in ids if not 0 <= t < vocab]
