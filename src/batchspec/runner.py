@@ -122,11 +122,9 @@ def _register_slot_sdpa() -> None:
             AttentionInterface.register(SLOT_SDPA, slot_sdpa)
 
 
-def _fingerprint(model):
-    """Changes when the model's parameters are replaced (not when they are edited in place)."""
-    params = list(model.parameters())
-    ends = (params[0], params[-1]) if params else ()
-    return tuple((p.data_ptr(), p.dtype, p.device) for p in ends), len(params)
+def _fingerprint(params) -> tuple:
+    """Changes when the parameters' storage is replaced (``model.to(...)``), not when it is edited in place."""
+    return tuple((p.data_ptr(), p.dtype, p.device) for p in params)
 
 
 def private_copy(model):
@@ -150,8 +148,8 @@ class Runner:
 
     def __init__(self, model):
         self.model = model
-        self._copy = None
-        self._key = None
+        self._copy = self._key = None
+        self._ends = ()
         self._lock = threading.Lock()
 
     @property
@@ -161,11 +159,11 @@ class Runner:
     @property
     def modules(self):
         """The private copy (built on first use, rebuilt when the model's parameters were replaced)."""
-        key = _fingerprint(self.model)
-        if self._copy is None or key != self._key:
+        if self._copy is None or _fingerprint(self._ends) != self._key:
             with self._lock:
-                if self._copy is None or key != self._key:
-                    self._copy, self._key = private_copy(self.model), key
+                params = list(self.model.parameters())
+                self._ends = (params[0], params[-1]) if params else ()
+                self._copy, self._key = private_copy(self.model), _fingerprint(self._ends)
         return self._copy
 
     def forward(self, cache: kv.SlotCache, input_ids, position_ids, visible=None, logits_to_keep=0,
