@@ -66,7 +66,8 @@ class Driver:
 
 
 @pytest.mark.parametrize("scheduler,layout,drafter", list(itertools.product(
-    ["continuous", "static"], ["slotmask", "eqspec"], ["model", "prompt-lookup", "none"])))
+    ["continuous", "static"], ["slotmask", "eqspec"], ["model", "prompt-lookup", "none"])) + [
+    ("exspec", "slotmask", "model"), ("exspec", "eqspec", "prompt-lookup")])
 def test_requests_added_while_others_run(scheduler, layout, drafter):
     t = tiny.target("llama")
     llm = _llm(drafter, layout, scheduler, batch_size=4)
@@ -101,7 +102,7 @@ def test_requests_added_while_others_run(scheduler, layout, drafter):
         assert d.streamed[rid] == f.token_ids == want, rid
         assert f.reason == "length" and f.rounds >= 1
         assert f.accepted <= f.drafted
-    if scheduler == "continuous":
+    if scheduler in ("continuous", "exspec"):
         assert llm.stats.joined_running > 0, "no request was spliced into a running batch"
         # a late request streamed tokens before some early request (running when it was added) had finished
         assert any(d.first_token_step[lt] < d.finish_step[e] for lt in late_ids for e in running_at_join)
@@ -259,3 +260,45 @@ def test_on_tokens_with_stop_tokens():
     assert [pieces[i] for i in range(len(prompts))] == want
     assert sorted(fins) == list(range(len(prompts)))
     assert any(o.finish_reason == "stop" for o in outs)
+
+
+def test_two_engines_of_one_llm_are_independent():
+    """Each ``llm.engine()`` has its own scheduler state: stepping (or aborting in) one engine must not disturb
+    another engine of the same LLM. ExSpec remembers per-row waits, so a shared scheduler object breaks here."""
+    t = tiny.target("llama")
+    llm = _llm("prompt-lookup", scheduler="exspec", batch_size=2)
+    prompts = tiny.prompts(6, seed=4)
+    a = Driver(llm.engine())
+    _, reqs = llm.requests(prompts, SamplingParams(max_tokens=12))
+    for r in reqs:
+        a.engine.add_request(r)
+    a.step()
+    assert len(a.running()) == 2 and a.engine.has_work()  # a window of 6 rows, 2 of them ran
+    b = Driver(llm.engine())
+    _, reqs = llm.requests(prompts[:1], SamplingParams(max_tokens=12))
+    b.engine.add_request(reqs[0])
+    b.step()  # one row
+    assert a.engine.abort(0) is True
+    a.run()
+    b.run()
+    assert a.finished[0].reason == "abort"
+    for i in range(1, 6):
+        assert a.streamed[i] == a.finished[i].token_ids == tiny.oracle(t, prompts[i], 12)
+    assert b.streamed[0] == b.finished[0].token_ids == tiny.oracle(t, prompts[0], 12)
+
+
+def test_add_request_refuses_an_id_in_use():
+    """Two requests with one id cannot both be reported (one ``Finished`` would be lost): refused up front."""
+    llm = _llm("model", batch_size=4)
+    engine = llm.engine()
+    _, reqs = llm.requests(tiny.prompts(3, seed=1), SamplingParams(max_tokens=5))
+    reqs[0].id = reqs[1].id = 1
+    engine.add_request(reqs[0])
+    with pytest.raises(ValueError, match="1"):
+        engine.add_request(reqs[1])
+    reqs[2].id = None
+    rid = engine.add_request(reqs[2])
+    assert rid != 1
+    d = Driver(engine)
+    d.run()
+    assert set(d.finished) == {1, rid}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 
@@ -103,7 +104,8 @@ class LLM:
         ctx = context_length(self.target)
         draft = self.draft if isinstance(self.drafter, ModelDrafter) else None
         draft_ctx = context_length(draft) if draft is not None else None
-        smallest = 64.0 / torch.finfo(self.target.dtype).max
+        dtype = self.target.dtype
+        smallest = torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).tiny
         for i, (p, sp) in enumerate(zip(ids, params)):
             need = len(p) + sp.max_tokens
             if ctx is not None and need > ctx:
@@ -118,8 +120,8 @@ class LLM:
                 )
             if 0 < sp.temperature < smallest:
                 raise ValueError(
-                    f"prompt {i}: temperature {sp.temperature} cannot be computed in {self.target.dtype} (logits / "
-                    f"temperature overflows); use at least {smallest:.3g}, or 0 for greedy decoding"
+                    f"prompt {i}: temperature {sp.temperature} cannot be represented in {dtype}'s sampling arithmetic; "
+                    f"use at least {smallest:.3g}, or 0 for greedy decoding"
                 )
 
     def context(self) -> int | None:
@@ -140,6 +142,7 @@ class LLM:
         for sp in params:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
+        params = [dataclasses.replace(sp) for sp in params]  # validated again: fields may have changed since
         ids = self._encode(prompts)
         self._check(ids, params)
         eos = eos_ids(self.target)

@@ -4,6 +4,7 @@ that finish (or are aborted) leave the batch."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -113,7 +114,9 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer) -> RoundResult:
         drafter.commit(batch.draft, proposal, accepted, out)
         block = emitted_block(drafts, accepted, bonus)
         finished, n, cut = seqs.extend(block, accepted + 1)
-        accepted = torch.minimum(accepted, n)  # drafts cut after a stop token or at the limit were not emitted
+        # count what was emitted: a round's first token is the target's own, drafts cut after a stop token or at
+        # the limit are not counted (so generated tokens = accepted drafts + row-rounds)
+        accepted = torch.minimum(accepted, n - 1)
         seqs.rounds += 1
         seqs.drafted += n_drafts
         seqs.accepted += accepted
@@ -142,7 +145,8 @@ class Engine:
 
     def __init__(self, parts: Parts, scheduler, batch_size: int, stats: Stats | None = None, check: bool = False,
                  profile: bool = False):
-        self.parts, self.scheduler, self.batch_size, self.check = parts, scheduler, batch_size, check
+        self.parts, self.batch_size, self.check = parts, batch_size, check
+        self.scheduler = copy.deepcopy(scheduler)  # a scheduler may remember rows: one per engine
         self.stats = stats if stats is not None else Stats()
         self.timer = Timer(self.stats, parts.target.device, profile)
         self.waiting: deque[Request] = deque()
@@ -157,6 +161,9 @@ class Engine:
     def add_request(self, request: Request) -> int:
         if request.id is None:
             request.id = self._next_id
+        elif any(r.id == request.id for r in self.waiting) or (
+                self.batch is not None and request.id in self.batch.request_ids):
+            raise ValueError(f"request id {request.id} is already in use")
         self._next_id = max(self._next_id, request.id + 1)
         self.waiting.append(request)
         return request.id

@@ -45,7 +45,8 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     prefix of the sorted distribution whose mass reaches ``top_p`` (at least one token), as Hugging Face does."""
     greedy = temperature == 0
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    x = x / torch.where(greedy, 1.0, temperature).to(x.dtype)[:, None, None]
+    # shifted so the largest logit is 0 before dividing: a small temperature cannot overflow (the rest go to -inf)
+    x = (x - x.max(-1, keepdim=True).values) / torch.where(greedy, 1.0, temperature).to(x.dtype)[:, None, None]
     if filtering:
         s, order = x.sort(-1, descending=True)
         k = top_k.clamp(min=1, max=x.shape[-1])[:, None, None]

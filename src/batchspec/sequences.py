@@ -36,7 +36,7 @@ class Sequences:
         self.rounds = torch.zeros(b, dtype=torch.long, device=device)
         self.drafted = torch.zeros(b, dtype=torch.long, device=device)
         self.accepted = torch.zeros(b, dtype=torch.long, device=device)
-        self.temperature = torch.tensor([float(r.temperature) for r in requests], device=device)
+        self.temperature = torch.tensor([float(r.temperature) for r in requests], dtype=torch.float64, device=device)
         self.top_k = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=device)
         self.top_p = torch.tensor([float(r.top_p) for r in requests], device=device)
         self.seed = torch.tensor([r.seed for r in requests], dtype=torch.long, device=device)
