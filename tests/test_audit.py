@@ -54,7 +54,7 @@ def report(prompts, cache):
 
 
 def test_prompts_make_rows_accept_raggedly(prompts):
-    llm = batchspec.LLM(tiny.target(), tiny.draft(), batch_size=8)
+    llm = tiny.fixed_llm(tiny.target(), tiny.draft(), batch_size=8)
     llm.generate(prompts, batchspec.SamplingParams(max_tokens=MAX_TOKENS))
     assert llm.stats.ragged_rounds >= llm.stats.rounds // 2 > 0
 

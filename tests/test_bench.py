@@ -47,7 +47,10 @@ def test_bench_flags_a_faulty_engine():
 def test_parse_engine():
     assert parse_engine("plain", None)["draft"] is None
     assert parse_engine("eqspec-lookup@static", None) == {"draft": "prompt-lookup", "layout": "eqspec",
-                                                           "scheduler": "static"}
+                                                           "scheduler": "static", "speculation": "adaptive"}
+    assert parse_engine("slotmask-lookup:fixed@continuous", None)["speculation"] == "fixed"
+    assert parse_engine("fault:bsp-stale-positions", "d")["speculation"] == "fixed"  # as the engines it reproduces
+    assert parse_engine("fault:bsp-stale-positions:adaptive", "d")["fault"] == "bsp-stale-positions"
     import pytest
 
     with pytest.raises(ValueError, match="needs a draft"):

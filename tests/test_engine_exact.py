@@ -36,7 +36,7 @@ def setup(request):
 
 
 def run(t, draft, layout, bs, k, stop_ids=(), prompts=PROMPTS, max_tokens=MAX_TOKENS):
-    llm = batchspec.LLM(t, draft=draft, num_draft_tokens=k, layout=layout, batch_size=bs, check_invariants=True)
+    llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=k, layout=layout, batch_size=bs, check_invariants=True)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=max_tokens, stop_token_ids=list(stop_ids)))
     return llm, outs
 
@@ -111,7 +111,7 @@ def test_slotmask_compacts_and_keeps_holes():
         calls["compact"] += state.width != before
 
     layout.align = spy
-    llm = batchspec.LLM(t, draft=d, num_draft_tokens=5, batch_size=8, check_invariants=True)
+    llm = tiny.fixed_llm(t, draft=d, num_draft_tokens=5, batch_size=8, check_invariants=True)
     llm.parts.layout = layout
     outs = llm.generate(PROMPTS, batchspec.SamplingParams(max_tokens=40))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 40) for p in PROMPTS]
@@ -121,7 +121,7 @@ def test_slotmask_compacts_and_keeps_holes():
 def test_per_prompt_sampling_params_and_order(setup):
     t, d, eos, ref = setup
     params = [batchspec.SamplingParams(max_tokens=m) for m in (5, 1, 23, 9, 17, 2, 23, 11, 4, 23, 8, 3, 6)]
-    llm = batchspec.LLM(t, draft=d, num_draft_tokens=3, batch_size=4, check_invariants=True)
+    llm = tiny.fixed_llm(t, draft=d, num_draft_tokens=3, batch_size=4, check_invariants=True)
     outs = llm.generate(PROMPTS, params)
     for o, p, r, sp in zip(outs, PROMPTS, ref[False], params):
         assert o.prompt_token_ids == p
@@ -137,7 +137,7 @@ def test_ignore_eos_and_generation_config_eos(setup):
         want = [tiny.oracle(t, p, MAX_TOKENS, stop_ids=t.generation_config.eos_token_id) for p in PROMPTS]
         _, outs = run(t, d, "slotmask", 8, 3)
         assert [o.token_ids for o in outs] == want
-        llm = batchspec.LLM(t, draft=d, num_draft_tokens=3, batch_size=8)
+        llm = tiny.fixed_llm(t, draft=d, num_draft_tokens=3, batch_size=8)
         outs = llm.generate(PROMPTS, batchspec.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
         assert [o.token_ids for o in outs] == ref[False]
     finally:

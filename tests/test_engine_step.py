@@ -24,7 +24,7 @@ def _draft(name):
 
 
 def _llm(drafter, layout="slotmask", scheduler="continuous", batch_size=4, **kw):
-    return batchspec.LLM(tiny.target("llama"), draft=_draft(drafter), num_draft_tokens=K, layout=layout,
+    return tiny.fixed_llm(tiny.target("llama"), draft=_draft(drafter), num_draft_tokens=K, layout=layout,
                          scheduler=scheduler, batch_size=batch_size, check_invariants=True, **kw)
 
 

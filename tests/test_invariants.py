@@ -65,7 +65,7 @@ def test_compact_index_right_aligns_valid_slots():
 
 def test_engine_raises_on_fault_with_checker():
     """With check_invariants=True a corrupting engine stops at the first violated invariant."""
-    llm = batchspec.LLM(tiny.target("llama"), draft=tiny.draft("llama"), num_draft_tokens=3, batch_size=4,
+    llm = tiny.fixed_llm(tiny.target("llama"), draft=tiny.draft("llama"), num_draft_tokens=3, batch_size=4,
                         layout="eqspec", check_invariants=True, fault="bsp-keep-rejected-kv")
     with pytest.raises(InvariantError) as e:
         llm.generate(tiny.prompts(4), batchspec.SamplingParams(max_tokens=12))
@@ -74,7 +74,7 @@ def test_engine_raises_on_fault_with_checker():
 
 def test_draft_cache_is_checked():
     """The draft model's cache is checked too: corrupting it after a round is reported for the draft."""
-    llm = batchspec.LLM(tiny.target("llama"), draft=tiny.draft("llama"), num_draft_tokens=3, batch_size=4,
+    llm = tiny.fixed_llm(tiny.target("llama"), draft=tiny.draft("llama"), num_draft_tokens=3, batch_size=4,
                         check_invariants=True)
     drafter = llm.drafter
     original = drafter.commit

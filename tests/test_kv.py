@@ -62,7 +62,7 @@ def test_segmented_attention_runs_and_stays_exact(monkeypatch):
     monkeypatch.setitem(runner.AttentionInterface._global_mapping, runner.SLOT_SDPA, spy)
     for layout in ("slotmask", "eqspec"):
         for draft in (d, None):
-            llm = batchspec.LLM(t, draft=draft, num_draft_tokens=3, layout=layout, batch_size=8,
+            llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=3, layout=layout, batch_size=8,
                                 check_invariants=True)
             outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=12))
             assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 12) for p in prompts]
@@ -76,7 +76,7 @@ def test_segmented_attention_runs_and_stays_exact(monkeypatch):
 def test_segmented_attention_other_architectures(arch):
     t = tiny.target(arch)
     prompts = [[5, 6], [7]] + tiny.prompts(2, seed=7, lo=40, hi=50)
-    llm = batchspec.LLM(t, draft="prompt-lookup", num_draft_tokens=2, batch_size=4, check_invariants=True)
+    llm = tiny.fixed_llm(t, draft="prompt-lookup", num_draft_tokens=2, batch_size=4, check_invariants=True)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=10))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 10) for p in prompts]
 
@@ -124,7 +124,7 @@ def test_engine_with_skinny_kernel_stays_exact():
     prompts = tiny.prompts(6, seed=11, lo=2, hi=40)
     try:
         runner.skinny_linear = spy
-        llm = batchspec.LLM(t, draft="prompt-lookup", num_draft_tokens=3, batch_size=6, check_invariants=True)
+        llm = tiny.fixed_llm(t, draft="prompt-lookup", num_draft_tokens=3, batch_size=6, check_invariants=True)
         outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=12))
     finally:
         runner.skinny_linear = real
@@ -236,7 +236,7 @@ def test_engine_with_fused_llama_stays_exact(monkeypatch):
     calls = _spy_on_fused(monkeypatch)
     prompts = tiny.prompts(6, seed=12, lo=1, hi=50)
     for layout in ("slotmask", "eqspec"):
-        llm = batchspec.LLM(t, draft=d, num_draft_tokens=3, layout=layout, batch_size=4, check_invariants=True)
+        llm = tiny.fixed_llm(t, draft=d, num_draft_tokens=3, layout=layout, batch_size=4, check_invariants=True)
         outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=14))
         assert llm.stats.ragged_rounds > 0
         assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 14) for p in prompts]

@@ -49,7 +49,7 @@ def test_failure_mid_run_keeps_finished_outputs_and_the_llm_stays_usable(monkeyp
         return llm.parts.target if where == "target" else _draft_runner(llm)
 
     # dry runs on a twin LLM (batch_size 1: prompts run one after another): the forwards that prompts 0-1 and 0-2 need
-    twin = batchspec.LLM(t, draft=d, num_draft_tokens=K, batch_size=1)
+    twin = tiny.fixed_llm(t, draft=d, num_draft_tokens=K, batch_size=1)
     log = []
     _count_calls(monkeypatch, runner(twin), "forward", log)
     twin.generate(prompts[:2], sp)
@@ -59,7 +59,7 @@ def test_failure_mid_run_keeps_finished_outputs_and_the_llm_stays_usable(monkeyp
     fail_at = two + 2  # while prompt 2 runs: prompts 0 and 1 have finished
     assert fail_at < three
 
-    llm = batchspec.LLM(t, draft=d, num_draft_tokens=K, batch_size=1, check_invariants=True)
+    llm = tiny.fixed_llm(t, draft=d, num_draft_tokens=K, batch_size=1, check_invariants=True)
     r = runner(llm)
     original = r.forward
     calls = {"n": 0, "raised": 0}
@@ -90,7 +90,7 @@ def test_failure_mid_run_keeps_finished_outputs_and_the_llm_stays_usable(monkeyp
 
 def test_engine_step_failure_drops_requests_and_engine_stays_usable(monkeypatch):
     t, d = tiny.target(), tiny.draft()
-    llm = batchspec.LLM(t, draft=d, num_draft_tokens=K, batch_size=3, scheduler="continuous", check_invariants=True)
+    llm = tiny.fixed_llm(t, draft=d, num_draft_tokens=K, batch_size=3, scheduler="continuous", check_invariants=True)
     engine = llm.engine()
     prompts = tiny.prompts(5, seed=83)
     _, reqs = llm.requests(prompts, SamplingParams(max_tokens=10))
@@ -115,7 +115,7 @@ def test_engine_step_failure_drops_requests_and_engine_stays_usable(monkeypatch)
 
 def test_issue_repro_bool_max_tokens_fails_up_front_and_llm_still_works():
     t = tiny.target()
-    L = batchspec.LLM(t, draft=tiny.draft())
+    L = tiny.fixed_llm(t, draft=tiny.draft())
     with pytest.raises(ValueError, match="max_tokens"):
         L.generate([[5, 6, 7], [8, 9, 10, 11]], SamplingParams(max_tokens=True))
     out = L.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
@@ -129,7 +129,7 @@ def test_sampling_params_changed_after_construction_are_checked_up_front(field, 
     the constructor, before any work (not a crash mid-run, nor a silently empty or garbage output: today
     ``max_tokens=True`` raises a RuntimeError mid-run, ``0`` returns ``[]``, ``top_p=0.0`` samples token V-1)."""
     t = tiny.target()
-    L = batchspec.LLM(t, draft=tiny.draft())
+    L = tiny.fixed_llm(t, draft=tiny.draft())
     sp = SamplingParams(max_tokens=4, temperature=0.7, seed=1)
     setattr(sp, field, value)
     with pytest.raises(ValueError, match=field):
@@ -170,7 +170,7 @@ def test_learned_positions_fill_the_whole_context(layout, drafter):
     want = tiny.oracle(t, prompt, 56)  # HF serves 200 + 56 = 256 positions
     assert len(want) == 56
     draft = "prompt-lookup" if drafter == "prompt-lookup" else tiny.draft("gpt2")
-    llm = batchspec.LLM(t, draft=draft, num_draft_tokens=5, layout=layout, batch_size=2, check_invariants=True)
+    llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=5, layout=layout, batch_size=2, check_invariants=True)
     seen = _record_k(llm)
     outs = llm.generate([prompt, prompt[:150]], SamplingParams(max_tokens=56))
     assert outs[0].token_ids == want and outs[0].finish_reason == "length"
@@ -181,7 +181,7 @@ def test_learned_positions_fill_the_whole_context(layout, drafter):
 
 def test_beyond_the_context_is_refused_up_front_naming_the_prompt():
     t = tiny.target("gpt2")
-    llm = batchspec.LLM(t, draft="prompt-lookup", num_draft_tokens=5, batch_size=1)
+    llm = tiny.fixed_llm(t, draft="prompt-lookup", num_draft_tokens=5, batch_size=1)
     with pytest.raises(ValueError, match=r"prompt 1\b.*257"):
         llm.generate([[5, 6, 7], _repetitive(200)], SamplingParams(max_tokens=57))
     assert _nothing_ran(llm)
@@ -207,7 +207,7 @@ def _short_draft(n_positions=32):
 def test_draft_with_a_shorter_context_is_refused_up_front(monkeypatch):
     t, short = tiny.target("gpt2"), _short_draft(32)
     assert short.config.n_positions == 32 and short.config.vocab_size == tiny.VOCAB
-    llm = batchspec.LLM(t, draft=short, num_draft_tokens=5, batch_size=1)
+    llm = tiny.fixed_llm(t, draft=short, num_draft_tokens=5, batch_size=1)
     log = []
     _count_calls(monkeypatch, llm.parts.target, "forward", log)
     _count_calls(monkeypatch, _draft_runner(llm), "forward", log)
@@ -219,7 +219,7 @@ def test_draft_with_a_shorter_context_is_refused_up_front(monkeypatch):
 
 def test_draft_context_filled_exactly_is_served():
     t, short = tiny.target("gpt2"), _short_draft(32)
-    llm = batchspec.LLM(t, draft=short, num_draft_tokens=5, batch_size=2, check_invariants=True)
+    llm = tiny.fixed_llm(t, draft=short, num_draft_tokens=5, batch_size=2, check_invariants=True)
     seen = _record_k(llm)
     prompts = [_repetitive(12, 3), _repetitive(7, 4)]
     outs = llm.generate(prompts, [SamplingParams(max_tokens=20), SamplingParams(max_tokens=25)])  # 32 each
@@ -245,7 +245,7 @@ def _spy_raw_accepts(llm):
 def test_one_token_outputs_report_no_accepted_drafts():
     t, d = tiny.target(), tiny.draft()
     prompts = tiny.prompts(10, seed=91)
-    llm = batchspec.LLM(t, draft=d, num_draft_tokens=4, batch_size=8)
+    llm = tiny.fixed_llm(t, draft=d, num_draft_tokens=4, batch_size=8)
     raw = _spy_raw_accepts(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=1))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 1) for p in prompts]
@@ -266,7 +266,7 @@ def test_accepted_counts_only_emitted_tokens(drafter):
     maxes = [1, 2, 3, 5, 7, 9, 2, 13, 4, 6, 1, 11]
     stop = 30
     params = [SamplingParams(max_tokens=m, stop_token_ids=[stop] if i % 3 == 0 else []) for i, m in enumerate(maxes)]
-    llm = batchspec.LLM(t, draft=draft, num_draft_tokens=5, batch_size=4, scheduler="continuous")
+    llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=5, batch_size=4, scheduler="continuous")
     raw = _spy_raw_accepts(llm)
     outs = llm.generate(prompts, params)
     for o, p, sp in zip(outs, prompts, params):
@@ -292,7 +292,7 @@ def test_accepted_counts_only_emitted_tokens(drafter):
         "nested-list", "none", "int"])
 def test_prompts_of_wrong_types_are_refused(prompt):
     t = tiny.target()
-    llm = batchspec.LLM(t, draft="prompt-lookup")
+    llm = tiny.fixed_llm(t, draft="prompt-lookup")
     with pytest.raises(ValueError, match="prompt 1"):
         llm.generate([[5, 6, 7], prompt], SamplingParams(max_tokens=3))
     assert _nothing_ran(llm)
@@ -301,7 +301,7 @@ def test_prompts_of_wrong_types_are_refused(prompt):
 def test_integer_tokens_of_other_types_are_accepted():
     np = pytest.importorskip("numpy")
     t = tiny.target()
-    llm = batchspec.LLM(t, draft="prompt-lookup")
+    llm = tiny.fixed_llm(t, draft="prompt-lookup")
     want = tiny.oracle(t, [5, 6, 7, 5, 6], 6)
     prompts = [
         [np.int64(5), np.int64(6), np.int32(7), np.int64(5), np.int16(6)],
@@ -319,14 +319,14 @@ def test_integer_tokens_of_other_types_are_accepted():
 # ------------------------------------------------------------------------------------------- temperature
 def test_temperature_too_small_for_the_dtype_is_refused_up_front():
     t32 = tiny.target(dtype=torch.float32)
-    llm = batchspec.LLM(t32, draft=tiny.draft(dtype=torch.float32), num_draft_tokens=K)
+    llm = tiny.fixed_llm(t32, draft=tiny.draft(dtype=torch.float32), num_draft_tokens=K)
     params = [SamplingParams(max_tokens=5, temperature=0.7, seed=1), SamplingParams(max_tokens=5, temperature=1e-40)]
     with pytest.raises(ValueError, match=r"prompt 1\b.*temperature"):
         llm.generate([[5, 6, 7], [8, 9, 10]], params)
     assert _nothing_ran(llm)
 
     t64 = tiny.target()
-    llm = batchspec.LLM(t64, draft=tiny.draft(), num_draft_tokens=K)
+    llm = tiny.fixed_llm(t64, draft=tiny.draft(), num_draft_tokens=K)
     prompts = tiny.prompts(4, seed=95)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=1e-40, seed=3))
     # a temperature this small samples the argmax: the greedy oracle's tokens

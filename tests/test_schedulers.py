@@ -17,7 +17,7 @@ MAX = [3, 25, 8, 14, 1, 20, 6, 25, 11, 2, 17, 9, 25, 5]
 def test_continuous_matches_oracle(layout, bs, drafter):
     t, d = tiny.target("llama"), tiny.draft("llama")
     draft = {"model": d, "prompt-lookup": "prompt-lookup", "none": None}[drafter]
-    llm = batchspec.LLM(t, draft=draft, num_draft_tokens=3, layout=layout, scheduler="continuous",
+    llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=3, layout=layout, scheduler="continuous",
                         batch_size=bs, check_invariants=True)
     outs = llm.generate(PROMPTS, [batchspec.SamplingParams(max_tokens=m) for m in MAX])
     assert [o.prompt_token_ids for o in outs] == PROMPTS  # input order
@@ -28,7 +28,7 @@ def test_continuous_matches_oracle(layout, bs, drafter):
 
 def test_static_never_joins_running():
     t, d = tiny.target("llama"), tiny.draft("llama")
-    llm = batchspec.LLM(t, draft=d, num_draft_tokens=3, scheduler="static", batch_size=4)
+    llm = tiny.fixed_llm(t, draft=d, num_draft_tokens=3, scheduler="static", batch_size=4)
     llm.generate(PROMPTS, [batchspec.SamplingParams(max_tokens=m) for m in MAX])
     assert llm.stats.joined_running == 0
 
@@ -38,9 +38,9 @@ def test_continuous_with_stop_tokens_and_faults_detected():
     t, d = tiny.target("llama"), tiny.draft("llama")
     want = [tiny.oracle(t, p, 20, stop_ids=[7, 30]) for p in PROMPTS]
     sp = batchspec.SamplingParams(max_tokens=20, stop_token_ids=[7, 30])
-    llm = batchspec.LLM(t, draft=d, num_draft_tokens=4, scheduler="continuous", batch_size=4, check_invariants=True)
+    llm = tiny.fixed_llm(t, draft=d, num_draft_tokens=4, scheduler="continuous", batch_size=4, check_invariants=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == want
-    bad = batchspec.LLM(t, draft=d, num_draft_tokens=4, scheduler="continuous", batch_size=4,
+    bad = tiny.fixed_llm(t, draft=d, num_draft_tokens=4, scheduler="continuous", batch_size=4,
                         fault="bsp-stale-positions")
     assert [o.token_ids for o in bad.generate(PROMPTS, sp)] != want
 
@@ -52,7 +52,7 @@ def test_continuous_with_stop_tokens_and_faults_detected():
 def test_exspec_matches_oracle(layout, bs, window, drafter):
     t, d = tiny.target("llama"), tiny.draft("llama")
     draft = {"model": d, "prompt-lookup": "prompt-lookup", "none": None}[drafter]
-    llm = batchspec.LLM(t, draft=draft, num_draft_tokens=3, layout=layout, scheduler=ExSpec(window=window),
+    llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=3, layout=layout, scheduler=ExSpec(window=window),
                         batch_size=bs, check_invariants=True)
     outs = llm.generate(PROMPTS, [batchspec.SamplingParams(max_tokens=m) for m in MAX])
     assert [o.prompt_token_ids for o in outs] == PROMPTS
@@ -66,7 +66,7 @@ def test_exspec_matches_oracle(layout, bs, window, drafter):
 
 def _grouping_rate(prompts, draft, bs):
     t = tiny.target("llama")
-    llm = batchspec.LLM(t, draft=draft, num_draft_tokens=3, scheduler="exspec", batch_size=bs, check_invariants=True)
+    llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=3, scheduler="exspec", batch_size=bs, check_invariants=True)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=12))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 12) for p in prompts]
     return llm.stats.grouping_rate
@@ -107,10 +107,10 @@ def test_exspec_with_stop_tokens_and_a_fault():
     stop = max(set(seen), key=seen.count)  # a token the oracle emits mid-output in several rows
     want = [tiny.oracle(t, p, 20, stop_ids=[stop]) for p in PROMPTS]
     sp = batchspec.SamplingParams(max_tokens=20, stop_token_ids=[stop])
-    llm = batchspec.LLM(t, draft=d, num_draft_tokens=4, scheduler=ExSpec(window=3), batch_size=3,
+    llm = tiny.fixed_llm(t, draft=d, num_draft_tokens=4, scheduler=ExSpec(window=3), batch_size=3,
                         check_invariants=True)
     outs = llm.generate(PROMPTS, sp)
     assert [o.token_ids for o in outs] == want
     assert sum(o.finish_reason == "stop" for o in outs) >= 3 and llm.stats.fallback_rounds > 0
-    bad = batchspec.LLM(t, draft=d, num_draft_tokens=4, scheduler="exspec", batch_size=3, fault="bsp-keep-rejected-kv")
+    bad = tiny.fixed_llm(t, draft=d, num_draft_tokens=4, scheduler="exspec", batch_size=3, fault="bsp-keep-rejected-kv")
     assert [o.token_ids for o in bad.generate(PROMPTS, sp)] != want

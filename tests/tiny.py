@@ -113,3 +113,12 @@ def save_dir(path, arch="llama", draft_too=True):
     if draft_too:
         draft(arch).save_pretrained(path / "draft")
     return path / "target", path / "draft"
+
+
+def fixed_llm(*args, **kwargs):
+    """``batchspec.LLM`` drafting K tokens every round: for tests of the round's mechanics (ragged acceptance, holes,
+    compaction, counters) that must not depend on the adaptive policy's timing-driven choices."""
+    import batchspec
+
+    kwargs.setdefault("speculation", "fixed")
+    return batchspec.LLM(*args, **kwargs)

@@ -15,6 +15,7 @@ from .faults import apply_fault
 from .layouts import get_layout
 from .models import context_length, eos_ids, load_model, load_tokenizer, vocab_size
 from .params import RequestOutput, SamplingParams, Stats
+from .policy import get_policy
 from .runner import Runner
 from .schedulers import get_scheduler
 
@@ -34,12 +35,14 @@ class LLM:
         check_invariants: bool = False,
         fault: str | None = None,
         profile: bool = False,
+        speculation: str = "adaptive",
     ):
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.layout = get_layout(layout)
+        policy = get_policy(speculation) if isinstance(speculation, str) else speculation  # or a policy object
         self.scheduler = scheduler if hasattr(scheduler, "select") else get_scheduler(scheduler)
         self.target = load_model(target, dtype, device, "target")
         kv.check_supported(self.target, "target")
@@ -47,7 +50,7 @@ class LLM:
         self.batch_size, self.check_invariants = batch_size, check_invariants
         self.drafter = self._drafter(draft, dtype)
         self.k = 0 if isinstance(self.drafter, NoDrafter) else num_draft_tokens
-        self.parts = apply_fault(Parts(Runner(self.target), self.drafter, self.layout, self.k), fault)
+        self.parts = apply_fault(Parts(Runner(self.target), self.drafter, self.layout, self.k, policy=policy), fault)
         self.fault, self.profile = fault, profile
         self.stats = Stats()
 

@@ -3,7 +3,8 @@ with the stage split, alignment overhead, engine efficiency and exact match agai
 
 Engines: ``plain`` (no drafter), ``slotmask`` / ``eqspec`` (the given draft), ``slotmask-lookup`` /
 ``eqspec-lookup`` (prompt lookup), ``fault:<name>`` (eqspec with an injected fault, to show the check at work), each
-optionally suffixed ``@<scheduler>`` (e.g. ``slotmask@continuous``). Rows that are not exact get the audit's signature.
+optionally suffixed ``:fixed`` / ``:adaptive`` (the speculation length policy; default ``--speculation``, fixed for
+faults) and ``@<scheduler>`` (e.g. ``slotmask:fixed@continuous``). Rows that are not exact get the audit's signature.
 Definitions:
 - tokens/s: generated tokens / wall seconds of ``generate`` (prefill included).
 - alignment overhead: align seconds / decode seconds (draft + verify + align + schedule), as the paper defines it;
@@ -29,6 +30,7 @@ import torch
 
 from .audit.oracle import greedy_generate
 from .models import eos_ids, load_model
+from .policy import split_speculation
 
 
 @dataclass
@@ -49,21 +51,25 @@ class BenchRow:
     signature: str | None = None  # "clean" when exact; else the audit's signature for this engine and batch size
 
 
-def parse_engine(name: str, draft):
+def parse_engine(name: str, draft, speculation: str = "adaptive"):
     base, _, scheduler = name.partition("@")
     scheduler = scheduler or "static"
+    base, chosen = split_speculation(base)
     if base.startswith("fault:"):
         if draft is None:
             raise ValueError(f"engine {name!r} needs a draft model (--draft)")
-        return dict(draft=draft, layout="eqspec", scheduler=scheduler, fault=base.removeprefix("fault:"))
+        return dict(draft=draft, layout="eqspec", scheduler=scheduler, fault=base.removeprefix("fault:"),
+                    speculation=chosen or "fixed")
     if base == "plain":
-        return dict(draft=None, layout="slotmask", scheduler=scheduler)
+        return dict(draft=None, layout="slotmask", scheduler=scheduler, speculation="fixed")
     layout, _, drafter = base.partition("-")
     if layout not in ("slotmask", "eqspec") or drafter not in ("", "lookup"):
-        raise ValueError(f"unknown bench engine {name!r}; e.g. plain, slotmask, eqspec, slotmask-lookup, slotmask@continuous")
+        raise ValueError(f"unknown bench engine {name!r}; e.g. plain, slotmask, eqspec, slotmask-lookup, "
+                         "slotmask:fixed, slotmask@continuous")
     if drafter == "" and draft is None:
         raise ValueError(f"engine {name!r} needs a draft model (--draft)")
-    return dict(draft="prompt-lookup" if drafter else draft, layout=layout, scheduler=scheduler)
+    return dict(draft="prompt-lookup" if drafter else draft, layout=layout, scheduler=scheduler,
+                speculation=chosen or speculation)
 
 
 def hf_generate(model, prompts, max_tokens, stops, batch_size):
@@ -88,7 +94,7 @@ def hf_generate(model, prompts, max_tokens, stops, batch_size):
 
 
 def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch_sizes=(1, 8), max_tokens=128,
-          num_draft_tokens=5, tokenizer=None, hf=True, progress=False) -> list[BenchRow]:
+          num_draft_tokens=5, tokenizer=None, hf=True, progress=False, speculation="adaptive") -> list[BenchRow]:
     import batchspec
 
     if not prompts:
@@ -97,10 +103,10 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
     model = llm0.target
     ids = llm0._encode(prompts)
     stops = eos_ids(model)
-    specs = {e: parse_engine(e, draft) for e in engines}
+    specs = {e: parse_engine(e, draft, speculation) for e in engines}
     if isinstance(draft, str) and draft != "prompt-lookup" and any(s["draft"] is draft for s in specs.values()):
         draft = load_model(draft, model.dtype, model.device, "draft")  # load once, share between engines
-        specs = {e: parse_engine(e, draft) for e in engines}
+        specs = {e: parse_engine(e, draft, speculation) for e in engines}
     bar = _Bar(progress, (len(batch_sizes) + 1 if hf else 0) + len(engines) * len(batch_sizes))
     rows, hf_tps, plain = [], {}, {}
     oracle, secs = hf_generate(model, ids, max_tokens, stops, 1)
@@ -122,7 +128,7 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
         for bs in batch_sizes:
             llm = batchspec.LLM(model, draft=spec["draft"], tokenizer=tokenizer, num_draft_tokens=num_draft_tokens,
                                 layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs,
-                                fault=spec.get("fault"), profile=True)  # exact stage seconds on CUDA too
+                                fault=spec.get("fault"), profile=True, speculation=spec["speculation"])  # exact stage seconds on CUDA too
             llm.generate(ids[:1], batchspec.SamplingParams(max_tokens=2))  # warm-up
             llm.reset_stats()
             t0 = time.perf_counter()
@@ -161,6 +167,7 @@ def _signature(model, spec, ids, bs, max_tokens, k) -> str:
     from .audit import audit
 
     engine = f"fault:{spec['fault']}" if spec.get("fault") else spec["layout"] if spec["draft"] is not None else "plain"
+    engine = f"{engine}:{spec['speculation']}"
     rep = audit(model, spec["draft"], ids, engines=[engine], batch_sizes=[bs], max_tokens=max_tokens,
                 num_draft_tokens=k)
     return rep.rows[0].signature
@@ -251,7 +258,7 @@ def run(args) -> int:
     draft = resolve_draft(args.target, args.draft)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for e in engines:  # unknown engine names fail here, before any model loads
-        parse_engine(e, draft)
+        parse_engine(e, draft, args.speculation)
     sizes = int_list(args.batch_sizes, "--batch-sizes")
     pairs = read_prompt_set(args.prompts)
     out = prepare_out(args.out, folder=True)
@@ -263,7 +270,7 @@ def run(args) -> int:
             raise ValueError(f"no prompt has {args.truncate} tokens or more to truncate to")
     prompts = prompts[: args.limit]
     rows = bench(llm.target, draft, prompts, engines, sizes, args.max_tokens, args.num_draft_tokens,
-                 llm.tokenizer, hf=not args.no_hf, progress=True)
+                 llm.tokenizer, hf=not args.no_hf, progress=True, speculation=args.speculation)
     (out / "bench.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     md = to_markdown(rows)
     (out / "bench.md").write_text(md)

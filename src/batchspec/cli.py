@@ -23,6 +23,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True, help="apply the tokenizer's chat template")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--device", default=None)
+    p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
+                   help="speculation length: chosen each round from measured cost and acceptance (adaptive, default) "
+                        "or always --num-draft-tokens (fixed)")
 
 
 def resolve_draft(target: str, draft: str | None):
@@ -124,7 +127,7 @@ def cmd_generate(args) -> int:
     llm = batchspec.LLM(
         args.target, draft=resolve_draft(args.target, args.draft), num_draft_tokens=args.num_draft_tokens,
         layout=args.layout, scheduler=args.scheduler, batch_size=args.batch_size, dtype=_dtype(args.dtype),
-        device=args.device,
+        device=args.device, speculation=args.speculation,
     )
     ids, texts, prompts = encode_prompts(pairs, llm.tokenizer, args.chat_template)
     if args.seed is not None:  # one seed for the run: prompt i gets seed + i

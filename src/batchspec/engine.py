@@ -56,7 +56,7 @@ class StepOutput:
 @dataclass
 class Parts:
     """The swappable components of a round (an injected fault replaces exactly one of them). ``target`` is the
-    target's ``Runner``; ``policy`` chooses the speculation length of each round."""
+    target's ``Runner``; ``policy`` chooses the speculation length of each round (``policy.py``)."""
 
     target: object
     drafter: object
@@ -95,11 +95,11 @@ class RoundResult:
     n_drafts: torch.Tensor  # [B]
 
 
-def speculative_round(parts: Parts, batch: Batch, timer: Timer) -> RoundResult:
-    """One round on a batch: draft -> verify -> accept -> hide rejected slots -> emit."""
+def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> RoundResult:
+    """One round on a batch: draft (up to k tokens per row) -> verify -> accept -> hide rejected slots -> emit."""
     seqs, target, drafter = batch.seqs, batch.target, parts.drafter
     with timer("draft"):
-        proposal = drafter.propose(seqs, batch.draft, parts.policy.length(batch, _room(parts, batch)))
+        proposal = drafter.propose(seqs, batch.draft, k)
         drafts, n_drafts = proposal.drafts, proposal.n_drafts
         k = drafts.shape[1]  # this round's block: a drafter may propose fewer for every row
     with timer("verify"):
@@ -113,6 +113,8 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer) -> RoundResult:
         target.hide_tail(k + 1, accepted + 1)
         drafter.commit(batch.draft, proposal, accepted, out)
         block = emitted_block(drafts, accepted, bonus)
+        if k:  # acceptance statistics for the speculation policy: rounds that stopped short of the k offered
+            seqs.misses += accepted < k
         finished, n, cut = seqs.extend(block, accepted + 1)
         # count what was emitted: a round's first token is the target's own, drafts cut after a stop token or at
         # the limit are not counted (so generated tokens = accepted drafts + row-rounds)
@@ -210,18 +212,25 @@ class Engine:
         self._admit()
         if self.batch is None:
             return outs
-        batch, timer, stats = self.batch, self.timer, self.stats
+        batch, timer, stats, policy = self.batch, self.timer, self.stats, self.parts.policy
+        start = time.perf_counter()
         self.rounds += 1
         rows, grouped = self.scheduler.select(batch.lengths, self.batch_size)
         if grouped is not None:
             stats.grouped_rounds += grouped
             stats.fallback_rounds += not grouped
+        k_max = _room(self.parts, batch)
         if rows is None:
-            result = speculative_round(self.parts, batch, timer)
-        else:
-            result = self._round_from_window(rows)
+            k = policy.length(len(batch), k_max, batch.seqs.sampling)
+            result = speculative_round(self.parts, batch, timer, k)
+        else:  # rounds drawn from a window keep every row's draft state in step: fixed length
+            k = k_max
+            result = self._round_from_window(rows, k)
+        stats.lengths[k] = stats.lengths.get(k, 0) + 1
         with timer("align"):
-            fin, width, new = _account(stats, batch, rows, result)  # the round's one host sync
+            estimates = policy.estimates(batch.seqs, self.parts.k) if rows is None and self.parts.k else None
+            fin, width, new, values = _account(stats, batch, rows, result, estimates)  # the round's one host sync
+            policy.observe(len(result.emitted), k, result.block.shape[1], time.perf_counter() - start, values)
             by_id = {o.request_id: o for o in new}
             if any(fin):
                 for f in self._remove(fin):
@@ -255,7 +264,7 @@ class Engine:
                 self.stats.joined_running += n
                 self.batch = self.batch.merge(new)
 
-    def _round_from_window(self, rows: list[int]) -> RoundResult:
+    def _round_from_window(self, rows: list[int], k: int) -> RoundResult:
         """A round on ``rows`` of the window: copy them out (aligned by the layout), run the round, write them back.
         ``finished`` of the result is spread over every window row."""
         window = self.batch
@@ -264,7 +273,7 @@ class Engine:
             width = max(window.lengths[r] for r in rows) - 1
             for state in (part.target, *self.parts.drafter.states(part.draft)):
                 self.parts.layout.align(state, width)
-        result = speculative_round(self.parts, part, self.timer)
+        result = speculative_round(self.parts, part, self.timer, k)
         with self.timer("schedule"):
             window.put(rows, part)
             idx = torch.tensor(rows, device=result.finished.device)
@@ -285,10 +294,10 @@ class Engine:
         return done
 
 
-def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult):
+def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult, extra=None):
     """Update global counters and read what the host needs, in one host read: (finished flags of every running row,
-    widest remaining row, a ``StepOutput`` with the new tokens of each row of the round's batch). Updates
-    ``batch.lengths``."""
+    widest remaining row, a ``StepOutput`` with the new tokens of each row of the round's batch, the values of
+    ``extra`` (a 1D tensor, or None)). Updates ``batch.lengths``."""
     seqs = batch.seqs
     width = (seqs.length - 1).masked_fill(r.finished, 0).max()
     acc = r.accepted.masked_fill(r.n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
@@ -296,7 +305,12 @@ def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult)
     ctrl = torch.stack([width, r.emitted.sum(), r.n_drafts.sum(), r.accepted.sum(), acc.max(),
                         acc.masked_fill(acc < 0, acc.max() + 1).min(), full, r.cut.sum()])
     n, b, w = len(seqs), r.block.shape[0], r.block.shape[1]
-    flat = torch.cat([r.finished.long(), seqs.length, ctrl, r.emitted, r.block.flatten()]).tolist()
+    bits = extra.double().view(torch.int64) if extra is not None else r.emitted[:0]  # floats travel as their bits
+    flat = torch.cat([r.finished.long(), seqs.length, ctrl, r.emitted, r.block.flatten(), bits]).tolist()
+    values = None
+    if extra is not None:
+        values = torch.tensor(flat[len(flat) - len(bits):], dtype=torch.int64).view(torch.float64).tolist()
+        flat = flat[: len(flat) - len(bits)]
     fin, lengths = flat[:n], flat[n : 2 * n]
     width, generated, drafted, acc_sum, acc_max, acc_min, full, cut = flat[2 * n : 2 * n + 8]
     emitted, block = flat[2 * n + 8 : 2 * n + 8 + b], flat[2 * n + 8 + b :]
@@ -312,7 +326,7 @@ def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult)
     stats.rounds += 1
     stats.verify_calls += 1
     stats.row_rounds += b
-    return fin, width, new
+    return fin, width, new, values
 
 
 def _refill_from_tail(fin: list) -> list[int]:

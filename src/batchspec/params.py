@@ -95,6 +95,7 @@ class Stats:
     full_accepts: int = 0  # row-rounds that accepted every proposed draft token (the bonus came after the last one)
     grouped_rounds: int = 0  # exspec: rounds whose batch had rows of one length (no realignment needed)
     fallback_rounds: int = 0  # exspec: rounds whose batch mixed lengths (the layout realigned it)
+    lengths: dict = field(default_factory=dict)  # speculation length chosen -> rounds
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
@@ -106,6 +107,11 @@ class Stats:
     def mean_accepted_length(self) -> float:
         """Tokens emitted per row per round, bonus token included (1.0 for plain decoding)."""
         return (self.accepted + self.row_rounds) / self.row_rounds if self.row_rounds else 0.0
+
+    @property
+    def rounds_without_drafting(self) -> int:
+        """Rounds whose speculation length was 0 (plain decoding steps)."""
+        return self.lengths.get(0, 0)
 
     @property
     def grouping_rate(self) -> float | None:
@@ -120,5 +126,5 @@ class Stats:
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d.update(mean_accepted_length=self.mean_accepted_length, tokens_per_second=self.tokens_per_second,
-                 grouping_rate=self.grouping_rate)
+                 grouping_rate=self.grouping_rate, rounds_without_drafting=self.rounds_without_drafting)
         return d

@@ -1,4 +1,17 @@
-"""How many tokens the rows draft in a round (the speculation length), chosen before the round is drafted."""
+"""How many tokens the rows draft in a round (the speculation length), chosen before the round is drafted.
+
+A policy has ``length(rows, k_max, sampling) -> k`` (0..k_max) and two hooks the engine calls after each round's one
+host read: ``estimates(seqs, k_max)`` returns a small device tensor to read with it (or None), and
+``observe(rows, k, width, seconds, values)`` gets what was read and the round's wall time.
+
+One length serves the whole round. The verification forward is one rectangle as wide as its widest row, and a draft
+model drafts for every row at once, so a row drafting fewer tokens than the others saves nothing and can only
+accept fewer: the per-row acceptance estimates enter the choice through the expected tokens of the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
 
 
 class FixedLength:
@@ -6,5 +19,144 @@ class FixedLength:
 
     name = "fixed"
 
-    def length(self, batch, k: int) -> int:
-        return k
+    def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
+        return k_max
+
+    def estimates(self, seqs, k_max: int):
+        return None
+
+    def observe(self, rows: int, k: int, width: int, seconds: float, values) -> None:
+        pass
+
+
+def expected_tokens(alpha: torch.Tensor, k_max: int) -> torch.Tensor:
+    """``[B, k_max + 1]``: tokens a row emits in a round that drafts k tokens, when each draft is accepted with
+    probability ``alpha[b]`` until the first rejection (the bonus token included): ``(1 - a^(k+1)) / (1 - a)``."""
+    a = alpha.double().clamp(0.0, 0.999)[:, None]
+    k = torch.arange(k_max + 1, device=alpha.device, dtype=torch.float64)[None, :]
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+class AdaptiveLength:
+    """Choose k in 0..K to maximise the batch's expected tokens per second (goodput, as in SmartSpec).
+
+    - Expected tokens: each row's acceptance rate ``alpha`` is estimated from its own rounds (drafts accepted, and
+      rounds that stopped short of the drafts offered: a row that got no proposal counts as a rejection), blended
+      with the running rate of all rows (``prior_weight`` pseudo-rounds), so new rows start from the drafter's rate.
+    - Cost: a round of ``B`` rows drafting k tokens costs ``T0(B) + k * D(B)`` seconds: ``T0`` from rounds that
+      drafted nothing, ``D`` from the others (exponential moving averages per batch size; the nearest batch size
+      seen stands in for one not seen yet). The first rounds measure: k = 0, then k = 1.
+    - A row's rate only updates when it drafts: after ``probe_every`` rounds in a row without drafting, one round
+      drafts a single token; after twice as many rounds in a row that drafted, one round drafts nothing (the cost of
+      a plain step grows with the context).
+    - With temperature > 0 the length stays K: the tokens a seed yields depend on how many were drafted, and a length
+      chosen from timings would make seeded outputs depend on the machine's speed.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, prior_weight: float = 2.0, probe_every: int = 8, smoothing: float = 0.3,
+                 initial_rate: float = 0.5, costs: tuple[float, float] | None = None):
+        """``costs``: ``(T0, D)`` in seconds, used for every batch size instead of measured ones (tests, or a
+        machine whose costs are known)."""
+        self.prior_weight, self.probe_every, self.smoothing = prior_weight, probe_every, smoothing
+        self.costs = costs
+        self.rate = initial_rate  # running acceptance rate of all rows (the prior for each row)
+        self.t0: dict[int, float] = {}
+        self.d: dict[int, float] = {}
+        self.expected: list[float] | None = None  # mean tokens per row for k = 0..K, from the last round
+        self.idle = self.busy = 0  # rounds in a row that drafted nothing / that drafted
+        self.seen = 0
+
+    # ---------------------------------------------------------------------------------------------- choose
+    def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
+        if sampling or k_max == 0:
+            return k_max
+        t0, d = self.cost(rows)
+        if t0 is None:
+            return 0
+        if d is None:
+            return 1
+        best = max(range(k_max + 1), key=lambda k: (self.tokens(k) / (t0 + k * d), -k))
+        if best == 0:
+            self.idle, self.busy = self.idle + 1, 0
+            if self.idle >= self.probe_every:  # refresh the acceptance estimates
+                self.idle = 0
+                return 1
+        else:
+            self.idle, self.busy = 0, self.busy + 1
+            if self.busy >= 2 * self.probe_every:  # refresh the cost of a plain step (it grows with the context)
+                self.busy = 0
+                return 0
+        return best
+
+    def cost(self, rows: int) -> tuple[float | None, float | None]:
+        """(seconds of a round that drafts nothing, seconds per drafted token) for ``rows`` rows."""
+        if self.costs is not None:
+            return self.costs
+        return _nearest(self.t0, rows), _nearest(self.d, rows)
+
+    def tokens(self, k: int) -> float:
+        """Expected tokens per row for a round drafting k (from the last estimates, else the running rate)."""
+        if self.expected is not None and k < len(self.expected):
+            return self.expected[k]
+        a = min(self.rate, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def goodput(self, rows: int, k: int) -> float | None:
+        """Expected tokens per second of a round of ``rows`` rows drafting k (None until both costs are known)."""
+        t0, d = self.cost(rows)
+        if t0 is None or d is None:
+            return None
+        return rows * self.tokens(k) / (t0 + k * d)
+
+    # ---------------------------------------------------------------------------------------------- learn
+    def estimates(self, seqs, k_max: int) -> torch.Tensor:
+        """[k_max + 1 mean expected tokens per row, accepted drafts, short rounds] of the running rows."""
+        hits, misses = seqs.accepted.double(), seqs.misses.double()
+        w = self.prior_weight
+        alpha = (hits + w * self.rate) / (hits + misses + w)
+        return torch.cat([expected_tokens(alpha, k_max).mean(0), torch.stack([hits.sum(), misses.sum()])])
+
+    def observe(self, rows: int, k: int, width: int, seconds: float, values) -> None:
+        if values is not None:
+            *expected, hits, misses = values
+            self.expected = expected
+            if hits + misses > 0:
+                self.rate = (hits + 1) / (hits + misses + 2)
+        self.seen += 1
+        if self.seen == 1 or self.costs is not None:  # the first round pays one-time costs (kernels, buffers)
+            return
+        drafted = width - 1  # what the round actually verified (a drafter may propose less than k)
+        if drafted == 0:
+            _ema(self.t0, rows, seconds, self.smoothing)
+        elif (t0 := _nearest(self.t0, rows)) is not None:
+            _ema(self.d, rows, max(seconds - t0, 0.0) / drafted, self.smoothing)
+
+
+def _ema(table: dict, key: int, value: float, smoothing: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else (1 - smoothing) * old + smoothing * value
+
+
+def _nearest(table: dict, rows: int):
+    if not table:
+        return None
+    if rows in table:
+        return table[rows]
+    return table[min(table, key=lambda b: (abs(b - rows), -b))]
+
+
+POLICIES = {"fixed": FixedLength, "adaptive": AdaptiveLength}
+
+
+def split_speculation(name: str) -> tuple[str, str | None]:
+    """``"slotmask:fixed"`` -> ``("slotmask", "fixed")``; a name without a speculation suffix -> ``(name, None)``."""
+    base, _, suffix = name.rpartition(":")
+    return (base, suffix) if base and suffix in POLICIES else (name, None)
+
+
+def get_policy(name: str):
+    if name not in POLICIES:
+        raise ValueError(f"unknown speculation {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name]()

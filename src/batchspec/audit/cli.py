@@ -58,12 +58,15 @@ def run(args) -> int:
     from batchspec.cli import encode_prompts, int_list, prepare_out, read_prompt_set, resolve_draft, sampling_flags
     from batchspec.models import load_model, load_tokenizer
 
+    from ..policy import split_speculation
     from .core import audit
     from .engines import resolve
 
     sampled = args.temperature > 0
     sampling = sampling_flags(args, max_tokens=args.n_tokens if sampled else args.max_tokens)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.speculation == "fixed":  # names without their own suffix take --speculation
+        engines = [e if split_speculation(e)[1] else f"{e}:fixed" for e in engines]
     resolve(engines, sampling=sampled)  # unknown engine names fail here, before any model loads
     batch_sizes = int_list(args.batch_sizes or ("64" if sampled else "1,4,8"), "--batch-sizes")
     pairs = read_prompt_set(args.prompts)[: args.limit]

@@ -2,7 +2,9 @@
 
 Names: ``"slotmask"`` and ``"eqspec"`` (the layouts, with the audit's draft), ``"plain"`` (no draft: batched greedy
 decoding), ``"fault:<name>"`` (the EQSPEC engine with one injected fault from ``batchspec.faults.FAULTS``) and
-``"faults"`` (every injected fault that greedy decoding can show). A third-party engine is given as ``(name, fn)``, ``(name, fn, dtype)``, an object
+``"faults"`` (every injected fault that greedy decoding can show); each may end in ``:fixed`` or ``:adaptive`` (the
+speculation length policy; default adaptive, as ``LLM``, and fixed for injected faults, as the engines they
+reproduce). A third-party engine is given as ``(name, fn)``, ``(name, fn, dtype)``, an object
 with ``.name`` that is callable, or a named function; it receives one batch of prompt ids per call and returns the
 generated ids of each (the audit cuts them at the first stop token and at ``max_tokens``). An optional ``dtype``
 (attribute or third tuple item) says which precision it computes in, for the margin tolerance.
@@ -14,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ..policy import split_speculation
+
 LAYOUT_ENGINES = ("slotmask", "eqspec")
 
 
@@ -23,6 +27,7 @@ class BatchspecEngine:
     layout: str
     fault: str | None
     use_draft: bool
+    speculation: str = "adaptive"
     white_box = True
 
     def llm(self, ctx, batch_size: int, check: bool = False):
@@ -31,7 +36,7 @@ class BatchspecEngine:
         return batchspec.LLM(
             ctx.target, draft=ctx.draft if self.use_draft else None, tokenizer=ctx.tokenizer,
             num_draft_tokens=ctx.num_draft_tokens, layout=self.layout, batch_size=batch_size,
-            check_invariants=check, fault=self.fault,
+            check_invariants=check, fault=self.fault, speculation=self.speculation,
         )
 
     def dtype(self, ctx):
@@ -99,22 +104,28 @@ def resolve(specs, sampling: bool = False) -> list:
     out = []
     for spec in specs:
         if isinstance(spec, str):
-            if spec in LAYOUT_ENGINES:
-                out.append(BatchspecEngine(spec, spec, None, True))
-            elif spec == "plain":
-                out.append(BatchspecEngine("plain", "slotmask", None, False))
-            elif spec == "faults":
-                out += [BatchspecEngine(f"fault:{f}", "eqspec", f, True) for f in FAULTS
-                        if sampling or f not in SAMPLING_FAULTS]
-            elif spec.startswith("fault:"):
-                name = spec.removeprefix("fault:")
+            base, speculation = split_speculation(spec)
+            suffix = f":{speculation}" if speculation else ""
+            if base in LAYOUT_ENGINES:
+                found = [BatchspecEngine(spec, base, None, True)]
+            elif base == "plain":
+                found = [BatchspecEngine(spec, "slotmask", None, False)]
+            elif base == "faults":
+                found = [BatchspecEngine(f"fault:{f}{suffix}", "eqspec", f, True) for f in FAULTS
+                         if sampling or f not in SAMPLING_FAULTS]
+            elif base.startswith("fault:"):
+                name = base.removeprefix("fault:")
                 if name not in FAULTS:
                     raise ValueError(f"unknown fault {name!r}; choose one of {sorted(FAULTS)}")
-                out.append(BatchspecEngine(spec, "eqspec", name, True))
+                found = [BatchspecEngine(spec, "eqspec", name, True)]
             else:
                 raise ValueError(
-                    f"unknown engine {spec!r}; use 'slotmask', 'eqspec', 'plain', 'faults', 'fault:<name>' or a callable"
+                    f"unknown engine {spec!r}; use 'slotmask', 'eqspec', 'plain', 'faults', 'fault:<name>' (each may "
+                    "end in ':fixed' or ':adaptive') or a callable"
                 )
+            for e in found:  # injected faults reproduce fixed-length engines unless told otherwise
+                e.speculation = speculation or ("fixed" if e.fault else "adaptive")
+            out += found
         elif isinstance(spec, tuple) and len(spec) in (2, 3) and isinstance(spec[0], str) and callable(spec[1]):
             out.append(CallableEngine(spec[0], spec[1], spec[2] if len(spec) == 3 else None))
         elif callable(spec):

@@ -1,7 +1,10 @@
 """A draft model with its own persistent, synchronised KV cache (a ``SlotState`` under the same layout).
 
-Each round appends K+1 draft slots per row: ``[carry, pending]`` then ``d1..d(K-1)``. ``carry`` is the previous
-round's K-th draft token when that round accepted all K (the draft never cached it), else a hidden hole.
+A drafting round appends ``M + k - 1`` draft slots per row: the ``M`` tokens the draft has not cached yet (right-
+aligned; rows missing fewer have hidden holes on the left), ending with the pending token, then ``d1..d(k-1)``.
+After a round that drafted, a row misses one token (the bonus, now pending) or two (the k-th draft, accepted but
+never cached, and the bonus): ``M = 2``. A round that drafts nothing (``k = 0``: a plain decoding step) runs no draft
+forward; each such round adds one token to catch up on, all in the next drafting round's first forward.
 """
 
 from __future__ import annotations
@@ -15,25 +18,32 @@ from .base import Drafter, Proposal
 
 
 class DraftState:
-    """Per row: the draft model's slots, and the carried token (``carry``, visible when ``carry_valid``)."""
+    """Per row: the draft model's slots and ``processed`` ``[B]``, the tokens it has cached. ``skips`` counts rounds
+    since the last one that drafted (each adds at most one token to catch up on)."""
 
-    def __init__(self, slots, carry: torch.Tensor, carry_valid: torch.Tensor):
-        self.slots, self.carry, self.carry_valid = slots, carry, carry_valid
+    def __init__(self, slots, processed: torch.Tensor, skips: int = 0):
+        self.slots, self.processed, self.skips = slots, processed, skips
+
+    @property
+    def catch_up(self) -> int:
+        """Slots a drafting round's first forward needs: the most tokens any row has not cached."""
+        return 2 + self.skips
 
     def select_rows(self, rows):
         self.slots.select_rows(rows)
-        self.carry, self.carry_valid = self.carry[rows], self.carry_valid[rows]
+        self.processed = self.processed[rows]
 
     def take(self, rows) -> "DraftState":
-        return DraftState(self.slots.take(rows), self.carry[rows], self.carry_valid[rows])
+        return DraftState(self.slots.take(rows), self.processed[rows], self.skips)
 
     def put(self, rows, part: "DraftState") -> None:
         self.slots.put(rows, part.slots)
-        self.carry[rows], self.carry_valid[rows] = part.carry, part.carry_valid
+        self.processed[rows] = part.processed
+        self.skips = max(self.skips, part.skips)  # a bound over every row
 
     def merge(self, other: "DraftState") -> "DraftState":
-        return DraftState(self.slots.merge(other.slots), torch.cat([self.carry, other.carry]),
-                          torch.cat([self.carry_valid, other.carry_valid]))
+        return DraftState(self.slots.merge(other.slots), torch.cat([self.processed, other.processed]),
+                          max(self.skips, other.skips))
 
 
 class ModelDrafter(Drafter):
@@ -44,14 +54,18 @@ class ModelDrafter(Drafter):
         self.runner = Runner(model)
 
     def prefill(self, prompts):
-        carry = torch.zeros(len(prompts), dtype=torch.long, device=self.runner.device)
-        return DraftState(prefill(self.runner, prompts, name="draft"), carry, carry.bool())
+        processed = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=self.runner.device)
+        return DraftState(prefill(self.runner, prompts, name="draft"), processed)
 
     def propose(self, seqs, state: DraftState, k):
-        pending = seqs.pending()
-        ids = torch.stack([state.carry, pending], 1)
-        valid = torch.stack([state.carry_valid, torch.ones_like(state.carry_valid)], 1)
-        logits = state.slots.append(ids, valid, logits_to_keep=1).logits
+        if k == 0:  # a plain decoding step: the draft catches up when it next drafts
+            b, dev = len(seqs), seqs.length.device
+            return Proposal(torch.empty((b, 0), dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev))
+        m = state.catch_up
+        at = seqs.length[:, None] - m + torch.arange(m, device=seqs.length.device)[None, :]  # ends at the pending token
+        ids = seqs.history.gather(1, at.clamp(min=0))
+        logits = state.slots.append(ids, at >= state.processed[:, None], logits_to_keep=1).logits
+        state.processed = seqs.length.clone()
         u = seqs.uniforms(k, DRAFT) if seqs.sampling else None
         drafts, qs = [], []
         for i in range(k):
@@ -62,16 +76,20 @@ class ModelDrafter(Drafter):
             else:  # sample from the warped draft distribution, keep it for the rejection sampler
                 qs.append(seqs.warp(logits[:, -1:])[:, 0])
                 drafts.append(draw(qs[-1], u[:, i]))
-        return Proposal(torch.stack(drafts, 1), torch.full_like(pending, k), torch.stack(qs, 1) if qs else None)
+        return Proposal(torch.stack(drafts, 1), torch.full_like(seqs.length, k), torch.stack(qs, 1) if qs else None)
 
     def commit(self, state: DraftState, proposal: Proposal, accepted, target) -> None:
         k = proposal.drafts.shape[1]
-        state.slots.hide_tail(k + 1, 2 + accepted.clamp(max=k - 1))
-        state.carry_valid = accepted == k
-        state.carry = proposal.drafts[:, -1]
+        if k == 0:
+            state.skips += 1
+            return
+        m, kept = state.catch_up, accepted.clamp(max=k - 1)  # d1..d(k-1) were cached; the k-th never is
+        state.slots.hide_tail(m + k - 1, m + kept)
+        state.processed = state.processed + kept
+        state.skips = 0
 
     def states(self, state):
         return (state.slots,)
 
     def processed(self, seqs, state):
-        return seqs.length - 1 - state.carry_valid.long()
+        return state.processed
