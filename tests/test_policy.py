@@ -1,0 +1,193 @@
+"""The speculation length policy: exactness with lengths that change every round (k = 0 included), the adaptive
+policy's choices and its cost model, and injected faults still showing with it on."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import batchspec
+import tiny
+from batchspec import SamplingParams
+from batchspec.policy import AdaptiveLength, FixedLength, expected_tokens, get_policy, split_speculation
+
+
+class Scripted(FixedLength):
+    """Lengths from a fixed cycle (clipped to what the round allows): k = 0 rounds among drafting ones."""
+
+    name = "scripted"
+
+    def __init__(self, cycle=(0, 3, 0, 0, 2, 1, 3, 3, 0, 1)):
+        self.cycle = itertools.cycle(cycle)
+        self.chosen = []
+
+    def length(self, rows, k_max, sampling=False):
+        self.chosen.append(min(next(self.cycle), k_max))
+        return self.chosen[-1]
+
+
+@pytest.mark.parametrize("layout", ["slotmask", "eqspec"])
+@pytest.mark.parametrize("draft", ["model", "prompt-lookup"])
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_changing_lengths_stay_exact(layout, draft, scheduler):
+    """Lengths 0..3 in a fixed cycle, rows of 1-40 tokens joining (continuous) and leaving: every row equals the
+    oracle and the invariants hold after every round, for the target and the draft model's caches."""
+    t = tiny.target()
+    policy = Scripted()
+    llm = batchspec.LLM(t, draft=tiny.draft() if draft == "model" else draft, num_draft_tokens=3, layout=layout,
+                        scheduler=scheduler, batch_size=3, check_invariants=True, speculation=policy)
+    prompts = tiny.prompts(7, seed=31, lo=1, hi=40)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16))
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 16) for p in prompts]
+    s = llm.stats
+    assert s.lengths.get(0, 0) > 3 and sum(v for k, v in s.lengths.items() if k) > 3, s.lengths
+    assert s.rounds_without_drafting == s.lengths[0]
+    if draft == "model":  # (prompt lookup may find nothing to propose for these random prompts)
+        assert s.ragged_rounds > 0 and s.full_accepts > 0
+    if scheduler == "continuous":
+        assert s.joined_running > 0
+    # the draft model caught up after runs of k = 0 rounds: check some such run was followed by a drafting round
+    runs = [len(list(g)) for k, g in itertools.groupby(policy.chosen) if k == 0]
+    assert max(runs) >= 2
+
+
+def test_draft_catches_up_in_one_forward_after_plain_steps(monkeypatch):
+    """After three rounds without drafting, the draft model's next forward covers the missed tokens at once."""
+    t, d = tiny.target(), tiny.draft()
+    llm = batchspec.LLM(t, draft=d, num_draft_tokens=2, batch_size=2, check_invariants=True,
+                        speculation=Scripted((0, 0, 0, 2)))
+    widths = []
+    real = llm.drafter.runner.forward
+
+    def spy(cache, input_ids, *a, **k):
+        widths.append(input_ids.shape[1])
+        return real(cache, input_ids, *a, **k)
+
+    monkeypatch.setattr(llm.drafter.runner, "forward", spy)
+    prompts = [[5, 6, 7], [8, 9]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12))
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 12) for p in prompts]
+    # prefill forwards, then per drafting round: catch-up (2 + 3 skipped rounds) and one draft step
+    assert 5 in widths and widths.count(5) >= 2
+
+
+def test_expected_tokens():
+    e = expected_tokens(torch.tensor([0.0, 0.5, 1.0]), 3)
+    torch.testing.assert_close(e[0], torch.ones(4, dtype=torch.float64))
+    torch.testing.assert_close(e[1], torch.tensor([1, 1.5, 1.75, 1.875], dtype=torch.float64))
+    assert e[2, 3] > 3.9  # a draft that is always right: about k + 1 tokens
+
+
+def _learned(rate, t0, d, rows=8):
+    p = AdaptiveLength(initial_rate=rate)
+    p.t0[rows], p.d[rows] = t0, d
+    return p
+
+
+def test_adaptive_picks_zero_when_acceptance_is_low_or_verification_dear():
+    assert _learned(0.1, t0=0.05, d=0.02).length(8, 5) == 0  # the draft is rarely right
+    assert _learned(0.6, t0=0.05, d=0.2).length(8, 5) == 0  # each drafted token costs 4 plain steps
+    assert _learned(0.95, t0=0.05, d=0.002).length(8, 5) == 5  # right almost always, drafting cheap
+    mid = _learned(0.6, t0=0.05, d=0.01).length(8, 5)
+    assert 0 < mid < 5
+
+
+def test_adaptive_uses_per_row_estimates():
+    p = _learned(0.5, t0=0.05, d=0.005)
+    p.expected = expected_tokens(torch.tensor([0.99, 0.99]), 5).mean(0).tolist()
+    high = p.length(8, 5)
+    p.expected = expected_tokens(torch.tensor([0.05, 0.05]), 5).mean(0).tolist()
+    assert high == 5 and p.length(8, 5) == 0
+
+
+def test_adaptive_measures_first_then_probes():
+    p = AdaptiveLength()
+    assert p.length(4, 5) == 0  # no cost known: a plain step first
+    p.observe(4, 0, 1, 9.0, None)  # the first round pays one-time costs: not learned
+    assert p.length(4, 5) == 0
+    p.observe(4, 0, 1, 0.04, None)
+    assert p.length(4, 5) == 1  # then one drafted token, for the cost of drafting
+    p.observe(4, 1, 2, 0.05, None)
+    assert p.d[4] == pytest.approx(0.01)
+    p.rate = 0.05  # speculation does not pay: k = 0, with a one-token probe every probe_every rounds
+    chosen = [p.length(4, 5) for _ in range(3 * p.probe_every)]
+    assert chosen.count(1) == 3 and set(chosen) == {0, 1}
+    p.rate = 0.97  # it pays: drafting, with a plain step now and then to keep the cost of one current
+    chosen = [p.length(4, 5) for _ in range(4 * p.probe_every)]
+    assert chosen.count(0) == 2 and max(chosen) == 5
+    assert p.length(4, 5, sampling=True) == 5 and p.length(4, 0) == 0
+
+
+def test_cost_model_converges_on_synthetic_timings():
+    """Rounds timed as 30 ms + k x (4 ms + 1 ms per row), with 10% noise: T0 and D come out within a few percent,
+    for each batch size, and the batch size not seen borrows the nearest one's costs."""
+    rng = random.Random(0)
+    p = AdaptiveLength()
+    for _ in range(400):
+        rows, k = rng.choice([2, 8]), rng.choice([0, 0, 1, 3, 5])
+        true = 0.030 + k * (0.004 + 0.001 * rows)
+        p.observe(rows, k, k + 1, true * rng.uniform(0.9, 1.1), None)
+    for rows in (2, 8):
+        assert p.t0[rows] == pytest.approx(0.030, rel=0.08)
+        assert p.d[rows] == pytest.approx(0.004 + 0.001 * rows, rel=0.15)
+    assert p.cost(7) == (p.t0[8], p.d[8])
+
+
+def test_acceptance_estimates_come_from_the_rounds():
+    """Running an engine fills the policy's per-row estimates; a draft equal to the target is estimated near 1, a
+    random one near 0 (with fixed costs, the choices follow)."""
+    t = tiny.target()
+    prompts = tiny.prompts(4, seed=3)
+    good = AdaptiveLength(costs=(0.05, 0.005))
+    batchspec.LLM(t, draft=t, num_draft_tokens=4, batch_size=4, speculation=good).generate(
+        prompts, SamplingParams(max_tokens=20))
+    bad = AdaptiveLength(costs=(0.05, 0.005))
+    stranger = tiny.draft(noise=3.0)
+    llm = batchspec.LLM(t, draft=stranger, num_draft_tokens=4, batch_size=4, speculation=bad)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20))
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 20) for p in prompts]
+    assert good.rate > 0.9 and good.tokens(4) > 4 and bad.rate < 0.4
+    assert llm.stats.rounds_without_drafting > llm.stats.rounds // 2
+
+
+@pytest.mark.parametrize("fault", ["bsp-stale-positions", "bsp-keep-rejected-kv", "dsd-draft-token-accepted",
+                                   "dsd-unmasked-padding"])
+def test_faults_show_through_with_the_adaptive_policy(fault):
+    t, d = tiny.target(), tiny.draft()
+    prompts = tiny.prompts(6, seed=5, lo=2, hi=30)
+    llm = batchspec.LLM(t, draft=d, num_draft_tokens=3, batch_size=6, fault=fault,
+                        speculation=AdaptiveLength(costs=(0.05, 0.002)))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16))
+    assert llm.stats.drafted > 0
+    assert [o.token_ids for o in outs] != [tiny.oracle(t, p, 16) for p in prompts]
+
+
+def test_names_and_defaults():
+    assert batchspec.LLM(tiny.target()).parts.policy.name == "adaptive"
+    assert get_policy("fixed").name == "fixed"
+    with pytest.raises(ValueError, match="unknown speculation"):
+        batchspec.LLM(tiny.target(), speculation="sometimes")
+    assert split_speculation("fault:bsp-stale-positions:fixed") == ("fault:bsp-stale-positions", "fixed")
+    assert split_speculation("fault:bsp-stale-positions") == ("fault:bsp-stale-positions", None)
+
+
+def test_changing_lengths_keep_the_sampling_distribution():
+    """Speculative sampling with lengths that change every round (0..3; the adaptive policy keeps K when sampling,
+    so this covers any length policy): the first three tokens follow the exact distribution of plain sampling
+    (chi-square at 1e-4; the same test rejects an injected sampler fault)."""
+    from batchspec.audit.distribution import compare, exact_distribution
+    from test_sampling_audit import small_draft, small_target
+
+    t = small_target()
+    prompt, n = [3, 9, 14, 2, 7, 1, 18, 11], 3
+    ref = exact_distribution(t, prompt, 0.7, n_tokens=n, coverage=0.999, max_cells=1024)
+    p_values = {}
+    for fault in (None, "no-residual"):
+        llm = batchspec.LLM(t, draft=small_draft(), num_draft_tokens=3, batch_size=250, fault=fault,
+                            speculation=Scripted((0, 3, 1, 2, 0, 3)))
+        outs = llm.generate([prompt] * 1500, [SamplingParams(max_tokens=n, temperature=0.7, seed=40_000 + i)
+                                              for i in range(1500)])
+        assert llm.stats.lengths.get(0, 0) and llm.stats.lengths.get(3, 0)
+        p_values[fault] = compare(ref, [o.token_ids for o in outs], n).p_value
+    assert p_values[None] > 1e-4 and p_values["no-residual"] < 1e-6, p_values
