@@ -113,8 +113,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> Round
         target.hide_tail(k + 1, accepted + 1)
         drafter.commit(batch.draft, proposal, accepted, out)
         block = emitted_block(drafts, accepted, bonus)
-        if k:  # acceptance statistics for the speculation policy: rounds that stopped short of the k offered
-            seqs.misses += accepted < k
+        parts.policy.record(seqs, accepted, k)
         finished, n, cut = seqs.extend(block, accepted + 1)
         # count what was emitted: a round's first token is the target's own, drafts cut after a stop token or at
         # the limit are not counted (so generated tokens = accepted drafts + row-rounds)

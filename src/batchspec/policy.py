@@ -22,6 +22,9 @@ class FixedLength:
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
         return k_max
 
+    def record(self, seqs, accepted, k: int) -> None:
+        pass
+
     def estimates(self, seqs, k_max: int):
         return None
 
@@ -40,14 +43,15 @@ def expected_tokens(alpha: torch.Tensor, k_max: int) -> torch.Tensor:
 class AdaptiveLength:
     """Choose k in 0..K to maximise the batch's expected tokens per second (goodput, as in SmartSpec).
 
-    - Expected tokens: each row's acceptance rate ``alpha`` is estimated from its own rounds (drafts accepted, and
-      rounds that stopped short of the drafts offered: a row that got no proposal counts as a rejection), blended
-      with the running rate of all rows (``prior_weight`` pseudo-rounds), so new rows start from the drafter's rate.
+    - Expected tokens: each row's acceptance rate ``alpha`` is estimated from its own recent rounds (drafts
+      accepted, and rounds that stopped short of the drafts offered: a row that got no proposal counts as a
+      rejection; each older round weighs ``decay`` less), blended with the running rate of all rows
+      (``prior_weight`` pseudo-rounds), so new rows start from the drafter's rate.
     - Cost: a round of ``B`` rows drafting k tokens costs ``T0(B) + k * D(B)`` seconds: ``T0`` from rounds that
       drafted nothing, ``D`` from the others (exponential moving averages per batch size; the nearest batch size
       seen stands in for one not seen yet). The first rounds measure: k = 0, then k = 1.
     - A row's rate only updates when it drafts: after ``probe_every`` rounds in a row without drafting, one round
-      drafts a single token; after twice as many rounds in a row that drafted, one round drafts nothing (the cost of
+      drafts a single token (the interval doubles, up to 8x, while such probes change nothing); after twice as many rounds in a row that drafted, one round drafts nothing (the cost of
       a plain step grows with the context).
     - With temperature > 0 the length stays K: the tokens a seed yields depend on how many were drafted, and a length
       chosen from timings would make seeded outputs depend on the machine's speed.
@@ -55,17 +59,18 @@ class AdaptiveLength:
 
     name = "adaptive"
 
-    def __init__(self, prior_weight: float = 2.0, probe_every: int = 8, smoothing: float = 0.3,
-                 initial_rate: float = 0.5, costs: tuple[float, float] | None = None):
+    def __init__(self, prior_weight: float = 1.0, probe_every: int = 8, smoothing: float = 0.3,
+                 initial_rate: float = 0.5, costs: tuple[float, float] | None = None, decay: float = 0.7):
         """``costs``: ``(T0, D)`` in seconds, used for every batch size instead of measured ones (tests, or a
         machine whose costs are known)."""
         self.prior_weight, self.probe_every, self.smoothing = prior_weight, probe_every, smoothing
-        self.costs = costs
+        self.costs, self.decay = costs, decay
         self.rate = initial_rate  # running acceptance rate of all rows (the prior for each row)
         self.t0: dict[int, float] = {}
         self.d: dict[int, float] = {}
         self.expected: list[float] | None = None  # mean tokens per row for k = 0..K, from the last round
         self.idle = self.busy = 0  # rounds in a row that drafted nothing / that drafted
+        self.interval, self.probed = probe_every, False  # rounds between probes (doubling while probes find nothing)
         self.seen = 0
 
     # ---------------------------------------------------------------------------------------------- choose
@@ -78,10 +83,13 @@ class AdaptiveLength:
         if d is None:
             return 1
         best = max(range(k_max + 1), key=lambda k: (self.tokens(k) / (t0 + k * d), -k))
+        if self.probed:  # the last round was a probe: if it changed nothing, wait twice as long for the next one
+            self.probed = False
+            self.interval = min(2 * self.interval, 8 * self.probe_every) if best == 0 else self.probe_every
         if best == 0:
             self.idle, self.busy = self.idle + 1, 0
-            if self.idle >= self.probe_every:  # refresh the acceptance estimates
-                self.idle = 0
+            if self.idle >= self.interval:  # refresh the acceptance estimates
+                self.idle, self.probed = 0, True
                 return 1
         else:
             self.idle, self.busy = 0, self.busy + 1
@@ -111,9 +119,16 @@ class AdaptiveLength:
         return rows * self.tokens(k) / (t0 + k * d)
 
     # ---------------------------------------------------------------------------------------------- learn
+    def record(self, seqs, accepted, k: int) -> None:
+        """After a round that offered k drafts: each row's evidence, older rounds weighing ``decay`` less per round
+        (prompt lookup accepts in bursts: while a row copies, its recent rounds say more than its history)."""
+        if k:
+            new = torch.stack([accepted, accepted < k], 1)
+            seqs.evidence.mul_(self.decay).add_(new)
+
     def estimates(self, seqs, k_max: int) -> torch.Tensor:
         """[k_max + 1 mean expected tokens per row, accepted drafts, short rounds] of the running rows."""
-        hits, misses = seqs.accepted.double(), seqs.misses.double()
+        hits, misses = seqs.evidence[:, 0], seqs.evidence[:, 1]
         w = self.prior_weight
         alpha = (hits + w * self.rate) / (hits + misses + w)
         return torch.cat([expected_tokens(alpha, k_max).mean(0), torch.stack([hits.sum(), misses.sum()])])

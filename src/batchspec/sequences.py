@@ -7,7 +7,7 @@ import torch
 from .sampling import uniforms, warp
 
 
-FIELDS = ("prompt_len", "limit", "history", "length", "stop", "stopped", "rounds", "drafted", "accepted", "misses",
+FIELDS = ("prompt_len", "limit", "history", "length", "stop", "stopped", "rounds", "drafted", "accepted", "evidence",
           "temperature", "top_k", "top_p", "seed")
 
 
@@ -36,7 +36,8 @@ class Sequences:
         self.rounds = torch.zeros(b, dtype=torch.long, device=device)
         self.drafted = torch.zeros(b, dtype=torch.long, device=device)
         self.accepted = torch.zeros(b, dtype=torch.long, device=device)
-        self.misses = torch.zeros(b, dtype=torch.long, device=device)  # rounds that accepted fewer drafts than offered
+        # acceptance evidence for the speculation policy: [accepted drafts, rounds short of the drafts offered]
+        self.evidence = torch.zeros(b, 2, dtype=torch.float64, device=device)
         self.temperature = torch.tensor([float(r.temperature) for r in requests], dtype=torch.float64, device=device)
         self.top_k = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=device)
         self.top_p = torch.tensor([float(r.top_p) for r in requests], device=device)
