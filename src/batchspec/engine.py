@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from .batch import Batch, InvariantError, check_invariants, prefill
+from .drafters.none import NoDrafter
 from .layouts.slotmask import SlotMask
 from .params import Stats
 from .policy import FixedLength
@@ -99,7 +100,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> Round
     """One round on a batch: draft (up to k tokens per row) -> verify -> accept -> hide rejected slots -> emit."""
     seqs, target, drafter = batch.seqs, batch.target, parts.drafter
     with timer("draft"):
-        proposal = drafter.propose(seqs, batch.draft, k)
+        proposal = drafter.propose(seqs, batch.draft, k) if k else NoDrafter().propose(seqs, None, 0)
         drafts, n_drafts = proposal.drafts, proposal.n_drafts
         k = drafts.shape[1]  # this round's block: a drafter may propose fewer for every row
     with timer("verify"):

@@ -29,7 +29,7 @@ class Drafter:
         return None
 
     def propose(self, seqs, state, k: int) -> Proposal:
-        """Up to ``k`` proposed tokens per row."""
+        """Up to ``k`` (>= 1) proposed tokens per row; a round that drafts nothing does not ask."""
         raise NotImplementedError
 
     def commit(self, state, proposal: Proposal, accepted: torch.Tensor, target) -> None:

@@ -58,9 +58,6 @@ class ModelDrafter(Drafter):
         return DraftState(prefill(self.runner, prompts, name="draft"), processed)
 
     def propose(self, seqs, state: DraftState, k):
-        if k == 0:  # a plain decoding step: the draft catches up when it next drafts
-            b, dev = len(seqs), seqs.length.device
-            return Proposal(torch.empty((b, 0), dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev))
         m = state.catch_up
         at = seqs.length[:, None] - m + torch.arange(m, device=seqs.length.device)[None, :]  # ends at the pending token
         ids = seqs.history.gather(1, at.clamp(min=0))
@@ -80,7 +77,7 @@ class ModelDrafter(Drafter):
 
     def commit(self, state: DraftState, proposal: Proposal, accepted, target) -> None:
         k = proposal.drafts.shape[1]
-        if k == 0:
+        if k == 0:  # a plain decoding step (the engine did not ask to draft): catch up when next drafting
             state.skips += 1
             return
         m, kept = state.catch_up, accepted.clamp(max=k - 1)  # d1..d(k-1) were cached; the k-th never is
