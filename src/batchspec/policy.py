@@ -60,14 +60,15 @@ class AdaptiveLength:
     name = "adaptive"
 
     def __init__(self, prior_weight: float = 1.0, probe_every: int = 8, smoothing: float = 0.3,
-                 initial_rate: float = 0.5, costs: tuple[float, float] | None = None, decay: float = 0.7):
-        """``costs``: ``(T0, D)`` in seconds, used for every batch size instead of measured ones (tests, or a
-        machine whose costs are known)."""
+                 initial_rate: float = 0.5, costs: tuple | None = None, decay: float = 0.7):
+        """``costs``: ``(T0, D)`` or ``(T0, F, D)`` in seconds, used for every batch size instead of measured ones
+        (tests, or a machine whose costs are known)."""
         self.prior_weight, self.probe_every, self.smoothing = prior_weight, probe_every, smoothing
-        self.costs, self.decay = costs, decay
+        self.costs = None if costs is None else (costs[0], 0.0, costs[1]) if len(costs) == 2 else tuple(costs)
+        self.decay = decay
         self.rate = initial_rate  # running acceptance rate of all rows (the prior for each row)
-        self.t0: dict[int, float] = {}
-        self.d: dict[int, float] = {}
+        self.t0: dict[int, float] = {}  # rows -> seconds of a round that drafts nothing
+        self.lines: dict[int, _Line] = {}  # rows -> extra seconds of a drafting round against the tokens drafted
         self.expected: list[float] | None = None  # mean tokens per row for k = 0..K, from the last round
         self.idle = self.busy = 0  # rounds in a row that drafted nothing / that drafted
         self.interval, self.probed = probe_every, False  # rounds between probes (doubling while probes find nothing)
@@ -77,12 +78,12 @@ class AdaptiveLength:
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
         if sampling or k_max == 0:
             return k_max
-        t0, d = self.cost(rows)
+        t0, f, d = self.cost(rows)
         if t0 is None:
             return 0
         if d is None:
             return 1
-        best = max(range(k_max + 1), key=lambda k: (self.tokens(k) / (t0 + k * d), -k))
+        best = max(range(k_max + 1), key=lambda k: (self.tokens(k) / (t0 + (f + k * d if k else 0.0)), -k))
         if self.probed:  # the last round was a probe: if it changed nothing, wait twice as long for the next one
             self.probed = False
             self.interval = min(2 * self.interval, 8 * self.probe_every) if best == 0 else self.probe_every
@@ -98,11 +99,14 @@ class AdaptiveLength:
                 return 0
         return best
 
-    def cost(self, rows: int) -> tuple[float | None, float | None]:
-        """(seconds of a round that drafts nothing, seconds per drafted token) for ``rows`` rows."""
+    def cost(self, rows: int) -> tuple:
+        """``(T0, F, D)`` for ``rows`` rows: a round drafting k costs ``T0`` seconds if k = 0, else
+        ``T0 + F + k * D`` (``F``: what drafting costs at all, e.g. a draft model's catch-up forward or prompt
+        lookup's matching; ``D``: each drafted token, drafting and verifying it). Nones until measured."""
         if self.costs is not None:
             return self.costs
-        return _nearest(self.t0, rows), _nearest(self.d, rows)
+        t0, line = _nearest(self.t0, rows), _nearest(self.lines, rows)
+        return (t0, *(line.solve() if line is not None else (None, None)))
 
     def tokens(self, k: int) -> float:
         """Expected tokens per row for a round drafting k (from the last estimates, else the running rate)."""
@@ -112,11 +116,11 @@ class AdaptiveLength:
         return (1 - a ** (k + 1)) / (1 - a)
 
     def goodput(self, rows: int, k: int) -> float | None:
-        """Expected tokens per second of a round of ``rows`` rows drafting k (None until both costs are known)."""
-        t0, d = self.cost(rows)
+        """Expected tokens per second of a round of ``rows`` rows drafting k (None until the costs are known)."""
+        t0, f, d = self.cost(rows)
         if t0 is None or d is None:
             return None
-        return rows * self.tokens(k) / (t0 + k * d)
+        return rows * self.tokens(k) / (t0 + (f + k * d if k else 0.0))
 
     # ---------------------------------------------------------------------------------------------- learn
     def record(self, seqs, accepted, k: int) -> None:
@@ -143,10 +147,29 @@ class AdaptiveLength:
         if self.seen == 1 or self.costs is not None:  # the first round pays one-time costs (kernels, buffers)
             return
         drafted = width - 1  # what the round actually verified (a drafter may propose less than k)
-        if drafted == 0:
+        if k == 0:
             _ema(self.t0, rows, seconds, self.smoothing)
         elif (t0 := _nearest(self.t0, rows)) is not None:
-            _ema(self.d, rows, max(seconds - t0, 0.0) / drafted, self.smoothing)
+            self.lines.setdefault(rows, _Line(1 - self.smoothing)).add(drafted, seconds - t0)
+
+
+class _Line:
+    """A least-squares line ``y = F + D * x`` over observations that fade by ``keep`` each (F, D >= 0)."""
+
+    def __init__(self, keep: float):
+        self.keep, self.sums = keep, [0.0] * 5  # weights, x, x^2, y, x*y
+
+    def add(self, x: float, y: float) -> None:
+        self.sums = [self.keep * s + v for s, v in zip(self.sums, (1.0, x, x * x, y, x * y))]
+
+    def solve(self) -> tuple[float, float]:
+        n, sx, sxx, sy, sxy = self.sums
+        det = n * sxx - sx * sx
+        if det > 1e-9 * n * n:
+            d = max((n * sxy - sx * sy) / det, 0.0)
+        else:  # one width seen so far: all of it per token (or, with nothing drafted, all of it fixed)
+            return (max(sy / n, 0.0), 0.0) if sx == 0 else (0.0, max(sy / sx, 0.0))
+        return max((sy - d * sx) / n, 0.0), d
 
 
 def _ema(table: dict, key: int, value: float, smoothing: float) -> None:
