@@ -128,7 +128,8 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
         for bs in batch_sizes:
             llm = batchspec.LLM(model, draft=spec["draft"], tokenizer=tokenizer, num_draft_tokens=num_draft_tokens,
                                 layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs,
-                                fault=spec.get("fault"), profile=True, speculation=spec["speculation"])  # exact stage seconds on CUDA too
+                                fault=spec.get("fault"), speculation=spec["speculation"],
+                                profile=True)  # exact stage seconds on CUDA too
             llm.generate(ids[:1], batchspec.SamplingParams(max_tokens=2))  # warm-up
             llm.reset_stats()
             t0 = time.perf_counter()
