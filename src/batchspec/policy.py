@@ -47,12 +47,16 @@ class AdaptiveLength:
       accepted, and rounds that stopped short of the drafts offered: a row that got no proposal counts as a
       rejection; each older round weighs ``decay`` less), blended with the running rate of all rows
       (``prior_weight`` pseudo-rounds), so new rows start from the drafter's rate.
-    - Cost: a round of ``B`` rows drafting k tokens costs ``T0(B) + k * D(B)`` seconds: ``T0`` from rounds that
-      drafted nothing, ``D`` from the others (exponential moving averages per batch size; the nearest batch size
-      seen stands in for one not seen yet). The first rounds measure: k = 0, then k = 1.
+    - Cost: a round of ``B`` rows costs ``T0(B)`` seconds if it drafts nothing, else ``T0(B) + F(B) + k * D(B)``:
+      ``T0`` from rounds that drafted nothing (a moving average), ``F`` (what drafting costs at all: a draft model's
+      catch-up forward, prompt lookup's matching) and ``D`` (each token drafted and verified) from a line fitted to
+      the other rounds' extra seconds against the tokens they verified, older rounds fading; per batch size, the
+      nearest size seen standing in for one not seen yet. A drafter that proposes fewer tokens than offered (prompt
+      lookup) is charged for what it verifies on average (``fill``: verified / offered, a moving average). The first
+      rounds measure: k = 0, then k = 1.
     - A row's rate only updates when it drafts: after ``probe_every`` rounds in a row without drafting, one round
-      drafts a single token (the interval doubles, up to 8x, while such probes change nothing); after twice as many rounds in a row that drafted, one round drafts nothing (the cost of
-      a plain step grows with the context).
+      drafts a single token (the interval doubles, up to 8x, while such probes change nothing); after twice as many
+      rounds in a row that drafted, one round drafts nothing (the cost of a plain step grows with the context).
     - With temperature > 0 the length stays K: the tokens a seed yields depend on how many were drafted, and a length
       chosen from timings would make seeded outputs depend on the machine's speed.
     """
@@ -73,6 +77,7 @@ class AdaptiveLength:
         self.idle = self.busy = 0  # rounds in a row that drafted nothing / that drafted
         self.interval, self.probed = probe_every, False  # rounds between probes (doubling while probes find nothing)
         self.seen = 0
+        self.fill = 1.0  # tokens verified per token offered (prompt lookup often proposes fewer, or none)
 
     # ---------------------------------------------------------------------------------------------- choose
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
@@ -83,7 +88,7 @@ class AdaptiveLength:
             return 0
         if d is None:
             return 1
-        best = max(range(k_max + 1), key=lambda k: (self.tokens(k) / (t0 + (f + k * d if k else 0.0)), -k))
+        best = max(range(k_max + 1), key=lambda k: (self.tokens(k) / (t0 + (f + k * self.fill * d if k else 0.0)), -k))
         if self.probed:  # the last round was a probe: if it changed nothing, wait twice as long for the next one
             self.probed = False
             self.interval = min(2 * self.interval, 8 * self.probe_every) if best == 0 else self.probe_every
@@ -120,7 +125,7 @@ class AdaptiveLength:
         t0, f, d = self.cost(rows)
         if t0 is None or d is None:
             return None
-        return rows * self.tokens(k) / (t0 + (f + k * d if k else 0.0))
+        return rows * self.tokens(k) / (t0 + (f + k * self.fill * d if k else 0.0))
 
     # ---------------------------------------------------------------------------------------------- learn
     def record(self, seqs, accepted, k: int) -> None:
@@ -149,8 +154,10 @@ class AdaptiveLength:
         drafted = width - 1  # what the round actually verified (a drafter may propose less than k)
         if k == 0:
             _ema(self.t0, rows, seconds, self.smoothing)
-        elif (t0 := _nearest(self.t0, rows)) is not None:
-            self.lines.setdefault(rows, _Line(1 - self.smoothing)).add(drafted, seconds - t0)
+        else:
+            self.fill += self.smoothing * (drafted / k - self.fill)
+            if (t0 := _nearest(self.t0, rows)) is not None:
+                self.lines.setdefault(rows, _Line(1 - self.smoothing)).add(drafted, seconds - t0)
 
 
 class _Line:
