@@ -50,7 +50,11 @@ class LLM:
         self.batch_size, self.check_invariants = batch_size, check_invariants
         self.drafter = self._drafter(draft, dtype)
         self.k = 0 if isinstance(self.drafter, NoDrafter) else num_draft_tokens
-        self.parts = apply_fault(Parts(Runner(self.target), self.drafter, self.layout, self.k, policy=policy), fault)
+        ctx, draft_ctx = self._contexts()
+        if draft_ctx is not None:  # a draft model drafts one position less than the block it fills
+            ctx = draft_ctx + 1 if ctx is None else min(ctx, draft_ctx + 1)
+        parts = Parts(Runner(self.target), self.drafter, self.layout, self.k, policy=policy, context=ctx)
+        self.parts = apply_fault(parts, fault)
         self.fault, self.profile = fault, profile
         self.stats = Stats()
 
@@ -104,9 +108,7 @@ class LLM:
         """Every limit that could fail mid-run, checked before any work: the target's and the draft's context
         (speculative blocks are clipped near the end of the target's context, so whatever fits there is served),
         and sampling values the model's dtype cannot compute."""
-        ctx = context_length(self.target)
-        draft = self.draft if isinstance(self.drafter, ModelDrafter) else None
-        draft_ctx = context_length(draft) if draft is not None else None
+        ctx, draft_ctx = self._contexts()
         dtype = self.target.dtype
         smallest = torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).tiny
         for i, (p, sp) in enumerate(zip(ids, params)):
@@ -127,14 +129,10 @@ class LLM:
                     f"use at least {smallest:.3g}, or 0 for greedy decoding"
                 )
 
-    def context(self) -> int | None:
-        """Positions a speculative block may reach (the target's context; a draft model drafts one position less
-        than the block it fills)."""
-        ctx = context_length(self.target)
-        if isinstance(self.drafter, ModelDrafter) and context_length(self.draft) is not None:
-            d = context_length(self.draft) + 1
-            ctx = d if ctx is None else min(ctx, d)
-        return ctx
+    def _contexts(self) -> tuple[int | None, int | None]:
+        """The target's and the draft model's context lengths (None: unlimited, or no draft model)."""
+        draft = context_length(self.draft) if isinstance(self.drafter, ModelDrafter) else None
+        return context_length(self.target), draft
 
     def requests(self, prompts, sampling_params=None) -> tuple[list[list[int]], list[Request]]:
         """Validate ``prompts`` and their params; returns (token ids, engine requests numbered 0..n-1)."""
@@ -158,7 +156,6 @@ class LLM:
 
     def engine(self) -> Engine:
         """A step-able engine over this LLM's models and components (``add_request`` / ``step`` / ``abort``)."""
-        self.parts.context = self.context()
         return Engine(self.parts, self.scheduler, self.batch_size, self.stats, self.check_invariants, self.profile)
 
     def output(self, prompt_ids: list[int], f) -> RequestOutput:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .batch import Batch, InvariantError, check_invariants, prefill
-from .drafters.none import NoDrafter
+from .drafters.base import Proposal
 from .layouts.slotmask import SlotMask
 from .params import Stats
 from .policy import FixedLength
@@ -100,7 +100,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> Round
     """One round on a batch: draft (up to k tokens per row) -> verify -> accept -> hide rejected slots -> emit."""
     seqs, target, drafter = batch.seqs, batch.target, parts.drafter
     with timer("draft"):
-        proposal = drafter.propose(seqs, batch.draft, k) if k else NoDrafter().propose(seqs, None, 0)
+        proposal = drafter.propose(seqs, batch.draft, k) if k else Proposal.empty(len(seqs), seqs.length.device)
         drafts, n_drafts = proposal.drafts, proposal.n_drafts
         k = drafts.shape[1]  # this round's block: a drafter may propose fewer for every row
     with timer("verify"):
@@ -231,8 +231,8 @@ class Engine:
             estimates = policy.estimates(batch.seqs, self.parts.k) if rows is None and self.parts.k else None
             fin, width, new, values = _account(stats, batch, rows, result, estimates)  # the round's one host sync
             policy.observe(len(result.emitted), k, result.block.shape[1], time.perf_counter() - start, values)
-            by_id = {o.request_id: o for o in new}
             if any(fin):
+                by_id = {o.request_id: o for o in new}
                 for f in self._remove(fin):
                     by_id[f.request_id].finished = f
             if self.batch is not None:
@@ -366,19 +366,3 @@ def check_round(drafter, batch: Batch, rnd: int) -> None:
         if state.valid.shape[0] != len(seqs):
             raise InvariantError("I1", "shape", f"cache has {state.valid.shape[0]} rows, batch has {len(seqs)}", None,
                                  rnd, state.name)
-
-
-@torch.inference_mode()
-def run(parts: Parts, requests: list[Request], scheduler, batch_size: int, stats: Stats, check: bool = False,
-        on_step: Callable | None = None, profile: bool = False) -> list[Finished]:
-    """Generate for every request; returns results in finishing order. ``on_step`` gets each step's outputs."""
-    engine = Engine(parts, scheduler, batch_size, stats, check, profile)
-    for r in requests:
-        engine.add_request(r)
-    done = []
-    while engine.has_work():
-        outs = engine.step()
-        if on_step:
-            on_step(outs)
-        done += [o.finished for o in outs if o.finished is not None]
-    return done

@@ -120,13 +120,6 @@ class AdaptiveLength:
         a = min(self.rate, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
-    def goodput(self, rows: int, k: int) -> float | None:
-        """Expected tokens per second of a round of ``rows`` rows drafting k (None until the costs are known)."""
-        t0, f, d = self.cost(rows)
-        if t0 is None or d is None:
-            return None
-        return rows * self.tokens(k) / (t0 + (f + k * self.fill * d if k else 0.0))
-
     # ---------------------------------------------------------------------------------------------- learn
     def record(self, seqs, accepted, k: int) -> None:
         """After a round that offered k drafts: each row's evidence, older rounds weighing ``decay`` less per round

@@ -19,6 +19,12 @@ class Proposal:
     n_drafts: torch.Tensor
     q: torch.Tensor | None = None
 
+    @classmethod
+    def empty(cls, rows: int, device) -> "Proposal":
+        """No drafts for any row (a plain decoding step)."""
+        return cls(torch.empty((rows, 0), dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device))
+
 
 class Drafter:
     name = "drafter"
