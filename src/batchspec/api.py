@@ -36,6 +36,7 @@ class LLM:
         fault: str | None = None,
         profile: bool = False,
         speculation: str = "adaptive",
+        graphs: str = "auto",
     ):
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
@@ -48,12 +49,15 @@ class LLM:
         kv.check_supported(self.target, "target")
         self.tokenizer = load_tokenizer(tokenizer if tokenizer is not None else target if isinstance(target, str) else None)
         self.batch_size, self.check_invariants = batch_size, check_invariants
+        self.graphs = graphs
+        if graphs not in Runner.GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {Runner.GRAPH_MODES}, got {graphs!r}")
         self.drafter = self._drafter(draft, dtype)
         self.k = 0 if isinstance(self.drafter, NoDrafter) else num_draft_tokens
         ctx, draft_ctx = self._contexts()
         if draft_ctx is not None:  # a draft model drafts one position less than the block it fills
             ctx = draft_ctx + 1 if ctx is None else min(ctx, draft_ctx + 1)
-        parts = Parts(Runner(self.target), self.drafter, self.layout, self.k, policy=policy, context=ctx)
+        parts = Parts(Runner(self.target, graphs), self.drafter, self.layout, self.k, policy=policy, context=ctx)
         self.parts = apply_fault(parts, fault)
         self.fault, self.profile = fault, profile
         self.stats = Stats()
@@ -71,7 +75,7 @@ class LLM:
             raise ValueError(
                 f"draft vocabulary ({vocab_size(model)} tokens) differs from the target's ({vocab_size(self.target)})"
             )
-        return ModelDrafter(model)
+        return ModelDrafter(model, self.graphs)
 
     @property
     def draft(self):

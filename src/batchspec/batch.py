@@ -173,27 +173,57 @@ def compact_index(valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
     return index, pad
 
 
-def prefill(runner, prompts: list[list[int]], name: str = "target") -> SlotState:
-    """Cache every prompt but its last token, without padding waste, as one left-padded ``SlotState``.
+PREFILL_OVERHEAD = {"cuda": 4096}  # a forward's fixed cost, in tokens' worth of work (other devices: 1)
+PREFILL_MAX_TOKENS = 1 << 16  # padded tokens per prefill forward at most (bounds its activations)
 
-    Prompts of equal length share one forward; each group's keys and values are then copied once into its rows of
-    the final rectangle (cost follows the sum of prompt lengths, not batch x longest).
+
+def prefill_groups(lengths: list[int], overhead: int, max_tokens: int = PREFILL_MAX_TOKENS) -> list[list[int]]:
+    """Split rows into groups, one left-padded forward each, minimising the sum over groups of ``overhead + rows x
+    longest``: with a small overhead (CPU) rows of equal length share a forward and nothing is padded; with a large
+    one (a GPU, where a forward's launches cost more than thousands of tokens' arithmetic) few forwards take all."""
+    order = sorted(range(len(lengths)), key=lambda r: lengths[r])
+    best, cut = [0.0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):  # best[j]: the cheapest split of the j shortest rows
+        longest = lengths[order[j - 1]]
+        for i in range(j - 1, -1, -1):
+            if i < j - 1 and (j - i) * longest > max_tokens:
+                break
+            cost = best[i] + overhead + (j - i) * longest
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None) -> SlotState:
+    """Cache every prompt but its last token as one left-padded ``SlotState``.
+
+    Rows are grouped by ``prefill_groups`` (``overhead`` defaults by device: ``PREFILL_OVERHEAD``): each group is one
+    forward, left-padded to its longest row (padding slots hidden), and its keys and values are then copied once
+    into its rows of the final rectangle.
     """
     runner = runner if isinstance(runner, Runner) else Runner(runner)  # a model: a runner of its own
     dev = runner.device
     lengths = [len(p) - 1 for p in prompts]
     width = max(lengths, default=0)
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        groups.setdefault(n, []).append(i)
+    if overhead is None:
+        overhead = PREFILL_OVERHEAD.get(dev.type, 1)
     cache = kv.new_cache(runner.model)
-    for n, rows in sorted(groups.items()):
-        if n:
-            part = kv.new_cache(runner.model)
-            ids = torch.tensor([prompts[r][:n] for r in rows], device=dev)
-            pos = torch.arange(n, device=dev).expand(len(rows), n)
-            runner.forward(part, ids, pos, logits_to_keep=1)
-            kv.place_rows(cache, torch.tensor(rows, device=dev), part, len(prompts), width)
+    for rows in prefill_groups(lengths, overhead):
+        rows = [r for r in rows if lengths[r]]
+        if not rows:
+            continue
+        n = max(lengths[r] for r in rows)
+        pad = torch.tensor([n - lengths[r] for r in rows], device=dev)[:, None]
+        col = torch.arange(n, device=dev)[None, :]
+        ids = torch.tensor([[0] * (n - lengths[r]) + prompts[r][: lengths[r]] for r in rows], device=dev)
+        visible = None if not pad.any() else col >= pad  # one host read per group, at prefill only
+        part = kv.new_cache(runner.model)
+        runner.forward(part, ids, (col - pad).clamp(min=0), visible, logits_to_keep=1)
+        kv.place_rows(cache, torch.tensor(rows, device=dev), part, len(prompts), width)
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]
     valid = col >= (width - n[:, None])

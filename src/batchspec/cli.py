@@ -200,5 +200,7 @@ def _register_optional() -> None:
                 raise
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # ``python -m batchspec.cli``: run the imported module, where subcommands register
+    from batchspec.cli import main as _main
+
+    sys.exit(_main())

@@ -16,6 +16,28 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def row_capacity(rows: int) -> int:
+    """Rows a cache buffer is allocated with: the next bucket (``graphs.py`` runs a bucket's rows as one static
+    shape; the batch uses the first ``rows``); beyond the largest bucket, exactly ``rows``."""
+    return next((b for b in ROW_BUCKETS if b >= rows), rows)
+
+
+def slot_capacity(slots: int, device: torch.device) -> int:
+    """Slots a cache buffer is allocated with: on a GPU the next power of two (at least 256), so that batches of
+    similar prompts get buffers of the same shape, which the allocator hands back at the same address and the static
+    steps' graphs fit again; elsewhere ``slots``."""
+    return max(256, 1 << (slots - 1).bit_length()) if device.type == "cuda" else slots
+
+
+def _rows_buffer(like: torch.Tensor, rows: int, slots: int, dim: int) -> torch.Tensor:
+    """Zeroed ``[rows, heads, slots, dim]``: the first ``rows`` of a buffer of ``row_capacity(rows)`` rows."""
+    slots = slot_capacity(slots, like.device)
+    return like.new_zeros((row_capacity(rows), like.shape[1], slots, dim))[:rows]
+
+
 class SlotLayer(DynamicLayer):
     """One layer's keys and values, ``[batch, heads, capacity, head_dim]``, of which the first ``length`` slots are used.
 
@@ -35,9 +57,9 @@ class SlotLayer(DynamicLayer):
         if self._k is not None and needed <= self._k.shape[-2]:
             return
         cap = max(needed, 2 * (0 if self._k is None else self._k.shape[-2]), 64)
-        b, h, _, d = key_states.shape if self._k is None else self._k.shape
-        k = key_states.new_zeros((b, h, cap, d))
-        v = value_states.new_zeros((b, h, cap, value_states.shape[-1]))
+        b, _, _, d = key_states.shape if self._k is None else self._k.shape
+        k = _rows_buffer(self._k if self._k is not None else key_states, b, cap, d)
+        v = _rows_buffer(self._v if self._v is not None else value_states, b, cap, value_states.shape[-1])
         if self.length:
             k[..., : self.length, :] = self._k[..., : self.length, :]
             v[..., : self.length, :] = self._v[..., : self.length, :]
@@ -81,8 +103,8 @@ class SlotLayer(DynamicLayer):
         """Empty zeroed buffers for ``batch`` rows and ``length`` slots plus spare room (so appends don't regrow them
         at once); returns the ``[:length]`` views to fill."""
         cap = length + max(64, length // 2)
-        k = like_k.new_zeros((batch, like_k.shape[1], cap, like_k.shape[-1]))
-        v = like_v.new_zeros((batch, like_v.shape[1], cap, like_v.shape[-1]))
+        k = _rows_buffer(like_k, batch, cap, like_k.shape[-1])
+        v = _rows_buffer(like_v, batch, cap, like_v.shape[-1])
         self._adopt(k, v, length)
         return self.keys, self.values
 

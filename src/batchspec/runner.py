@@ -26,7 +26,7 @@ from itertools import chain
 import torch
 from transformers.modeling_utils import AttentionInterface
 
-from . import kv
+from . import graphs, kv
 from .kernels import llama as fused_llama
 from .kernels import skinny_linear
 
@@ -146,8 +146,16 @@ def private_copy(model):
 class Runner:
     """Runs forwards of one model over slot caches (see the module docstring)."""
 
-    def __init__(self, model):
-        self.model = model
+    GRAPH_MODES = ("auto", "off", "static")
+
+    def __init__(self, model, graphs: str = "auto"):
+        """``graphs``: "auto" replays static-shape steps as CUDA graphs on a GPU where ``graphs.supported(model)``;
+        "off" never; "static" runs the static-shape steps without capture on any device (how they are tested on
+        CPU)."""
+        if graphs not in self.GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {self.GRAPH_MODES}, got {graphs!r}")
+        self.model, self.graphs = model, graphs
+        self._static = None
         self._copy = self._key = None
         self._ends = ()
         self._lock = threading.Lock()
@@ -166,6 +174,15 @@ class Runner:
                 self._copy, self._key = private_copy(self.model), _fingerprint(self._ends)
         return self._copy
 
+    @property
+    def static(self) -> graphs.StaticRunner | None:
+        """The static-shape step runner, where this runner's mode and model call for one."""
+        if self.graphs == "off" or (self.graphs == "auto" and self.device.type != "cuda"):
+            return None
+        if self._static is None:
+            self._static = graphs.supported(self.model) and graphs.StaticRunner(self.model, self.graphs == "auto")
+        return self._static or None
+
     def forward(self, cache: kv.SlotCache, input_ids, position_ids, visible=None, logits_to_keep=0,
                 hidden=False) -> TargetOutput:
         """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``.
@@ -173,6 +190,11 @@ class Runner:
         ``visible`` ``[B, S+q]`` says which slots attention may see; ``None`` means a fresh cache and unpadded rows
         (causal attention, which skips the masked half of the work). ``logits_to_keep`` > 0 keeps the last that
         many positions; ``hidden`` also returns the final hidden states at those positions."""
+        static = self.static
+        if static is not None:
+            out = static.forward(cache, input_ids, position_ids, visible, logits_to_keep, hidden)
+            if out is not None:
+                return TargetOutput(*out)
         everything = visible if visible is not None else torch.ones_like(input_ids, dtype=torch.bool)
         out = fused_llama.forward(self.model, cache, input_ids, position_ids, everything, logits_to_keep, hidden)
         if out is not None:  # the C layer only reads the model

@@ -49,9 +49,9 @@ class DraftState:
 class ModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, model):
+    def __init__(self, model, graphs: str = "auto"):
         self.model = model
-        self.runner = Runner(model)
+        self.runner = Runner(model, graphs)
 
     def prefill(self, prompts):
         processed = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=self.runner.device)

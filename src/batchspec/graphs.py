@@ -1,0 +1,185 @@
+"""Static-shape steps: decode, verification and draft forwards that CUDA graphs can replay.
+
+On a GPU a small model's step is set by kernel launches and Python, not arithmetic (SmolLM2-135M: ~30 ms a step
+through the model's modules, whatever the batch). A CUDA graph replays a whole step's kernels in one launch, but only
+over fixed shapes and fixed memory. So a step here is written with static shapes:
+
+- rows: the slot cache's buffers hold a *bucket* of rows (1, 2, 4, ..., 256; ``kv.row_capacity``), of which the
+  batch uses the first ``n``; the step runs every row of the buffer, the others as padding (token 0, a mask that
+  shows each padding query only its own new slot, so nothing of them reaches a real row, whose mask never shows a
+  padding row's slots: rows do not attend across rows at all);
+- keys: attention runs over the buffer's whole capacity with a mask (slots beyond the rectangle's width are hidden);
+- the new slots are written with ``index_copy_`` at slot indices held in a device tensor.
+
+Inputs (token ids, positions, mask, slot indices) are copied into static tensors before each replay; one graph is
+captured per (rows, capacity, new tokens, kept logits) the second time that shape is met with the same buffers (a
+shape met once, such as an exspec window's fresh copy, runs eagerly). Graphs are bound to the buffers they were
+captured over: a runner keeps those of its last ``BUFFER_SETS`` sets of buffers (a batch's cache freed and the next
+one allocated with the same shape gets the same memory back from the allocator, so its graphs fit again; on a GPU
+``kv`` rounds the slot capacity to a power of two for that). Shapes outside the buckets (more than ``MAX_NEW`` new tokens per row,
+e.g. prefill) run through the model's modules as before.
+
+The step calls the model's own modules (embedding, rotary tables, norms, projections, MLP) and only reads them;
+covered: ``LlamaForCausalLM`` with sdpa attention. ``mode="static"`` runs the same static-shape step without
+capturing (any device): that is how the CPU tests check it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter, OrderedDict
+
+import torch
+from transformers.models.llama import modeling_llama as hf
+
+from . import kv
+
+MAX_NEW = 16  # widest block (new tokens per row) a static step takes; wider forwards run eagerly
+BUFFER_SETS = 4  # graphs are kept for this many sets of cache buffers (successive batches reuse freed buffers)
+
+
+def supported(model) -> bool:
+    """Whether the static step covers ``model`` (a Llama with sdpa attention and the standard decoder layers)."""
+    if type(model) is not hf.LlamaForCausalLM or model.config._attn_implementation != "sdpa":
+        return False
+    layers = model.model.layers
+    return len(layers) > 0 and all(
+        type(layer) is hf.LlamaDecoderLayer and type(layer.self_attn) is hf.LlamaAttention for layer in layers)
+
+
+def _all_rows(t: torch.Tensor) -> torch.Tensor:
+    """The whole buffer behind a cache layer's ``[:n]`` row view (``kv`` allocates a bucket of rows)."""
+    rows = t.untyped_storage().nbytes() // (t.stride(0) * t.element_size())
+    if t.storage_offset() or not t.is_contiguous() or rows <= t.shape[0]:
+        return t
+    return t.as_strided((rows, *t.shape[1:]), t.stride())
+
+
+def static_step(model, keys, values, ids, pos, mask, slots, keep: int):
+    """One forward of ``ids`` ``[R, q]`` over whole cache buffers ``keys``/``values`` (per layer ``[R, H, C, D]``):
+    writes the new keys and values at ``slots`` ``[q]``, attends with ``mask`` ``[R, 1, q, C]``; returns the logits
+    and the final (normed) hidden states of the last ``keep`` positions (all when 0). Launches kernels only: no host
+    read, so it can be captured."""
+    inner = model.model
+    x = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(x, pos)
+    for layer, k_buf, v_buf in zip(inner.layers, keys, values):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        shape = (*ids.shape, -1, a.head_dim)
+        q = a.q_proj(h).view(shape).transpose(1, 2)
+        k = a.k_proj(h).view(shape).transpose(1, 2)
+        v = a.v_proj(h).view(shape).transpose(1, 2)
+        q, k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+        k_buf.index_copy_(2, slots, k)
+        v_buf.index_copy_(2, slots, v)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k_buf, v_buf, attn_mask=mask, scale=a.scaling, enable_gqa=q.shape[1] != k_buf.shape[1])
+        x = x + a.o_proj(o.transpose(1, 2).reshape(*ids.shape, -1).contiguous())
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = inner.norm(x)
+    if keep:
+        x = x[:, -keep:]
+    return model.lm_head(x), x
+
+
+class _Shape:
+    """Static inputs of one shape, and its graph and outputs once captured."""
+
+    def __init__(self, rows, capacity, q, device):
+        self.ids = torch.zeros((rows, q), dtype=torch.long, device=device)
+        self.pos = torch.zeros((rows, q), dtype=torch.long, device=device)
+        self.mask = torch.zeros((rows, 1, q, capacity), dtype=torch.bool, device=device)
+        self.slots = torch.zeros(q, dtype=torch.long, device=device)
+        self.cols = torch.arange(capacity, device=device)
+        self.graph = self.out = None
+
+
+class StaticRunner:
+    """Static-shape steps of one model over its slot caches; ``capture`` replays them as CUDA graphs."""
+
+    def __init__(self, model, capture: bool):
+        self.model, self.capture = model, capture
+        self._sets: OrderedDict[tuple, tuple[dict, Counter]] = OrderedDict()  # buffers -> (shapes, times seen)
+        self._pool = None
+        self.steps = self.captured = 0  # static steps run, graphs captured (for tests and benchmarks)
+        self.failed = False
+
+    def forward(self, cache: kv.SlotCache, input_ids, position_ids, visible, keep: int, hidden: bool):
+        """``(logits, hidden or None)`` for ``Runner.forward``'s arguments, or None where this path does not apply
+        (a fresh cache without mask, too many new tokens, more rows than the largest bucket, a shape met once)."""
+        n, q = input_ids.shape
+        if self.failed or visible is None or q > MAX_NEW or n > kv.ROW_BUCKETS[-1]:
+            return None
+        cfg, layers = self.model.config, cache.layers
+        start = layers[0].length
+        a = self.model.model.layers[0].self_attn
+        like = torch.empty((n, cfg.num_key_value_heads, q, a.head_dim), dtype=self.model.dtype, device=input_ids.device)
+        for layer in layers:
+            layer.reserve(like, like, start + q)
+        keys = [_all_rows(layer._k) for layer in layers]
+        values = [_all_rows(layer._v) for layer in layers]
+        rows, capacity = keys[0].shape[0], keys[0].shape[2]
+        weights = (self.model.lm_head.weight, self.model.model.layers[0].self_attn.q_proj.weight)
+        buffers = tuple(t.data_ptr() for t in (*keys, *values, *weights))
+        if buffers not in self._sets:  # graphs are bound to the buffers (and weights) they were captured over
+            self._sets[buffers] = ({}, Counter())
+            if len(self._sets) > BUFFER_SETS:
+                self._sets.popitem(last=False)
+        self._sets.move_to_end(buffers)
+        shapes, seen = self._sets[buffers]
+        key = (rows, capacity, q, keep)
+        seen[key] += 1
+        if self.capture and key not in shapes and seen[key] < 2:
+            return None
+        s = shapes.get(key)
+        if s is None:
+            s = shapes[key] = _Shape(rows, capacity, q, input_ids.device)
+        self._fill(s, input_ids, position_ids, visible, start)
+
+        def step():
+            return static_step(self.model, keys, values, s.ids, s.pos, s.mask, s.slots, keep)
+
+        if not self.capture:
+            logits, states = step()
+            self.steps += 1
+        else:
+            if s.graph is None:
+                try:
+                    s.graph, s.out = self._capture(step)
+                except RuntimeError as e:  # a capture this torch build cannot take: run the model's modules instead
+                    warnings.warn(f"CUDA graph capture failed ({e}); running steps without graphs", stacklevel=2)
+                    self.failed = True
+                    shapes.pop(key)
+                    return None
+                self.captured += 1
+            s.graph.replay()
+            logits, states = s.out
+            self.steps += 1
+        for layer in layers:
+            layer.advance(start + q)
+        return logits[:n].clone(), (states[:n].clone() if hidden else None)
+
+    @staticmethod
+    def _fill(s: _Shape, input_ids, position_ids, visible, start: int) -> None:
+        n, q = input_ids.shape
+        s.ids[:n] = input_ids
+        s.pos[:n] = position_ids
+        s.slots.copy_(s.cols[start : start + q])
+        seen = torch.zeros_like(s.mask[:, 0, 0])  # [rows, capacity]: padding rows see nothing but themselves
+        seen[:n, : start + q] = visible
+        new = s.slots[:, None]
+        s.mask[:, 0] = (seen[:, None, :] & (s.cols[None, :] <= new)) | (s.cols[None, :] == new)
+
+    def _capture(self, step):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm-up (library handles, kernel choice); writes the same slots the replays write
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = step()
+        return graph, out
