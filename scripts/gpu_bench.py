@@ -74,10 +74,49 @@ def run_engine(model, draft, ids, oracle, bs, max_tokens, graphs, speculation="a
         if best is None or secs < best[0]:
             best = (secs, outs, llm.stats)
     secs, outs, s = best
-    exact = sum(o.token_ids == r for o, r in zip(outs, oracle)) / len(ids)
+    exact = sum(o.token_ids == r for o, r in zip(outs, oracle)) / len(oracle)  # the rows that have an oracle
     static = llm.parts.target.static
     info = f"captured {static.captured}" if static and static.capture else ""
     return s.generated / secs, 1000 * s.verify / max(s.verify_calls, 1), s.mean_accepted_length, exact, info, s
+
+
+def profile_rounds(model, ids, max_tokens, path: Path) -> None:
+    """Kernel and operator times of 10 plain rounds at batch ``len(ids)`` (after 6 warm-up rounds), and the replay
+    time of the captured decode graph alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = batchspec.LLM(model, batch_size=len(ids), graphs="auto")
+    eng = llm.engine()
+    for r in llm.requests(ids, batchspec.SamplingParams(max_tokens=max_tokens))[1]:
+        eng.add_request(r)
+    for _ in range(6):
+        eng.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(10):
+            eng.step()
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        eng.step()
+    sync()
+    lines = [f"10 plain rounds at batch {len(ids)}: {1000 * (time.perf_counter() - t0) / 10:.2f} ms a round"]
+    static = llm.parts.target.static
+    for shapes, _ in (static._sets.values() if static else ()):
+        for key, shape in shapes.items():
+            if shape.graph is not None:
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    shape.graph.replay()
+                sync()
+                lines.append(f"graph {key} (rows, capacity, span, q, keep): {1000 * (time.perf_counter() - t0) / 20:.2f} ms a replay")
+    by = "cuda_time_total" if model.device.type == "cuda" else "cpu_time_total"
+    lines += [prof.key_averages().table(sort_by=by, row_limit=30),
+              prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)]
+    path.write_text("\n".join(lines))
+    print(lines[0], *[x for x in lines if x.startswith("graph")], sep="\n", flush=True)
 
 
 def main(argv=None) -> int:
@@ -91,6 +130,11 @@ def main(argv=None) -> int:
     p.add_argument("--bs1", type=int, default=8)
     p.add_argument("--bf16-batch", type=int, default=12)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--skip-bf16", action="store_true")
+    p.add_argument("--oracle-prompts", type=int, default=None, help="HF batch-1 oracle for the first N prompts only")
+    p.add_argument("--profile", action="store_true", help="profile plain rounds at the large batch (profile.txt)")
+    p.add_argument("--speculation", default="adaptive,fixed", help="policies measured for the speculative engines")
+    p.add_argument("--bs1-graphs", default="off,auto", help="graph modes of plain decoding at batch 1")
     a = p.parse_args(argv)
     rep = Report(Path(a.out))
     llm0 = batchspec.LLM(a.target, dtype=torch.float32, device=a.device)
@@ -104,32 +148,36 @@ def main(argv=None) -> int:
     big = len(ids)
     print(f"{big} prompts, {min(map(len, ids))}-{max(map(len, ids))} tokens", flush=True)
 
-    oracle, secs = hf_generate(model, ids, a.max_tokens, stops, 1)
-    rep.add("HF generate", 1, sum(map(len, oracle)) / secs, note="the oracle")
+    oracle, secs = hf_generate(model, ids[: a.oracle_prompts], a.max_tokens, stops, 1)
+    rep.add("HF generate", 1, sum(map(len, oracle)) / secs, note=f"the oracle ({len(oracle)} prompts)")
     outs, secs = hf_generate(model, ids, a.max_tokens, stops, big)
     rep.add("HF generate", big, sum(map(len, outs)) / secs,
-            exact=sum(o == r for o, r in zip(outs, oracle)) / big)
+            exact=sum(o == r for o, r in zip(outs, oracle)) / len(oracle))
 
     for graphs in ("off", "auto"):
         tps, step, mal, exact, info, _ = run_engine(model, None, ids, oracle, big, a.max_tokens, graphs)
         rep.add("plain", big, tps, step, mal, exact, graphs, info)
+    if a.profile:
+        profile_rounds(model, ids, a.max_tokens, Path(a.out) / "profile.txt")
     for name, d in (("slotmask + draft", draft), ("slotmask + lookup", "prompt-lookup")):
-        for spec in ("adaptive", "fixed"):
+        for spec in a.speculation.split(","):
             tps, step, mal, exact, info, s = run_engine(model, d, ids, oracle, big, a.max_tokens, "auto", spec)
             rep.add(f"{name} ({spec})", big, tps, step, mal, exact, "auto",
                     f"{info}; lengths {dict(sorted(s.lengths.items()))}")
 
     few, few_oracle = ids[: a.bs1], oracle[: a.bs1]
-    for graphs in ("off", "auto"):
+    for graphs in a.bs1_graphs.split(","):
         tps, step, mal, exact, info, _ = run_engine(model, None, few, few_oracle, 1, a.max_tokens, graphs, reps=1)
         rep.add("plain", 1, tps, step, mal, exact, graphs, info)
     for name, d in (("slotmask + draft", draft), ("slotmask + lookup", "prompt-lookup")):
-        for spec in ("adaptive", "fixed"):
+        for spec in a.speculation.split(","):
             tps, step, mal, exact, info, s = run_engine(model, d, few, few_oracle, 1, a.max_tokens, "auto", spec,
                                                         reps=1)
             rep.add(f"{name} ({spec})", 1, tps, step, mal, exact, "auto",
                     f"{info}; lengths {dict(sorted(s.lengths.items()))}")
 
+    if a.skip_bf16:
+        return 0
     from batchspec.audit import audit
 
     n16 = min(a.bf16_batch, big)

@@ -55,10 +55,10 @@ def test_padding_rows_never_leak():
         runner = Runner(t, mode)
         state = prefill(runner, ps)
         for layer in state.cache.layers:
-            rows = graphs._all_rows(layer._k)
+            rows = kv.whole_buffer(layer._k)
             assert rows.shape[0] == kv.row_capacity(len(ps)) == 4
             rows[len(ps):] = float("nan")
-            graphs._all_rows(layer._v)[len(ps):] = float("nan")
+            kv.whole_buffer(layer._v)[len(ps):] = float("nan")
         ids = torch.tensor([[p[-1], 7] for p in ps])
         with torch.inference_mode():
             out = state.append(ids, hidden=True)
@@ -133,3 +133,31 @@ def test_cuda_graphs_exact(draft):
     assert [o.token_ids for o in first] == want and [o.token_ids for o in again] == want
     st = llm.parts.target.static
     assert st.capture and st.captured > 0 and st.steps > 0
+
+
+def test_released_buffers_serve_the_next_batch(monkeypatch):
+    """Finished batches give their cache buffers back; the next batch of the same shape reuses them (so a GPU's
+    graphs, bound to buffer addresses, are reused); outputs stay exact."""
+    monkeypatch.setattr(kv, "POOL_DEVICES", {"cpu"})
+    monkeypatch.setattr(kv, "_pool", {})
+    t = tiny.target()
+    ps = [p for p in tiny.prompts(6, seed=9) if len(p) > 2][:4]
+    seen = set()
+    real = kv._rows_buffer
+
+    def spy(like, rows, slots, dim):
+        buf = real(like, rows, slots, dim)
+        seen.add(buf.data_ptr())
+        assert not buf.any()  # handed out zeroed
+        return buf
+
+    monkeypatch.setattr(kv, "_rows_buffer", spy)
+    llm = batchspec.LLM(t, draft=tiny.draft(), graphs="static", batch_size=1, check_invariants=True,
+                        num_draft_tokens=3)
+    sp = SamplingParams(max_tokens=12)
+    assert [o.token_ids for o in llm.generate(ps, sp)] == [tiny.oracle(t, p, 12) for p in ps]
+    first = set(seen)
+    assert sum(len(v) for v in kv._pool.values()) > 0
+    seen.clear()
+    assert [o.token_ids for o in llm.generate(ps, sp)] == [tiny.oracle(t, p, 12) for p in ps]
+    assert seen <= first  # every buffer of the second run came back from the first

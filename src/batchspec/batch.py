@@ -224,6 +224,7 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         part = kv.new_cache(runner.model)
         runner.forward(part, ids, (col - pad).clamp(min=0), visible, logits_to_keep=1)
         kv.place_rows(cache, torch.tensor(rows, device=dev), part, len(prompts), width)
+        part.release()
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]
     valid = col >= (width - n[:, None])

@@ -290,6 +290,8 @@ class Engine:
         if keep:
             self.batch.select_rows(keep)
         else:
+            for state in self._slot_states():  # its buffers serve the next batch (and its graphs, on a GPU)
+                state.cache.release()
             self.batch = None
         return done
 

@@ -8,11 +8,13 @@ over fixed shapes and fixed memory. So a step here is written with static shapes
   batch uses the first ``n``; the step runs every row of the buffer, the others as padding (token 0, a mask that
   shows each padding query only its own new slot, so nothing of them reaches a real row, whose mask never shows a
   padding row's slots: rows do not attend across rows at all);
-- keys: attention runs over the buffer's whole capacity with a mask (slots beyond the rectangle's width are hidden);
+- keys: attention runs over the buffer's first slots up to a multiple of ``SPAN`` past the rectangle's width, with a
+  mask (slots beyond the width are hidden); grouped-query heads are folded into the query length, so each key and
+  value head is read once (``grouped_attention``);
 - the new slots are written with ``index_copy_`` at slot indices held in a device tensor.
 
 Inputs (token ids, positions, mask, slot indices) are copied into static tensors before each replay; one graph is
-captured per (rows, capacity, new tokens, kept logits) the second time that shape is met with the same buffers (a
+captured per (rows, capacity, span, new tokens, kept logits) the second time that shape is met with the same buffers (a
 shape met once, such as an exspec window's fresh copy, runs eagerly). Graphs are bound to the buffers they were
 captured over: a runner keeps those of its last ``BUFFER_SETS`` sets of buffers (a batch's cache freed and the next
 one allocated with the same shape gets the same memory back from the allocator, so its graphs fit again; on a GPU
@@ -47,20 +49,30 @@ def supported(model) -> bool:
         type(layer) is hf.LlamaDecoderLayer and type(layer.self_attn) is hf.LlamaAttention for layer in layers)
 
 
-def _all_rows(t: torch.Tensor) -> torch.Tensor:
-    """The whole buffer behind a cache layer's ``[:n]`` row view (``kv`` allocates a bucket of rows)."""
-    rows = t.untyped_storage().nbytes() // (t.stride(0) * t.element_size())
-    if t.storage_offset() or not t.is_contiguous() or rows <= t.shape[0]:
-        return t
-    return t.as_strided((rows, *t.shape[1:]), t.stride())
+SPAN = 256  # attention reads the cache's first slots rounded up to a multiple of this (one graph per span)
+
+
+def grouped_attention(q, k, v, mask, scale):
+    """Attention of ``q`` ``[R, H, n, D]`` over ``k``/``v`` ``[R, Hkv, C, D]`` with ``mask`` ``[R, 1, n, C]``, each
+    key/value head read once: the query heads sharing it are folded into the query length (``[R, Hkv, G*n, D]``)
+    rather than the keys expanded to every query head (what ``enable_gqa`` does outside flash attention, which
+    copies the whole cache ``G`` times per layer)."""
+    r, h, n, d = q.shape
+    g = h // k.shape[1]
+    if g > 1:
+        q = q.reshape(r, k.shape[1], g * n, d)
+        mask = mask.expand(r, 1, n, mask.shape[-1]).repeat(1, 1, g, 1)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(r, h, n, d)
 
 
 def static_step(model, keys, values, ids, pos, mask, slots, keep: int):
-    """One forward of ``ids`` ``[R, q]`` over whole cache buffers ``keys``/``values`` (per layer ``[R, H, C, D]``):
-    writes the new keys and values at ``slots`` ``[q]``, attends with ``mask`` ``[R, 1, q, C]``; returns the logits
-    and the final (normed) hidden states of the last ``keep`` positions (all when 0). Launches kernels only: no host
-    read, so it can be captured."""
+    """One forward of ``ids`` ``[R, q]`` over cache buffers ``keys``/``values`` (per layer ``[R, H, C, D]``): writes
+    the new keys and values at ``slots`` ``[q]``, attends over the first ``S`` slots with ``mask`` ``[R, 1, q, S]``;
+    returns the logits and the final (normed) hidden states of the last ``keep`` positions (all when 0). Launches
+    kernels only: no host read, so it can be captured."""
     inner = model.model
+    span = mask.shape[-1]
     x = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(x, pos)
     for layer, k_buf, v_buf in zip(inner.layers, keys, values):
@@ -73,8 +85,7 @@ def static_step(model, keys, values, ids, pos, mask, slots, keep: int):
         q, k = hf.apply_rotary_pos_emb(q, k, cos, sin)
         k_buf.index_copy_(2, slots, k)
         v_buf.index_copy_(2, slots, v)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, k_buf, v_buf, attn_mask=mask, scale=a.scaling, enable_gqa=q.shape[1] != k_buf.shape[1])
+        o = grouped_attention(q, k_buf[:, :, :span], v_buf[:, :, :span], mask, a.scaling)
         x = x + a.o_proj(o.transpose(1, 2).reshape(*ids.shape, -1).contiguous())
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     x = inner.norm(x)
@@ -86,12 +97,12 @@ def static_step(model, keys, values, ids, pos, mask, slots, keep: int):
 class _Shape:
     """Static inputs of one shape, and its graph and outputs once captured."""
 
-    def __init__(self, rows, capacity, q, device):
+    def __init__(self, rows, span, q, device):
         self.ids = torch.zeros((rows, q), dtype=torch.long, device=device)
         self.pos = torch.zeros((rows, q), dtype=torch.long, device=device)
-        self.mask = torch.zeros((rows, 1, q, capacity), dtype=torch.bool, device=device)
+        self.mask = torch.zeros((rows, 1, q, span), dtype=torch.bool, device=device)
         self.slots = torch.zeros(q, dtype=torch.long, device=device)
-        self.cols = torch.arange(capacity, device=device)
+        self.cols = torch.arange(span, device=device)
         self.graph = self.out = None
 
 
@@ -117,9 +128,10 @@ class StaticRunner:
         like = torch.empty((n, cfg.num_key_value_heads, q, a.head_dim), dtype=self.model.dtype, device=input_ids.device)
         for layer in layers:
             layer.reserve(like, like, start + q)
-        keys = [_all_rows(layer._k) for layer in layers]
-        values = [_all_rows(layer._v) for layer in layers]
+        keys = [kv.whole_buffer(layer._k) for layer in layers]
+        values = [kv.whole_buffer(layer._v) for layer in layers]
         rows, capacity = keys[0].shape[0], keys[0].shape[2]
+        span = min(capacity, -(-(start + q) // SPAN) * SPAN)
         weights = (self.model.lm_head.weight, self.model.model.layers[0].self_attn.q_proj.weight)
         buffers = tuple(t.data_ptr() for t in (*keys, *values, *weights))
         if buffers not in self._sets:  # graphs are bound to the buffers (and weights) they were captured over
@@ -128,13 +140,13 @@ class StaticRunner:
                 self._sets.popitem(last=False)
         self._sets.move_to_end(buffers)
         shapes, seen = self._sets[buffers]
-        key = (rows, capacity, q, keep)
+        key = (rows, capacity, span, q, keep)
         seen[key] += 1
         if self.capture and key not in shapes and seen[key] < 2:
             return None
         s = shapes.get(key)
         if s is None:
-            s = shapes[key] = _Shape(rows, capacity, q, input_ids.device)
+            s = shapes[key] = _Shape(rows, span, q, input_ids.device)
         self._fill(s, input_ids, position_ids, visible, start)
 
         def step():
@@ -166,7 +178,7 @@ class StaticRunner:
         s.ids[:n] = input_ids
         s.pos[:n] = position_ids
         s.slots.copy_(s.cols[start : start + q])
-        seen = torch.zeros_like(s.mask[:, 0, 0])  # [rows, capacity]: padding rows see nothing but themselves
+        seen = torch.zeros_like(s.mask[:, 0, 0])  # [rows, span]: padding rows see nothing but themselves
         seen[:n, : start + q] = visible
         new = s.slots[:, None]
         s.mask[:, 0] = (seen[:, None, :] & (s.cols[None, :] <= new)) | (s.cols[None, :] == new)

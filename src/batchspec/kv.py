@@ -12,6 +12,8 @@ A transformers upgrade should only ever need changes here. The engine sees:
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -32,10 +34,47 @@ def slot_capacity(slots: int, device: torch.device) -> int:
     return max(256, 1 << (slots - 1).bit_length()) if device.type == "cuda" else slots
 
 
+def whole_buffer(t: torch.Tensor) -> torch.Tensor:
+    """The whole buffer behind a layer's ``[:rows]`` view (all ``row_capacity(rows)`` rows)."""
+    rows = t.untyped_storage().nbytes() // (t.stride(0) * t.element_size())
+    if t.storage_offset() or not t.is_contiguous() or rows <= t.shape[0]:
+        return t
+    return t.as_strided((rows, *t.shape[1:]), t.stride())
+
+
+POOL_DEVICES = {"cuda"}  # where released buffers are kept for the next batch
+_pool: dict[tuple, list[torch.Tensor]] = {}
+_pool_lock = threading.Lock()
+POOL_LIMIT = 256  # buffers kept at most (beyond, those of other shapes are dropped)
+
+
 def _rows_buffer(like: torch.Tensor, rows: int, slots: int, dim: int) -> torch.Tensor:
-    """Zeroed ``[rows, heads, slots, dim]``: the first ``rows`` of a buffer of ``row_capacity(rows)`` rows."""
-    slots = slot_capacity(slots, like.device)
-    return like.new_zeros((row_capacity(rows), like.shape[1], slots, dim))[:rows]
+    """Zeroed ``[rows, heads, slots, dim]``: the first ``rows`` of a buffer of ``row_capacity(rows)`` rows, taken from
+    the buffers of released caches when one has this shape (on ``POOL_DEVICES``: the static steps' CUDA graphs are
+    bound to buffer addresses, so a batch that reuses its predecessor's buffers reuses its graphs too)."""
+    shape = (row_capacity(rows), like.shape[1], slot_capacity(slots, like.device), dim)
+    with _pool_lock:
+        free = _pool.get((shape, like.dtype, like.device))
+        buf = free.pop() if free else None
+    if buf is None:
+        return like.new_zeros(shape)[:rows]
+    return buf.zero_()[:rows]
+
+
+def _release(t: torch.Tensor | None) -> None:
+    if t is None or t.device.type not in POOL_DEVICES:
+        return
+    buf = whole_buffer(t)
+    if buf.data_ptr() != t.data_ptr() or buf.storage_offset():
+        return
+    key = (tuple(buf.shape), buf.dtype, buf.device)
+    with _pool_lock:
+        if sum(map(len, _pool.values())) >= POOL_LIMIT:
+            for other in [k for k in _pool if k != key]:
+                del _pool[other]
+        free = _pool.setdefault(key, [])
+        if len(free) < POOL_LIMIT and all(b.data_ptr() != buf.data_ptr() for b in free):
+            free.append(buf)
 
 
 class SlotLayer(DynamicLayer):
@@ -124,6 +163,15 @@ class SlotCache(Cache):
     @property
     def length(self) -> int:
         return self.layers[0].length
+
+    def release(self) -> None:
+        """Give the buffers back for later caches of the same shape (see ``_rows_buffer``); the cache is empty
+        afterwards and must hold no other reference to them."""
+        for layer in self.layers:
+            _release(layer._k)
+            _release(layer._v)
+            layer._k = layer._v = layer.keys = layer.values = None
+            layer.length, layer.is_initialized = 0, False
 
     def tensors(self):
         """(keys, values) of every layer, for invariant checks."""
