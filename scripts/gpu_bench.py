@@ -111,7 +111,8 @@ def profile_rounds(model, ids, max_tokens, path: Path) -> None:
                 for _ in range(20):
                     shape.graph.replay()
                 sync()
-                lines.append(f"graph {key} (rows, capacity, span, q, keep): {1000 * (time.perf_counter() - t0) / 20:.2f} ms a replay")
+                ms = 1000 * (time.perf_counter() - t0) / 20
+                lines.append(f"graph {key} (rows, capacity, span, q, keep): {ms:.2f} ms a replay")
     by = "cuda_time_total" if model.device.type == "cuda" else "cpu_time_total"
     lines += [prof.key_averages().table(sort_by=by, row_limit=30),
               prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)]

@@ -13,17 +13,17 @@ over fixed shapes and fixed memory. So a step here is written with static shapes
   value head is read once (``grouped_attention``);
 - the new slots are written with ``index_copy_`` at slot indices held in a device tensor.
 
-Inputs (token ids, positions, mask, slot indices) are copied into static tensors before each replay; one graph is
-captured per (rows, capacity, span, new tokens, kept logits) the second time that shape is met with the same buffers (a
-shape met once, such as an exspec window's fresh copy, runs eagerly). Graphs are bound to the buffers they were
-captured over: a runner keeps those of its last ``BUFFER_SETS`` sets of buffers (a batch's cache freed and the next
-one allocated with the same shape gets the same memory back from the allocator, so its graphs fit again; on a GPU
-``kv`` rounds the slot capacity to a power of two for that). Shapes outside the buckets (more than ``MAX_NEW`` new tokens per row,
-e.g. prefill) run through the model's modules as before.
+Inputs (token ids, positions, mask, slot indices) are copied into static tensors before each replay. One graph is
+captured per (rows, capacity, span, new tokens, kept logits) the second time that shape is met over the same
+buffers (a shape met once, such as an exspec window's fresh copy, runs eagerly). Graphs are bound to the buffers
+they were captured over; a runner keeps those of its last ``BUFFER_SETS`` sets of buffers, and a finished batch
+gives its buffers back to ``kv`` for the next batch of the same shape (``SlotCache.release``), which so replays the
+same graphs (on a GPU ``kv`` rounds the slot capacity to a power of two, so that batches share shapes). Wider
+forwards (more than ``MAX_NEW`` new tokens per row: prefill) run through the model's modules as before.
 
 The step calls the model's own modules (embedding, rotary tables, norms, projections, MLP) and only reads them;
-covered: ``LlamaForCausalLM`` with sdpa attention. ``mode="static"`` runs the same static-shape step without
-capturing (any device): that is how the CPU tests check it.
+covered: ``LlamaForCausalLM`` with sdpa attention. ``Runner(model, graphs="static")`` runs the same static-shape step
+without capturing (any device): that is how the CPU tests check it.
 """
 
 from __future__ import annotations
