@@ -1,4 +1,4 @@
-"""Command line: ``batchspec generate | audit | bench``."""
+"""Command line: ``batchspec generate | audit | bench | serve | loadtest``."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
 
 def _register_optional() -> None:
     """Subcommands living in other modules register themselves as ``COMMANDS[name] = (add_arguments, run)``."""
-    for mod in ("batchspec.audit.cli", "batchspec.bench"):
+    for mod in ("batchspec.audit.cli", "batchspec.bench", "batchspec.serve.cli"):
         try:
             __import__(mod)
         except ImportError as e:

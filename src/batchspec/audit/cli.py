@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 from batchspec.cli import COMMANDS, positive_int
 
 
@@ -36,6 +38,21 @@ def add_arguments(parser, model_args) -> None:
              "float32 1e-3, float16 2e-2, bfloat16 5e-2; times max(1, max |logit|))",
     )
     parser.add_argument("--limit", type=positive_int, default=None, help="audit only the first N prompts")
+    endpoint = parser.add_argument_group(
+        "endpoint audit", "audit a running OpenAI-compatible server (any engine) against the local oracle of --target "
+        "at several concurrency levels instead of local engines (--engines and --batch-sizes do not apply)")
+    endpoint.add_argument("--endpoint", default=None, metavar="URL",
+                          help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)")
+    endpoint.add_argument("--model", default=None, help="the server's model id (default: the first of /v1/models)")
+    endpoint.add_argument("--concurrency", default="1,8,32",
+                          help="comma list of how many requests are under way at once (default 1,8,32)")
+    endpoint.add_argument("--api", default="completions", choices=["completions", "chat"],
+                          help="completions: prompts go as token ids (exact); chat: as user messages, templated by "
+                               "the server (default completions)")
+    endpoint.add_argument("--stream", action="store_true", help="read the answers as Server-Sent Events")
+    endpoint.add_argument("--api-key", default=os.environ.get("BATCHSPEC_API_KEY"),
+                          help="sent as 'Authorization: Bearer KEY' (default: $BATCHSPEC_API_KEY)")
+    endpoint.add_argument("--timeout", type=float, default=600.0, help="seconds per request at most (default 600)")
     sampling = parser.add_argument_group("distributional audit (temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0,
                           help="sampling temperature; > 0 runs the distributional audit (default 0: greedy audit)")
@@ -62,6 +79,8 @@ def run(args) -> int:
     from .core import audit
     from .engines import resolve
 
+    if args.endpoint is not None:
+        return _run_endpoint(args)
     sampled = args.temperature > 0
     sampling = sampling_flags(args, max_tokens=args.n_tokens if sampled else args.max_tokens)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -91,6 +110,56 @@ def run(args) -> int:
     console.print(report.rich_table())
     console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}")
     broken = [f"{r.engine} B={r.batch_size}" for r in report.rows if not r.clean and not r.engine.startswith("fault:")]
+    if broken:
+        console.print(f"[red]not clean: {', '.join(broken)}[/red]")
+        return 1
+    return 0
+
+
+def _run_endpoint(args) -> int:
+    """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``); exit status 1 when a level is not clean."""
+    import torch
+    from rich.console import Console
+
+    from batchspec.cli import int_list, prepare_out, read_prompt_set
+
+    from .endpoint import audit_endpoint, endpoint_markdown
+
+    if args.temperature > 0:
+        raise ValueError("--endpoint audits greedy decoding: leave --temperature at 0")
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise ValueError("--endpoint needs httpx: install the serve extra, pip install 'batchspec[serve]'") from None
+    levels = int_list(args.concurrency, "--concurrency")
+    pairs = read_prompt_set(args.prompts)[: args.limit]
+    out = prepare_out(args.out, folder=True)
+    try:
+        report = audit_endpoint(
+            args.endpoint, args.target, [t for _, t in pairs], levels, args.model, max_tokens=args.max_tokens,
+            api=args.api, stream=args.stream, chat_template=args.chat_template, api_key=args.api_key,
+            tolerance=args.tolerance, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
+            timeout=args.timeout, progress=True,
+        )
+    except OSError as e:  # connection refused, unknown host
+        raise ValueError(f"cannot reach {args.endpoint}: {e}") from None
+    report.to_json(out / "audit.json")
+    (out / "audit.md").write_text(endpoint_markdown(report))
+    report.plot(out / "audit.png")
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 170)
+    console.print(report.rich_table())
+    ep = report.meta["endpoint"]
+    for lv in ep["levels"]:
+        console.print(f"concurrency {lv['concurrency']}: {lv['requests']} requests, {lv['failed']} failed, tokens "
+                      f"from {lv['token_source'] or '-'}, {lv['prompt_mismatches']} prompt mismatches, "
+                      f"{lv['seconds']:.1f} s")
+    if ep["retokenized"]:
+        console.print("[yellow]the server returned no token ids: its text was re-tokenized locally (last resort)"
+                      "[/yellow]")
+    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}")
+    broken = [f"concurrency {r.batch_size}" for r in report.rows if not r.clean]
     if broken:
         console.print(f"[red]not clean: {', '.join(broken)}[/red]")
         return 1

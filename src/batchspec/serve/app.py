@@ -1,0 +1,292 @@
+"""The OpenAI-compatible FastAPI application over one ``LLM``: ``create_app(llm, ...)``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (plain JSON or Server-Sent Events with
+``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every error is OpenAI's
+``{"error": {"message", "type", "param", "code"}}``. Requests go through one engine thread (``worker``): they join the
+running batch at a round boundary and leave when done; a client that disconnects has its row dropped at the next
+round boundary."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import SamplingParams
+from ..models import vocab_size
+from . import protocol as P
+from .metrics import ServerMetrics
+from .worker import EngineWorker, QueueFull, Unavailable
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+POLL = 0.25  # seconds between checks for a vanished client or a stopped engine while waiting for tokens
+
+
+def model_info(llm, name: str, default_max_tokens: int = 256, default_temperature: float = 1.0) -> P.ModelInfo:
+    ctx, draft_ctx = llm._contexts()
+    limits = [c for c in (ctx, draft_ctx) if c is not None]
+    return P.ModelInfo(name=name, vocab_size=vocab_size(llm.target), context=min(limits) if limits else None,
+                       tokenizer=llm.tokenizer, default_max_tokens=default_max_tokens,
+                       default_temperature=default_temperature)
+
+
+def default_model_name(llm) -> str:
+    path = getattr(llm.target.config, "_name_or_path", "") or ""
+    return path.rstrip("/").rsplit("/", 1)[-1] or "batchspec"
+
+
+def create_app(llm, model_name: str | None = None, api_key: str | None = None, max_queue: int = 64,
+               default_max_tokens: int = 256, default_temperature: float = 1.0, retries: int = 1) -> FastAPI:
+    """The server app over ``llm`` (build it with ``scheduler="continuous"`` for continuous batching). The engine
+    thread starts with the app (its lifespan) and stops with it; ``app.state.worker`` is the ``EngineWorker``.
+
+    ``model_name``: the id clients give as ``model`` (default: the target's directory name). ``api_key``: when set,
+    ``/v1/*`` asks for ``Authorization: Bearer <api_key>``. ``max_queue``: requests that may wait beyond the batch
+    before new ones get 429. ``default_max_tokens`` / ``default_temperature``: chat's ``max_tokens`` and both
+    endpoints' ``temperature`` when a request leaves them out."""
+    name = model_name or default_model_name(llm)
+    info = model_info(llm, name, default_max_tokens, default_temperature)
+    worker = EngineWorker(llm, max_queue=max_queue, retries=retries)
+    metrics = ServerMetrics(worker, llm)
+    created = P.now()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+
+    app = FastAPI(title="batchspec", lifespan=lifespan)
+    app.state.worker, app.state.metrics, app.state.info, app.state.llm = worker, metrics, info, llm
+
+    def count(endpoint: str, status: int) -> None:
+        metrics.requests.labels(endpoint if endpoint in ENDPOINTS else "other", str(status)).inc()
+
+    def error_response(err: P.APIError, endpoint: str, headers=None) -> JSONResponse:
+        count(endpoint, err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request: Request, err: P.APIError):
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        if err.status == 429:
+            headers = {"Retry-After": "1"}
+        return error_response(err, request.url.path, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(P.APIError(exc.status_code, str(exc.detail), kind), request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return error_response(P.APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+                              request.url.path)
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise P.APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                             "invalid_request_error", None, "invalid_api_key")
+
+    async def read_body(request: Request):
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise P.bad("the request body is not valid JSON") from None
+
+    @app.get("/health")
+    async def health():
+        if not worker.alive:
+            return error_response(P.APIError(503, "the engine thread is not running", "server_error"), "/health")
+        return {"status": "ok", "running": worker.running, "queued": worker.queued}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request)
+        count("/v1/models", 200)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "batchspec", "max_model_len": info.context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_key(request)
+        return await generate(request, P.parse_completion(await read_body(request), info), "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        check_key(request)
+        return await generate(request, P.parse_chat(await read_body(request), info), "/v1/chat/completions")
+
+    async def generate(request: Request, req: P.GenRequest, endpoint: str):
+        sp = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                  seed=req.seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+        try:
+            _, (engine_request,) = llm.requests([req.prompt_ids], SamplingParams(**sp))
+        except ValueError as e:
+            raise P.bad(str(e)) from None
+        engine_request.id = None
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def deliver(event):  # called on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        arrival = time.perf_counter()
+        try:
+            job = worker.submit(engine_request, deliver)
+        except QueueFull as e:
+            raise P.APIError(429, f"the server is busy ({e}); retry later", "rate_limit_error", None,
+                             "queue_full") from None
+        except Unavailable as e:
+            raise P.APIError(503, str(e), "server_error", None, "engine_unavailable") from None
+        metrics.prompt_tokens.inc(len(req.prompt_ids))
+        run = _Run(req, job, events, worker, metrics, llm.tokenizer, arrival)
+        if req.stream:
+            count(endpoint, 200)
+            return StreamingResponse(run.sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        out = await run.collect(request)
+        count(endpoint, getattr(out, "status_code", 200))
+        return out
+
+    return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the request body is read by then, so ``receive`` only reports that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Run:
+    """One request's output as it comes from the engine thread: text, stop strings, timings, response bodies."""
+
+    def __init__(self, req: P.GenRequest, job, events: asyncio.Queue, worker: EngineWorker, metrics, tokenizer,
+                 arrival: float):
+        self.req, self.job, self.events, self.worker, self.metrics = req, job, events, worker, metrics
+        self.text = P.TextStream(tokenizer, req.stop)
+        self.rid, self.created, self.arrival = P.new_id(req.kind), P.now(), arrival
+        self.first: float | None = None
+        self.closed = False  # the engine is done with the request (or was told to drop it)
+
+    async def _next(self):
+        """The next engine event, or None after POLL seconds without one."""
+        try:
+            return await asyncio.wait_for(self.events.get(), POLL)
+        except asyncio.TimeoutError:
+            if not self.worker.alive and self.events.empty():
+                return ("error", "the engine thread stopped")
+            return None
+
+    def _tokens(self, ids) -> tuple[list[int], str]:
+        if self.first is None:
+            self.first = time.perf_counter()
+        kept, delta = self.text.add(ids)
+        if self.text.stopped is not None and not self.closed:
+            self.closed = True
+            self.worker.abort(self.job.id, "stop")
+        return kept, delta
+
+    def _observe(self) -> None:
+        end = time.perf_counter()
+        m, n = self.metrics, len(self.text.ids)
+        m.e2e.observe(end - self.arrival)
+        if self.first is not None:
+            m.ttft.observe(self.first - self.arrival)
+            if n > 1:
+                m.tpot.observe((end - self.first) / (n - 1))
+        if self.job.started is not None:
+            m.queue_time.observe(max(0.0, self.job.started - self.job.submitted))
+
+    def _reason(self, reason: str) -> str:
+        return "stop" if self.text.stopped is not None else P.FINISH_REASONS.get(reason, reason)
+
+    def _abort_if_open(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.worker.abort(self.job.id)
+
+    async def collect(self, request: Request):
+        gone = asyncio.create_task(_disconnected(request))
+        try:
+            while True:
+                ev = await self._next()
+                if gone.done():  # the client hung up: nobody to answer
+                    self._abort_if_open()
+                    return Response(status_code=499)
+                if ev is None:
+                    continue
+                if ev[0] == "tokens":
+                    self._tokens(ev[1])
+                    if self.text.stopped is None:
+                        continue
+                    reason = "stop"
+                elif ev[0] == "error":
+                    self.closed = True
+                    raise P.APIError(500, ev[1], "server_error", None, "engine_error")
+                else:
+                    self.closed = True
+                    reason = ev[1]
+                self.text.flush()
+                self._observe()
+                return P.response(self.req, self.rid, self.created, self.text.text, self.text.ids,
+                                  self._reason(reason))
+        finally:
+            gone.cancel()
+            self._abort_if_open()
+
+    async def sse(self):
+        req, rid, created = self.req, self.rid, self.created
+
+        def event(body) -> str:
+            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+        try:
+            if req.kind == "chat" or req.return_token_ids:
+                yield event(P.chunk(req, rid, created, "", [], first=True))
+            while True:
+                ev = await self._next()
+                if ev is None:
+                    continue
+                if ev[0] == "tokens":
+                    kept, delta = self._tokens(ev[1])
+                    if self.text.stopped is None:
+                        if kept or delta:
+                            yield event(P.chunk(req, rid, created, delta, kept))
+                        continue
+                    reason = "stop"
+                elif ev[0] == "error":
+                    self.closed = True
+                    yield event(P.APIError(500, ev[1], "server_error", None, "engine_error").body())
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    self.closed, kept, delta = True, [], ""
+                    reason = ev[1]
+                delta += self.text.flush()
+                self._observe()
+                use = P.usage(len(req.prompt_ids), len(self.text.ids))
+                yield event(P.chunk(req, rid, created, delta, kept, self._reason(reason), use=use))
+                if req.include_usage:
+                    yield event(P.usage_chunk(req, rid, created, use))
+                yield "data: [DONE]\n\n"
+                return
+        finally:  # also when the client went away and the stream was cancelled
+            self._abort_if_open()

@@ -1,0 +1,335 @@
+"""A load generator for any OpenAI-compatible server: ``run_load(LoadConfig(...))`` or ``batchspec loadtest``.
+
+Arrivals are a Poisson process at ``rate`` requests/s (exponential gaps, seeded), or ``concurrency`` clients that each
+send their next request when the last one ends. Both stop after ``requests`` requests or ``duration`` seconds of
+sending, whichever comes first; requests under way then run to their end (at most ``timeout`` seconds each).
+Every request streams (``stream: true`` with ``stream_options.include_usage``), so that the client sees each token:
+
+- TTFT: from sending the request to the first chunk that carries output (text or token ids);
+- TPOT (time per output token): ``(end - first token) / (output tokens - 1)``, per request with >= 2 tokens;
+- end-to-end latency: from sending to the ``[DONE]`` event;
+- output tokens: the usage the server reports, else the token ids it streams, else one per chunk with text.
+
+A request counts as ``ok`` when its stream ends with ``[DONE]`` after a chunk with a ``finish_reason``; 429 and 503
+answers are counted apart (load shed by the server); anything else (another status, a broken stream, an error event,
+a timeout) is an error. Throughput is over the wall time from the first request to the last answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .protocol import DONE, sse_data
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class LoadConfig:
+    url: str
+    model: str | None = None  # None: the first model of /v1/models
+    prompts: list[str] = field(default_factory=list)
+    rate: float | None = None  # requests/s (Poisson); None with concurrency
+    concurrency: int | None = None
+    requests: int = 100
+    duration: float = 600.0  # seconds of sending at most
+    max_tokens: int = 64
+    api: str = "chat"  # "chat" | "completions"
+    temperature: float = 0.0
+    api_key: str | None = None
+    timeout: float = 600.0
+    seed: int = 0
+    ignore_eos: bool = False  # vLLM/batchspec extension: every request generates max_tokens tokens
+
+
+@dataclass
+class Record:
+    index: int
+    start: float  # seconds since the test began
+    status: str  # "ok" | "429" | "503" | "error"
+    http_status: int | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def base_url(url: str) -> str:
+    """``http://host:port/v1`` from a server URL given with or without ``/v1``."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def first_model(client, url: str, api_key: str | None) -> str:
+    r = await client.get(base_url(url) + "/models", headers=_headers(api_key))
+    r.raise_for_status()
+    data = r.json().get("data") or []
+    if not data:
+        raise ValueError(f"{url} serves no model (/v1/models is empty); give --model")
+    return data[0]["id"]
+
+
+def _body(cfg: LoadConfig, model: str, prompt: str) -> dict:
+    body = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    if cfg.api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def _one(client, cfg: LoadConfig, model: str, index: int, prompt: str, t0: float) -> Record:
+    path = "/chat/completions" if cfg.api == "chat" else "/completions"
+    start = time.perf_counter()
+    rec = Record(index, start - t0, "error")
+    first = None
+    chunks_with_text, streamed_ids, usage_tokens, done = 0, 0, None, False
+    try:
+        async with client.stream("POST", base_url(cfg.url) + path, json=_body(cfg, model, prompt),
+                                 headers=_headers(cfg.api_key), timeout=cfg.timeout) as r:
+            rec.http_status = r.status_code
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                rec.status = str(r.status_code) if r.status_code in (429, 503) else "error"
+                rec.error = f"HTTP {r.status_code}: {text[:300]}"
+                return rec
+            async for line in r.aiter_lines():
+                msg = sse_data(line)
+                if msg is None:
+                    continue
+                if msg == DONE:
+                    done = True
+                    break
+                if "error" in msg:
+                    rec.error = f"error event: {json.dumps(msg['error'])[:300]}"
+                    return rec
+                if msg.get("usage"):
+                    usage_tokens = msg["usage"].get("completion_tokens")
+                for ch in msg.get("choices") or []:
+                    text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                    ids = ch.get("token_ids") or []
+                    if text or ids:
+                        if first is None:
+                            first = time.perf_counter()
+                        chunks_with_text += bool(text)
+                        streamed_ids += len(ids)
+                    if ch.get("finish_reason"):
+                        rec.finish_reason = ch["finish_reason"]
+    except Exception as e:  # connection refused or reset, timeout, bad JSON
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+        return rec
+    end = time.perf_counter()
+    if not done or rec.finish_reason is None:
+        rec.error = "the stream ended without [DONE] and a finish_reason"
+        return rec
+    rec.status = "ok"
+    rec.e2e = end - start
+    rec.output_tokens = usage_tokens if usage_tokens is not None else streamed_ids or chunks_with_text
+    if first is not None:
+        rec.ttft = first - start
+        if rec.output_tokens > 1:
+            rec.tpot = (end - first) / (rec.output_tokens - 1)
+    return rec
+
+
+def percentiles(values) -> dict:
+    """P50/P90/P99 (linear interpolation), mean, max and count of ``values`` (None when empty)."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return {"n": 0, "mean": None, **{f"p{p}": None for p in PERCENTILES}, "max": None}
+
+    def q(p):
+        pos = (len(xs) - 1) * p / 100
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"n": len(xs), "mean": sum(xs) / len(xs), **{f"p{p}": q(p) for p in PERCENTILES}, "max": xs[-1]}
+
+
+async def run_load_async(cfg: LoadConfig, progress: bool = False) -> dict:
+    import httpx
+
+    if (cfg.rate is None) == (cfg.concurrency is None):
+        raise ValueError("give exactly one of rate and concurrency")
+    if not cfg.prompts:
+        raise ValueError("no prompts")
+    if cfg.api not in ("chat", "completions"):
+        raise ValueError(f"api must be 'chat' or 'completions', got {cfg.api!r}")
+    rng = random.Random(cfg.seed)
+    records: list[Record] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    bar = _Bar(progress, cfg.requests)
+    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout) as client:
+        model = cfg.model or await first_model(client, cfg.url, cfg.api_key)
+        t0 = time.perf_counter()
+        deadline = t0 + cfg.duration
+
+        async def send(i: int):
+            rec = await _one(client, cfg, model, i, cfg.prompts[i % len(cfg.prompts)], t0)
+            records.append(rec)
+            bar.update(records)
+
+        with bar:
+            if cfg.rate is not None:
+                tasks, at = [], t0
+                for i in range(cfg.requests):
+                    if i:
+                        at += rng.expovariate(cfg.rate)
+                    if at >= deadline:
+                        break
+                    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+                    tasks.append(asyncio.create_task(send(i)))
+                sent = len(tasks)
+                await asyncio.gather(*tasks)
+            else:
+                counter = iter(range(cfg.requests))
+
+                async def client_loop():
+                    for i in counter:
+                        if time.perf_counter() >= deadline:
+                            return
+                        await send(i)
+
+                await asyncio.gather(*(client_loop() for _ in range(cfg.concurrency)))
+                sent = len(records)
+        wall = time.perf_counter() - t0
+    records.sort(key=lambda r: r.index)
+    return summarize(cfg, model, records, sent, wall)
+
+
+def run_load(cfg: LoadConfig, progress: bool = False) -> dict:
+    """Run the load test; returns the summary (``summarize``)."""
+    return asyncio.run(run_load_async(cfg, progress))
+
+
+def in_flight_at_arrival(records) -> list[int]:
+    """For each completed request (``status`` ok), how many completed requests were under way when it was sent, itself
+    included: the concurrency the server actually saw (it grows without bound when the rate is beyond capacity)."""
+    spans = sorted((r["start"], r["start"] + r["e2e"]) for r in records if r["status"] == "ok")
+    starts = [s for s, _ in spans]
+    ends = sorted(e for _, e in spans)
+    return [bisect.bisect_right(starts, s) - bisect.bisect_right(ends, s) for s in starts]
+
+
+def summarize(cfg: LoadConfig, model: str, records: list[Record], sent: int, wall: float) -> dict:
+    ok = [r for r in records if r.status == "ok"]
+    counts = {"sent": sent, "ok": len(ok), "rejected_429": sum(r.status == "429" for r in records),
+              "rejected_503": sum(r.status == "503" for r in records),
+              "errors": sum(r.status == "error" for r in records)}
+    accepted = [r for r in records if r.http_status == 200]
+    counts["accepted"] = len(accepted)
+    counts["accepted_not_completed"] = sum(r.status != "ok" for r in accepted)
+    tokens = sum(r.output_tokens for r in ok)
+    cfg_d = asdict(cfg)
+    cfg_d["prompts"] = len(cfg.prompts)
+    cfg_d.pop("api_key", None)
+    return {
+        "config": cfg_d, "model": model, "wall_s": wall, "requests": counts,
+        "offered_rate": cfg.rate, "achieved_rate": sent / wall if wall > 0 else 0.0,
+        "throughput": {"requests_per_s": len(ok) / wall if wall > 0 else 0.0,
+                       "output_tokens_per_s": tokens / wall if wall > 0 else 0.0, "output_tokens": tokens},
+        "ttft_s": percentiles(r.ttft for r in ok), "tpot_s": percentiles(r.tpot for r in ok),
+        "e2e_s": percentiles(r.e2e for r in ok),
+        "in_flight_at_arrival": percentiles(in_flight_at_arrival([asdict(r) for r in records])),
+        "errors_sample": [r.error for r in records if r.status == "error"][:10],
+        "records": [asdict(r) for r in records],
+    }
+
+
+def write_report(summary: dict, out) -> tuple[Path, Path]:
+    """``loadtest.json`` and ``loadtest.png`` (CDFs of TTFT, TPOT and end-to-end latency) in ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "loadtest.json"
+    js.write_text(json.dumps(summary, indent=1))
+    png = out / "loadtest.png"
+    plot(summary, png)
+    return js, png
+
+
+def plot(summary: dict, path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    recs = [r for r in summary["records"] if r["status"] == "ok"]
+    fig = Figure(figsize=(12, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    cfg = summary["config"]
+    load = f"rate {cfg['rate']}/s" if cfg.get("rate") is not None else f"concurrency {cfg['concurrency']}"
+    c = summary["requests"]
+    fig.suptitle(f"loadtest {summary['model']}: {load}, {c['ok']} ok, {c['rejected_429'] + c['rejected_503']} shed, "
+                 f"{c['errors']} errors; {summary['throughput']['output_tokens_per_s']:.1f} output tok/s")
+    for ax, key, label in zip(fig.subplots(1, 3), ("ttft", "tpot", "e2e"),
+                              ("time to first token (s)", "time per output token (s)", "end-to-end latency (s)")):
+        xs = sorted(r[key] for r in recs if r[key] is not None)
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color="#2b6cb0")
+            stats = summary[f"{key}_s"]
+            for p, style in zip(PERCENTILES, (":", "--", "-.")):
+                ax.axvline(stats[f"p{p}"], color="#c53030", ls=style, lw=0.8, label=f"P{p} {stats[f'p{p}']:.3g}")
+            ax.legend(fontsize=8, loc="lower right")
+        ax.set_xlabel(label)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    fig.axes[0].set_ylabel("fraction of requests")
+    fig.savefig(path, dpi=110)
+    return Path(path)
+
+
+class _Bar:
+    """A rich progress bar over requests, with the counts so far (a no-op when disabled)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.p = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), transient=True)
+            self.task = self.p.add_task("loadtest", total=total)
+
+    def __enter__(self):
+        if self.p:
+            self.p.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.p:
+            self.p.stop()
+
+    def update(self, records):
+        if self.p:
+            ok = sum(r.status == "ok" for r in records)
+            shed = sum(r.status in ("429", "503") for r in records)
+            err = len(records) - ok - shed
+            self.p.update(self.task, completed=len(records), description=f"ok {ok} shed {shed} errors {err}")
+
+
+def rich_table(summary: dict):
+    from rich.table import Table
+
+    t = Table(title=f"loadtest {summary['model']}")
+    for col in ("metric", "P50", "P90", "P99", "mean", "n"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    for key, label, scale, unit in (("ttft_s", "TTFT", 1000, "ms"), ("tpot_s", "TPOT", 1000, "ms"),
+                                    ("e2e_s", "end-to-end", 1, "s"), ("in_flight_at_arrival", "in flight", 1, "req")):
+        s = summary[key]
+        cells = [f"{s[k] * scale:.1f}" if s[k] is not None else "-" for k in ("p50", "p90", "p99", "mean")]
+        t.add_row(f"{label} ({unit})", *cells, str(s["n"]))
+    return t

@@ -1,0 +1,466 @@
+"""The OpenAI wire format: request validation (``parse_completion``, ``parse_chat``), OpenAI-style errors
+(``APIError``), incremental detokenisation with stop strings (``TextStream``) and the JSON bodies of responses and
+stream chunks. Plain Python: nothing here needs the web framework.
+
+Field rules (OpenAI's, plus the vLLM extensions ``top_k``, ``stop_token_ids``, ``ignore_eos`` and
+``return_token_ids``):
+
+- ``prompt`` (completions): a string, a list of token ids, or a one-element list of either; ``messages`` (chat):
+  ``{"role", "content"}`` objects whose content is a string or a list of ``{"type": "text", "text"}`` parts, rendered
+  with the tokenizer's chat template;
+- ``max_tokens`` (chat also ``max_completion_tokens``) >= 1; default 16 for completions (as OpenAI) and the server's
+  ``default_max_tokens`` for chat, both clipped to what fits the context; prompt + ``max_tokens`` beyond the context is
+  an error;
+- ``temperature`` >= 0 (0: greedy, token-for-token equal to batch-size-1 greedy decoding; default: the server's
+  ``default_temperature``, 1.0 as OpenAI), ``top_p`` in (0, 1], ``top_k`` >= 0 (0 or -1: off), ``seed`` any integer;
+- ``stop``: a string or a list of non-empty strings (the text ends before the first match; needs a tokenizer);
+  ``stop_token_ids``: token ids that end the output (kept in ``token_ids``, as the model's EOS);
+- ``n`` must be 1; ``logprobs``, ``top_logprobs``, ``echo``, ``suffix``, ``best_of`` > 1, non-zero penalties,
+  ``logit_bias``, tools and non-text response formats are refused (400).
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import time
+import uuid
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 32
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+DONE = "[DONE]"
+
+
+def sse_data(line: str):
+    """A Server-Sent Events line as a client reads it: None (not a data line), ``DONE`` (the end of the stream) or
+    the event's JSON object."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return DONE if data == DONE else json.loads(data)
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass
+class ModelInfo:
+    """What validation needs to know about the served model."""
+
+    name: str
+    vocab_size: int
+    context: int | None  # most positions (prompt + output) a request may use; None: unlimited
+    tokenizer: object = None
+    default_max_tokens: int = 256
+    default_temperature: float = 1.0
+
+
+@dataclass
+class GenRequest:
+    """A validated request: the prompt's token ids and the sampling settings."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+
+
+# ------------------------------------------------------------------------------------------------ field readers
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _get_int(body: dict, name: str, lo: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise bad(f"{name} must be an integer, got {v!r}", name)
+    if lo is not None and v < lo:
+        raise bad(f"{name} must be at least {lo}, got {v}", name)
+    return int(v)
+
+
+def _get_real(body: dict, name: str):
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_real(v) or v != v:
+        raise bad(f"{name} must be a number, got {v!r}", name)
+    return float(v)
+
+
+def _get_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"{name} must be true or false, got {v!r}", name)
+    return v
+
+
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    if kind == "completion":
+        if body.get("logprobs") not in (None, False):
+            raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
+        if body.get("echo"):
+            raise bad("echo is not supported by this server", "echo", "unsupported_parameter")
+        if body.get("suffix"):
+            raise bad("suffix is not supported by this server", "suffix", "unsupported_parameter")
+        if body.get("best_of") not in (None, 1):
+            raise bad("best_of other than 1 is not supported by this server", "best_of", "unsupported_parameter")
+    else:
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+            raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
+        if body.get("tools") or body.get("functions"):
+            raise bad("tools are not supported by this server", "tools", "unsupported_parameter")
+        fmt = body.get("response_format")
+        if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise bad("only the text response format is supported", "response_format", "unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v is not None and (not _is_real(v) or v != 0):
+            raise bad(f"{name} is not supported by this server (give 0 or leave it out)", name,
+                      "unsupported_parameter")
+    if body.get("logit_bias"):
+        raise bad("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad(f"n must be 1 (one choice per request), got {n!r}", "n", "unsupported_parameter")
+
+
+def _model(body: dict, info: ModelInfo) -> str:
+    name = body.get("model")
+    if name is None:
+        return info.name
+    if not isinstance(name, str) or name != info.name:
+        raise bad(f"the model {name!r} does not exist; this server serves {info.name!r}", "model", "model_not_found")
+    return name
+
+
+def _check_ids(ids, info: ModelInfo, param: str) -> list[int]:
+    if not ids:
+        raise bad(f"{param} is empty", param)
+    for t in ids:
+        if not _is_int(t):
+            raise bad(f"{param} must hold integer token ids, got {t!r}", param)
+        if not 0 <= t < info.vocab_size:
+            raise bad(f"token id {t} in {param} is outside the vocabulary (0..{info.vocab_size - 1})", param,
+                      "invalid_token_id")
+    return [int(t) for t in ids]
+
+
+def _encode_text(text: str, info: ModelInfo, param: str) -> list[int]:
+    if info.tokenizer is None:
+        raise bad(f"this model has no tokenizer: send {param} as a list of token ids", param)
+    if not text:
+        raise bad(f"{param} is empty", param)
+    ids = list(info.tokenizer(text)["input_ids"])
+    if not ids:
+        raise bad(f"{param} encodes to no tokens", param)
+    return ids
+
+
+def _prompt_ids(body: dict, info: ModelInfo) -> list[int]:
+    p = body.get("prompt")
+    if p is None:
+        raise bad("prompt is missing", "prompt")
+    if isinstance(p, list) and p and not _is_int(p[0]):  # a batch of prompts: one per request here
+        if len(p) != 1:
+            raise bad(f"send one prompt per request (got {len(p)})", "prompt", "unsupported_parameter")
+        p = p[0]
+    if isinstance(p, str):
+        return _encode_text(p, info, "prompt")
+    if isinstance(p, list):
+        return _check_ids(p, info, "prompt")
+    raise bad(f"prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt")
+
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad("messages is missing", "messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise bad(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", f"messages[{i}]")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
+                              "unsupported_parameter")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _chat_ids(body: dict, info: ModelInfo) -> list[int]:
+    msgs = _messages(body)
+    tok = info.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise bad("this model has no chat template: use /v1/completions", "messages")
+    try:
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as e:  # the template's own checks (e.g. roles must alternate)
+        raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
+    ids = list(ids)
+    if not ids:
+        raise bad("messages render to no tokens", "messages")
+    return _check_ids(ids, info, "messages")
+
+
+def _stops(body: dict, info: ModelInfo) -> tuple[list[str], list[int]]:
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    if stop and info.tokenizer is None:
+        raise bad("stop strings need a tokenizer, and this model has none: use stop_token_ids", "stop")
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        ids = []
+    if not isinstance(ids, list):
+        raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
+    for t in ids:
+        if not _is_int(t) or not 0 <= t < info.vocab_size:
+            raise bad(f"stop_token_ids holds {t!r}, not a token id of the vocabulary (0..{info.vocab_size - 1})",
+                      "stop_token_ids", "invalid_token_id")
+    return list(dict.fromkeys(stop)), [int(t) for t in ids]
+
+
+def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _refuse_unsupported(body, kind)
+    model = _model(body, info)
+    ids = _prompt_ids(body, info) if kind == "completion" else _chat_ids(body, info)
+    room = None if info.context is None else info.context - len(ids)
+    if room is not None and room < 1:
+        raise bad(f"the prompt has {len(ids)} tokens; the model's context of {info.context} positions leaves no room "
+                  "for output", "prompt" if kind == "completion" else "messages", "context_length_exceeded")
+    names = ("max_tokens",) if kind == "completion" else ("max_completion_tokens", "max_tokens")
+    max_tokens, param = None, names[-1]
+    for name in names:
+        v = _get_int(body, name, lo=1)
+        if v is not None:
+            max_tokens, param = v, name
+            break
+    if max_tokens is None:
+        max_tokens = 16 if kind == "completion" else info.default_max_tokens
+        if room is not None:
+            max_tokens = min(max_tokens, room)
+    elif room is not None and max_tokens > room:
+        raise bad(f"{len(ids)} prompt tokens + {param} {max_tokens} = {len(ids) + max_tokens} exceeds the model's "
+                  f"context of {info.context} positions", param, "context_length_exceeded")
+    temperature = _get_real(body, "temperature")
+    temperature = info.default_temperature if temperature is None else temperature
+    if temperature < 0:
+        raise bad(f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature")
+    top_p = _get_real(body, "top_p")
+    top_p = 1.0 if top_p is None else top_p
+    if not 0 < top_p <= 1:
+        raise bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = _get_int(body, "top_k")
+    top_k = 0 if top_k is None or top_k == -1 else top_k
+    if top_k < 0:
+        raise bad(f"top_k must be >= 0 (0 or -1: off), got {top_k}", "top_k")
+    seed = _get_int(body, "seed")
+    stop, stop_ids = _stops(body, info)
+    stream = _get_bool(body, "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    return GenRequest(
+        kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        top_k=top_k, seed=None if seed is None else seed % 2**63, stop=stop, stop_token_ids=stop_ids,
+        ignore_eos=_get_bool(body, "ignore_eos"), stream=stream,
+        include_usage=stream and _get_bool(opts, "include_usage"),
+        return_token_ids=_get_bool(body, "return_token_ids"),
+    )
+
+
+def parse_completion(body, info: ModelInfo) -> GenRequest:
+    """A ``/v1/completions`` body as a ``GenRequest``; raises ``APIError`` (400) on anything invalid."""
+    return _parse(body, info, "completion")
+
+
+def parse_chat(body, info: ModelInfo) -> GenRequest:
+    """A ``/v1/chat/completions`` body as a ``GenRequest``; raises ``APIError`` (400) on anything invalid."""
+    return _parse(body, info, "chat")
+
+
+# ------------------------------------------------------------------------------------------------ detokenising
+
+
+class TextStream:
+    """Turns generated token ids into text as they arrive and applies stop strings.
+
+    ``add(new_ids)`` returns ``(kept_ids, text_delta)``: the ids that belong to the output (the ids after a stop
+    string's completion are dropped, as is everything once stopped) and the text that is safe to send. Text is held
+    back while it ends in an incomplete character or in a prefix of a stop string; the output text never contains the
+    stop string. ``flush()`` returns what was held back (call it when the output ends). ``ids`` and ``text`` are the
+    output so far; ``stopped`` the stop string that ended it, or None. Without a tokenizer, text stays empty."""
+
+    def __init__(self, tokenizer, stop=()):
+        self.tok, self.stop = tokenizer, list(stop)
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped: str | None = None
+
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True) if self.tok is not None and ids else ""
+
+    def _find(self, text: str):
+        hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        return min(hits) if hits else None
+
+    def add(self, new_ids) -> tuple[list[int], str]:
+        new_ids = list(new_ids)
+        if self.stopped is not None or not new_ids:
+            return [], ""
+        kept = new_ids
+        text = self._decode(self.ids + kept)
+        if self.stop and self._find(text) is not None:
+            for n in range(1, len(new_ids) + 1):  # the first token that completes a stop string ends the output
+                text = self._decode(self.ids + new_ids[:n])
+                hit = self._find(text)
+                if hit is not None:
+                    kept, self.stopped = new_ids[:n], hit[1]
+                    text = text[: hit[0]]
+                    break
+        self.ids += kept
+        self.text = text
+        ready = len(text) if self.stopped is not None else self._safe_end(text)
+        delta = text[self.sent : ready] if ready > self.sent else ""
+        self.sent = max(self.sent, ready)
+        return kept, delta
+
+    def _safe_end(self, text: str) -> int:
+        end = len(text)
+        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
+            end -= 1
+        for k in range(min(max((len(s) for s in self.stop), default=1) - 1, end - self.sent), 0, -1):
+            tail = text[end - k : end]
+            if any(s.startswith(tail) for s in self.stop):
+                return end - k
+        return end
+
+    def flush(self) -> str:
+        rest = self.text[self.sent :]
+        self.sent = len(self.text)
+        return rest
+
+
+# ------------------------------------------------------------------------------------------------ responses
+
+
+def new_id(kind: str) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def response(req: GenRequest, rid: str, created: int, text: str, token_ids: list[int], finish_reason: str) -> dict:
+    """The non-streamed response body."""
+    choice: dict = {"index": 0}
+    if req.kind == "completion":
+        obj = "text_completion"
+        choice.update(text=text, logprobs=None, finish_reason=finish_reason)
+    else:
+        obj = "chat.completion"
+        choice.update(message={"role": "assistant", "content": text}, logprobs=None, finish_reason=finish_reason)
+    if req.return_token_ids:
+        choice.update(prompt_token_ids=req.prompt_ids, token_ids=token_ids)
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "system_fingerprint": None,
+            "choices": [choice], "usage": usage(len(req.prompt_ids), len(token_ids))}
+
+
+def chunk(req: GenRequest, rid: str, created: int, text: str | None, token_ids: list[int] | None,
+          finish_reason: str | None = None, first: bool = False, use: dict | None = None) -> dict:
+    """One stream chunk. ``first``: the chat role delta (and, with ``return_token_ids``, the prompt's ids)."""
+    choice: dict = {"index": 0}
+    if req.kind == "completion":
+        obj = "text_completion"
+        choice.update(text=text or "", logprobs=None, finish_reason=finish_reason)
+    else:
+        obj = "chat.completion.chunk"
+        delta: dict = {"role": "assistant", "content": text or ""} if first else (
+            {"content": text} if text else {})
+        choice.update(delta=delta, logprobs=None, finish_reason=finish_reason)
+    if req.return_token_ids:
+        if first:
+            choice["prompt_token_ids"] = req.prompt_ids
+        choice["token_ids"] = list(token_ids or [])
+    body = {"id": rid, "object": obj, "created": created, "model": req.model, "system_fingerprint": None,
+            "choices": [choice]}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def usage_chunk(req: GenRequest, rid: str, created: int, use: dict) -> dict:
+    """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""
+    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "system_fingerprint": None,
+            "choices": [], "usage": use}
+
+
+def now() -> int:
+    return int(time.time())

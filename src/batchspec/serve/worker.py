@@ -1,0 +1,243 @@
+"""The engine thread: one ``Engine`` (continuous batching) owned by one thread, fed through a thread-safe inbox.
+
+HTTP handlers call ``submit`` (a request joins at the next round boundary), ``abort`` (its row leaves at the next
+round boundary) and read their tokens from the ``deliver`` callback they gave, which the engine thread calls with
+``("tokens", ids)``, then ``("done", Finished)`` or ``("error", message)``. Only the engine thread touches the engine.
+
+Admission: at most ``batch_size + max_queue`` requests are in flight (running or waiting); ``submit`` raises
+``QueueFull`` beyond that, so a burst is shed instead of queueing without bound.
+
+Failures: if a step raises, the engine drops every request (``Engine.step`` resets it) and the thread carries on.
+Each dropped request is started again from its prompt, once (``retries``), and the tokens it had already delivered are
+skipped when they come again: greedy decoding, and sampling with the request's seed (drawn at submission when the
+client gave none), reproduce them exactly whatever else is batched. A request whose retries are spent gets
+``("error", ...)``. The thread never dies of an exception in a step or in a callback."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine import Request
+
+log = logging.getLogger("batchspec.serve")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Unavailable(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    request: Request
+    deliver: Callable[[tuple], None]
+    submitted: float = field(default_factory=time.perf_counter)
+    attempts: int = 0
+    delivered: int = 0  # tokens handed out
+    skip: int = 0  # tokens to drop when they come again after a restart
+    cancelled: str | None = None  # why the request was dropped ("abort": the client left; "stop": a stop string)
+    started: float | None = None  # when the engine thread took it
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+
+class EngineWorker:
+    def __init__(self, llm, max_queue: int = 64, retries: int = 1, idle_wait: float = 0.05):
+        self.llm = llm
+        self.engine = llm.engine()
+        self.capacity = llm.batch_size + max_queue
+        self.retries, self.idle_wait = retries, idle_wait
+        self.inbox: queue.Queue = queue.Queue()
+        self.jobs: dict[int, Job] = {}  # every request the engine holds (running or waiting), by id
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self.running = 0  # rows in the engine's batch after the last step
+        self.errors = 0  # steps that raised
+        self.restarts = 0  # requests started again after a failed step
+        self.finished: Counter = Counter()  # finish reason -> requests
+        self.on_finish: Callable[[Job, object], None] | None = None  # called on the engine thread
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    # ----------------------------------------------------------------------------------------- any thread
+    def start(self) -> "EngineWorker":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="batchspec-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self.inbox.put(("stop", None))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def queued(self) -> int:
+        """Requests accepted that hold no row of the running batch yet."""
+        return max(0, self._in_flight - self.running)
+
+    def submit(self, request: Request, deliver: Callable[[tuple], None]) -> Job:
+        """Hand a request to the engine thread (its id is set here). Raises ``QueueFull`` when ``capacity``
+        requests are in flight, ``Unavailable`` when the engine thread is not running."""
+        with self._lock:
+            if not self.alive:
+                raise Unavailable("the engine is not running")
+            if self._in_flight >= self.capacity:
+                raise QueueFull(f"{self._in_flight} requests in flight (capacity {self.capacity})")
+            self._in_flight += 1
+            request.id = next(self._ids)
+        job = Job(request, deliver)
+        self.inbox.put(("add", job))
+        return job
+
+    def abort(self, request_id: int, reason: str = "abort") -> None:
+        """Drop a request; its row leaves the batch at the next round boundary. ``reason`` is what ``finished``
+        counts it as ("abort" when the client left, "stop" when its text reached a stop string)."""
+        self.inbox.put(("abort", (request_id, reason)))
+
+    def idle(self) -> bool:
+        """No request anywhere (inbox, engine, jobs)."""
+        return self._in_flight == 0 and not self.jobs and not self.engine.has_work() and self.inbox.empty()
+
+    # ----------------------------------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    if self._handle_inbox():
+                        return
+                    if self.engine.has_work():
+                        self._step()
+                except Exception:  # a bug in the bookkeeping: log it, keep serving
+                    self.errors += 1
+                    log.exception("engine thread: unexpected error")
+        finally:
+            self._stopped.set()
+            self._fail_all("the server is shutting down")
+
+    def _handle_inbox(self) -> bool:
+        """Take every message waiting (blocking briefly when there is nothing to run); True on stop."""
+        block = not self.engine.has_work()
+        while True:
+            try:
+                kind, arg = self.inbox.get(block, self.idle_wait) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return False
+            block = False
+            if kind == "stop":
+                return True
+            if kind == "add":
+                self._add(arg)
+            elif kind == "abort":
+                rid, reason = arg
+                job = self.jobs.get(rid)
+                if job is not None and not job.cancelled:
+                    job.cancelled = reason
+                    if not self.engine.abort(rid):
+                        self._finish(job, "abort", None)
+
+    def _add(self, job: Job) -> None:
+        job.started = time.perf_counter()
+        self.jobs[job.id] = job
+        try:
+            self.engine.add_request(dataclasses.replace(job.request, stop_ids=set(job.request.stop_ids)))
+        except Exception as e:
+            del self.jobs[job.id]
+            self._release()
+            self._send(job, ("error", f"the engine refused the request: {e}"))
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:
+            self.errors += 1
+            log.exception("engine step failed; restarting the requests it held")
+            self._recover(e)
+            return
+        self.running = len(self.engine.batch) if self.engine.batch is not None else 0
+        for o in outs:
+            job = self.jobs.get(o.request_id)
+            if job is None:
+                continue
+            new = o.new_token_ids
+            if job.skip:
+                n = min(job.skip, len(new))
+                new, job.skip = new[n:], job.skip - n
+            if new:
+                job.delivered += len(new)
+                self._send(job, ("tokens", list(new)))
+            if o.finished is not None:
+                self._finish(job, o.finished.reason, o.finished)
+
+    def _recover(self, exc: Exception) -> None:
+        """After a failed step (the engine dropped everything): start each request again, or fail it."""
+        self.running = 0
+        for job in list(self.jobs.values()):
+            if job.cancelled:
+                self._finish(job, "abort", None)
+            elif job.attempts < self.retries:
+                job.attempts += 1
+                job.skip = job.delivered
+                self.restarts += 1
+                try:
+                    self.engine.add_request(dataclasses.replace(job.request, stop_ids=set(job.request.stop_ids)))
+                except Exception as e:
+                    self._finish(job, "error", None, f"the engine failed ({e})")
+            else:
+                self._finish(job, "error", None, f"the engine failed: {type(exc).__name__}: {exc}")
+
+    def _finish(self, job: Job, reason: str, finished, message: str | None = None) -> None:
+        self.jobs.pop(job.id, None)
+        self._release()
+        self.finished[job.cancelled if reason == "abort" and job.cancelled else reason] += 1
+        if self.on_finish is not None:
+            try:
+                self.on_finish(job, finished)
+            except Exception:
+                log.exception("on_finish callback failed")
+        self._send(job, ("error", message) if reason == "error" else ("done", reason, finished))
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _send(self, job: Job, event: tuple) -> None:
+        try:
+            job.deliver(event)
+        except Exception:  # e.g. the client's event loop is gone
+            log.debug("could not deliver an event to request %s", job.id, exc_info=True)
+
+    def _fail_all(self, message: str) -> None:
+        for job in list(self.jobs.values()):
+            self._finish(job, "error", None, message)
+        self.engine.reset()
+        while True:  # requests submitted but never taken
+            try:
+                kind, arg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._release()
+                self._send(arg, ("error", message))

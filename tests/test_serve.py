@@ -1,0 +1,477 @@
+"""The OpenAI-compatible server end to end: a real uvicorn server on 127.0.0.1 in a background thread, over tiny
+in-process models, called through the official ``openai`` client (and raw HTTP where the client hides the wire)."""
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+import servekit
+import tiny
+from batchspec.serve.app import create_app
+from batchspec.serve.protocol import TextStream
+from batchspec.serve.server import ServerThread
+
+MODEL = "tiny"
+PROMPTS = tiny.prompts(16, seed=5, lo=1, hi=40)
+
+
+_llm, _client, _slow, _wait = servekit.llm, servekit.client, servekit.slow, servekit.wait
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = create_app(_llm(), model_name=MODEL)
+    with ServerThread(app) as s:
+        yield s
+
+
+def _extra(choice, key):
+    return (choice.model_extra or {}).get(key)
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+
+
+def test_concurrent_completions_equal_batch1_greedy(server):
+    """16 requests at once through a batch of 4 rows (draft model: ragged acceptance, joins at round boundaries):
+    every output is the batch-size-1 greedy output, with its finish reason and usage."""
+    client = _client(server.url)
+    lengths = [4 + (i * 7) % 21 for i in range(len(PROMPTS))]
+
+    def call(i):
+        return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=lengths[i], temperature=0,
+                                         extra_body={"return_token_ids": True})
+
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(call, range(len(PROMPTS))))
+    for i, r in enumerate(outs):
+        choice = r.choices[0]
+        want = tiny.oracle(tiny.target(), PROMPTS[i], lengths[i])
+        assert _extra(choice, "token_ids") == want, i
+        assert _extra(choice, "prompt_token_ids") == PROMPTS[i]
+        assert choice.finish_reason == "length"
+        assert choice.text == servekit.tokenizer().decode(want, skip_special_tokens=True)
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(PROMPTS[i]), lengths[i])
+        assert r.usage.total_tokens == len(PROMPTS[i]) + lengths[i]
+        assert r.model == MODEL and r.object == "text_completion"
+
+
+def test_streamed_equals_non_streamed(server):
+    """Concurrent streams: token ids and text concatenated equal the non-streamed answer; only the last chunk has a
+    finish reason and it carries the usage."""
+    client = _client(server.url)
+
+    def stream(i):
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=20, temperature=0,
+                                                stream=True, extra_body={"return_token_ids": True}))
+        return chunks
+
+    with ThreadPoolExecutor(8) as pool:
+        streams = list(pool.map(stream, range(8)))
+    for i, chunks in enumerate(streams):
+        plain = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=20, temperature=0,
+                                          extra_body={"return_token_ids": True}).choices[0]
+        ids = [t for c in chunks for t in _extra(c.choices[0], "token_ids")]
+        assert ids == _extra(plain, "token_ids") == tiny.oracle(tiny.target(), PROMPTS[i], 20)
+        assert "".join(c.choices[0].text for c in chunks) == plain.text
+        assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == len(PROMPTS[i])
+        assert _extra(chunks[0].choices[0], "prompt_token_ids") == PROMPTS[i]
+        assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_with_template_streamed_and_not(server):
+    tok = servekit.tokenizer()
+    client = _client(server.url)
+    messages = [[{"role": "user", "content": " ".join(f"w{(i * 13 + j * 7) % 90 + 4}" for j in range(3 + i))}]
+                for i in range(6)]
+
+    def both(m):
+        plain = client.chat.completions.create(model=MODEL, messages=m, max_tokens=12, temperature=0,
+                                               extra_body={"return_token_ids": True})
+        chunks = list(client.chat.completions.create(model=MODEL, messages=m, max_tokens=12, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        return plain, chunks
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(both, messages))
+    for m, (plain, chunks) in zip(messages, results):
+        ids = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+        want = tiny.oracle(tiny.target(), list(ids), 12)
+        choice = plain.choices[0]
+        assert _extra(choice, "token_ids") == want and _extra(choice, "prompt_token_ids") == list(ids)
+        assert choice.message.role == "assistant"
+        assert choice.message.content == tok.decode(want, skip_special_tokens=True)
+        assert plain.object == "chat.completion" and plain.usage.completion_tokens == 12
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+        with_reason = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(with_reason) == 1 and with_reason[0].choices[0].finish_reason == "length"
+        assert with_reason[0].usage.completion_tokens == 12
+        assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == len(ids) + 12  # include_usage
+
+
+def test_text_prompt_and_stop_strings(server):
+    tok = servekit.tokenizer()
+    client = _client(server.url)
+    text_prompt = "w5 w17 w33 w60 w8"
+    ids = tok(text_prompt)["input_ids"]
+    full = tiny.oracle(tiny.target(), ids, 24)
+    r = client.completions.create(model=MODEL, prompt=text_prompt, max_tokens=24, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert _extra(r.choices[0], "token_ids") == full
+    text = tok.decode(full)
+    stop = tok.decode([full[5]])
+    n = next(k for k in range(1, len(full) + 1) if stop in tok.decode(full[:k]))
+    want_text = text[: text.find(stop)]
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL, prompt=text_prompt, max_tokens=24, temperature=0,
+                                        stop=[stop, "never-there"], stream=stream,
+                                        extra_body={"return_token_ids": True})
+        if stream:
+            chunks = list(got)
+            got_text = "".join(c.choices[0].text for c in chunks)
+            got_ids = [t for c in chunks for t in _extra(c.choices[0], "token_ids")]
+            reason = chunks[-1].choices[0].finish_reason
+            usage = chunks[-1].usage
+        else:
+            got_text, got_ids = got.choices[0].text, _extra(got.choices[0], "token_ids")
+            reason, usage = got.choices[0].finish_reason, got.usage
+        assert got_text == want_text and stop not in got_text
+        assert got_ids == full[:n]
+        assert reason == "stop" and usage.completion_tokens == n
+    # a stop token id: kept in the ids, output ends there
+    j = 4
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0,
+                                  extra_body={"return_token_ids": True, "stop_token_ids": [full[j]]})
+    cut = full.index(full[j]) + 1
+    assert _extra(r.choices[0], "token_ids") == full[:cut] and r.choices[0].finish_reason == "stop"
+    worker = server.app.state.worker  # the rows cut by stop strings left the engine, counted as "stop"
+    assert _wait(worker.idle) and worker.finished["abort"] == 0 and worker.finished["stop"] >= 3
+
+
+def test_sampling_with_seed_is_reproducible(server):
+    client = _client(server.url)
+
+    def call(_):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=0.9, top_p=0.95,
+                                      seed=1234, extra_body={"top_k": 40, "return_token_ids": True})
+        return _extra(r.choices[0], "token_ids")
+
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(call, range(4)))
+    assert all(o == outs[0] for o in outs) and len(outs[0]) == 16
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+BAD_COMPLETIONS = [
+    ({"model": MODEL, "max_tokens": 4}, "prompt"),
+    ({"model": MODEL, "prompt": "", "max_tokens": 4}, "prompt"),
+    ({"model": MODEL, "prompt": [], "max_tokens": 4}, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2, tiny.VOCAB], "max_tokens": 4}, "prompt"),
+    ({"model": MODEL, "prompt": [1, -1], "max_tokens": 4}, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2.5], "max_tokens": 4}, "prompt"),
+    ({"model": MODEL, "prompt": [[1, 2], [3]], "max_tokens": 4}, "prompt"),
+    ({"model": MODEL, "prompt": [1] * 200, "max_tokens": 57}, "max_tokens"),  # 257 > context of 256
+    ({"model": MODEL, "prompt": [1] * 256, "max_tokens": 1}, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2], "max_tokens": -3}, "max_tokens"),
+    ({"model": MODEL, "prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": [1, 2], "max_tokens": "ten"}, "max_tokens"),
+    ({"model": MODEL, "prompt": [1, 2], "temperature": -0.5}, "temperature"),
+    ({"model": MODEL, "prompt": [1, 2], "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": [1, 2], "top_k": -2}, "top_k"),
+    ({"model": "gpt-4", "prompt": [1, 2]}, "model"),
+    ({"model": MODEL, "prompt": [1, 2], "n": 2}, "n"),
+    ({"model": MODEL, "prompt": [1, 2], "logprobs": 1}, "logprobs"),
+    ({"model": MODEL, "prompt": [1, 2], "echo": True}, "echo"),
+    ({"model": MODEL, "prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": [1, 2], "stop": [""]}, "stop"),
+    ({"model": MODEL, "prompt": [1, 2], "stop": 5}, "stop"),
+    ({"model": MODEL, "prompt": [1, 2], "stop_token_ids": [999]}, "stop_token_ids"),
+    ({"model": MODEL, "prompt": [1, 2], "stream": "yes"}, "stream"),
+]
+BAD_CHAT = [
+    ({"model": MODEL}, "messages"),
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "w4"}]}, "messages[0]"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "w4"}], "logprobs": True}, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "w4"}], "max_completion_tokens": -1},
+     "max_completion_tokens"),
+]
+
+
+def _check_error(r, status, param="unset"):
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str) and err["message"]
+    if param != "unset":
+        assert err["param"] == param, err
+    return err
+
+
+def test_bad_requests_get_openai_errors_and_disturb_nothing(server):
+    client = _client(server.url)
+    good = {}
+
+    def background():  # a request running while the bad ones come in
+        good["r"] = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                              extra_body={"return_token_ids": True})
+
+    t = threading.Thread(target=background)
+    t.start()
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for body, param in BAD_COMPLETIONS:
+            err = _check_error(http.post("/v1/completions", json=body), 400, param)
+            assert err["type"] == "invalid_request_error"
+        for body, param in BAD_CHAT:
+            _check_error(http.post("/v1/chat/completions", json=body), 400, param)
+        _check_error(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+                     400)
+        _check_error(http.post("/v1/completions", json=[1, 2]), 400)
+        assert _check_error(http.get("/v1/nowhere"), 404)["type"] == "not_found_error"
+        _check_error(http.get("/v1/completions"), 405)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="nope", prompt=[1, 2], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    t.join(30)
+    assert _extra(good["r"].choices[0], "token_ids") == tiny.oracle(tiny.target(), PROMPTS[0], 40)
+    assert server.app.state.worker.alive
+
+
+def test_api_key():
+    app = create_app(_llm(), model_name=MODEL, api_key="sekret")
+    with ServerThread(app) as s:
+        with pytest.raises(openai.AuthenticationError) as e:
+            _client(s.url, "wrong").completions.create(model=MODEL, prompt=[1, 2], max_tokens=2)
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        with httpx.Client(base_url=s.url) as http:
+            _check_error(http.get("/v1/models"), 401)
+            _check_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [1]}), 401)
+            assert http.get("/health").status_code == 200  # health and metrics stay open
+            assert http.get("/metrics").status_code == 200
+        r = _client(s.url, "sekret").completions.create(model=MODEL, prompt=[1, 2], max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
+        assert [m.id for m in _client(s.url, "sekret").models.list()] == [MODEL]
+
+
+# ------------------------------------------------------------------------------------------------ load, aborts
+
+
+def _open_stream(http, prompt, max_tokens):
+    """Start a streamed request and read its first event: it is accepted and running."""
+    cm = http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                       "temperature": 0, "stream": True, "return_token_ids": True})
+    r = cm.__enter__()
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    first = next(line for line in lines if line.startswith("data:"))
+    return cm, r, lines, json.loads(first[5:])
+
+
+def test_full_queue_429_and_disconnect_aborts_rows():
+    """batch 1 + queue 1: a third request in flight gets 429 (OpenAI error JSON, nothing else disturbed); clients
+    that hang up have their rows dropped at the next round boundary, and the engine ends up with no work."""
+    app = create_app(_llm(batch_size=1), model_name=MODEL, max_queue=1)
+    worker = app.state.worker
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        _slow(worker, 0.02)
+        a = _open_stream(http, PROMPTS[1], 200)
+        b = _open_stream(http, PROMPTS[2], 200)
+        assert next(line for line in a[2] if line.startswith("data:"))  # a's first tokens: a round has run
+        err = _check_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [3, 4], "max_tokens": 2}), 429)
+        assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+        with pytest.raises(openai.RateLimitError):
+            _client(s.url).completions.create(model=MODEL, prompt=[3, 4], max_tokens=2)
+        metrics = http.get("/metrics").text
+        assert 'batchspec_http_requests_total{endpoint="/v1/completions",status="429"} 2.0' in metrics
+        assert "batchspec_running_rows 1.0" in metrics and "batchspec_queue_length 1.0" in metrics
+        for cm, r, lines, _ in (a, b):  # hang up mid-stream
+            next(lines)
+            cm.__exit__(None, None, None)
+        assert _wait(worker.idle), (worker.in_flight, worker.jobs, worker.engine.has_work())
+        assert worker.finished["abort"] == 2 and not worker.engine.has_work() and worker.engine.batch is None
+        # a non-streamed request whose client gives up is dropped too
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 200,
+                                               "temperature": 0}, timeout=0.3)
+        assert _wait(worker.idle), (worker.in_flight, worker.jobs)
+        assert worker.finished["abort"] == 3, worker.finished
+        # and the server serves on, exactly
+        del worker.engine._step
+        r = _client(s.url).completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=9, temperature=0,
+                                              extra_body={"return_token_ids": True})
+        assert _extra(r.choices[0], "token_ids") == tiny.oracle(tiny.target(), PROMPTS[4], 9)
+
+
+def test_engine_thread_survives_a_failed_step():
+    """A step that raises: the engine drops its rows, the worker starts each request again once (skipping the tokens
+    it had streamed), so the clients still get exact outputs; with no retries left they get a 500 error; either way
+    the engine thread keeps serving."""
+    for retries in (1, 0):
+        app = create_app(_llm(), model_name=MODEL, retries=retries)
+        worker = app.state.worker
+        calls = {"n": 0}
+        step = worker.engine._step
+
+        def flaky():
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise RuntimeError("injected failure")
+            return step()
+
+        with ServerThread(app) as s:
+            worker.engine._step = flaky
+            client = _client(s.url)
+
+            def call(i):
+                try:
+                    if i % 2:
+                        chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24,
+                                                                temperature=0, stream=True,
+                                                                extra_body={"return_token_ids": True}))
+                        return [t for c in chunks for t in _extra(c.choices[0], "token_ids")]
+                    r = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0,
+                                                  extra_body={"return_token_ids": True})
+                    return _extra(r.choices[0], "token_ids")
+                except openai.APIError as e:
+                    return e
+
+            with ThreadPoolExecutor(6) as pool:
+                outs = list(pool.map(call, range(6)))
+            assert worker.errors == 1 and worker.alive
+            if retries:
+                assert worker.restarts >= 1
+                assert outs == [tiny.oracle(tiny.target(), PROMPTS[i], 24) for i in range(6)]
+            else:
+                failed = [o for o in outs if isinstance(o, openai.APIError)]
+                assert failed and all("injected failure" in str(e) for e in failed)
+                for e in failed:
+                    if isinstance(e, openai.APIStatusError):
+                        assert e.status_code == 500 and e.body["code"] == "engine_error"
+            r = client.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=10, temperature=0,
+                                          extra_body={"return_token_ids": True})
+            assert _extra(r.choices[0], "token_ids") == tiny.oracle(tiny.target(), PROMPTS[7], 10)
+            assert _wait(worker.idle)
+            metrics = httpx.get(s.url + "/metrics").text
+            assert "batchspec_engine_errors_total 1.0" in metrics
+
+
+def test_health_models_metrics(server):
+    client = _client(server.url)
+    client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=6, temperature=0)
+    models = client.models.list()
+    assert [m.id for m in models] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == 256
+    with httpx.Client(base_url=server.url) as http:
+        h = http.get("/health")
+        assert h.status_code == 200 and h.json()["status"] == "ok"
+        m = http.get("/metrics")
+    assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+    text = m.text
+    for name in ("batchspec_http_requests_total", "batchspec_queue_length", "batchspec_running_rows",
+                 "batchspec_generated_tokens_total", "batchspec_rounds_total", "batchspec_mean_accepted_length",
+                 "batchspec_time_to_first_token_seconds_bucket", "batchspec_time_per_output_token_seconds_count",
+                 "batchspec_e2e_request_latency_seconds_sum", "batchspec_prompt_tokens_total",
+                 "batchspec_requests_finished_total", "batchspec_engine_alive 1.0"):
+        assert name in text, name
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["batchspec_generated_tokens_total"] >= 6 and values["batchspec_rounds_total"] >= 1
+    assert values["batchspec_mean_accepted_length"] >= 1.0
+    assert values['batchspec_http_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert values["batchspec_e2e_request_latency_seconds_count"] >= 1
+
+
+# ------------------------------------------------------------------------------------------------ units
+
+
+class _CharTokenizer:
+    """Each id is one character; id 9 is half of a two-token character (decodes to U+FFFD unless 10 follows)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        out, i = [], 0
+        while i < len(ids):
+            if ids[i] == 9:
+                out.append("é" if i + 1 < len(ids) and ids[i + 1] == 10 else "\ufffd")
+                i += 2 if i + 1 < len(ids) and ids[i + 1] == 10 else 1
+            else:
+                out.append("abcdefgh"[ids[i]])
+                i += 1
+        return "".join(out)
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    ts = TextStream(_CharTokenizer(), stop=["cde"])
+    assert ts.add([0, 1]) == ([0, 1], "ab")
+    assert ts.add([2]) == ([2], "")  # "c" may start the stop string
+    assert ts.add([3]) == ([3], "")  # "cd" too
+    assert ts.add([0]) == ([0], "cda")  # "cda" does not
+    assert ts.add([9]) == ([9], "")  # half a character
+    assert ts.add([10, 2, 3, 4, 5]) == ([10, 2, 3, 4], "é")  # stops at the token that completes "cde"
+    assert ts.stopped == "cde" and ts.flush() == "" and ts.text == "abcdaé"
+    assert ts.add([1]) == ([], "")
+    plain = TextStream(_CharTokenizer())
+    assert plain.add([0, 9]) == ([0, 9], "a") and plain.flush() == "\ufffd"
+    none = TextStream(None, ())
+    assert none.add([1, 2]) == ([1, 2], "") and none.ids == [1, 2]
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+def test_serve_command(tmp_path):
+    """``python -m batchspec serve`` on a model directory: a real process, health, a greedy request, shutdown."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    model_dir = tmp_path / "model"
+    tiny.target().save_pretrained(model_dir)
+    servekit.tokenizer().save_pretrained(model_dir)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "batchspec", "serve", "--target", str(model_dir), "--port", str(port),
+           "--batch-size", "2", "--served-model-name", "m", "--api-key", "k", "--log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            if proc.poll() is not None:
+                raise AssertionError(proc.stdout.read())
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert _wait(up, timeout=120)
+        r = _client(url, "k").completions.create(model="m", prompt=PROMPTS[2], max_tokens=7, temperature=0,
+                                                 extra_body={"return_token_ids": True})
+        assert _extra(r.choices[0], "token_ids") == tiny.oracle(tiny.target(), PROMPTS[2], 7)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode in (0, -signal.SIGINT)  # uvicorn shuts down cleanly, then re-raises the signal
+
+
+def test_serve_command_reports_bad_flags(capsys):
+    from batchspec.cli import main
+
+    assert main(["serve", "--target", "/nonexistent/model"]) == 2
+    assert "not found" in capsys.readouterr().err
