@@ -121,6 +121,10 @@ def encode_prompts(pairs, tokenizer, chat_template: bool):
 def cmd_generate(args) -> int:
     import batchspec
 
+    if args.ray:  # the same generation on Ray Data workers (batchspec.ray)
+        from .ray import cmd_generate as generate_on_ray
+
+        return generate_on_ray(args)
     sp = sampling_flags(args, max_tokens=args.max_tokens, seed=args.seed)
     pairs = read_prompt_set(args.prompts)
     out = prepare_out(args.out, folder=False) if args.out else None
@@ -173,7 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0: off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
     g.add_argument("--seed", type=int, default=None, help="prompt i is sampled with seed + i")
-    g.add_argument("--out", default=None, help="write one JSON line per prompt here")
+    g.add_argument("--out", default=None, help="write one JSON line per prompt here (with --ray: a folder of files)")
+    g.add_argument("--ray", action="store_true", help="run on Ray Data workers, each holding the models (needs the "
+                   "ray extra); prompts from --prompts (JSONL / Parquet read by Ray), files written into --out")
+    g.add_argument("--ray-address", default=None, help="with --ray: an existing cluster (auto or HOST:PORT); "
+                   "default: start a local Ray")
+    g.add_argument("--workers", type=positive_int, default=1, help="with --ray: model replicas (Ray actors)")
+    g.add_argument("--cpus-per-worker", type=positive_int, default=1,
+                   help="with --ray: CPU slots each worker takes, and its torch threads")
+    g.add_argument("--block-size", type=positive_int, default=None,
+                   help="with --ray: rows per worker call (default: the rows split evenly over the workers, <= 256)")
+    g.add_argument("--out-format", default="jsonl", choices=["jsonl", "parquet"], help="with --ray: output files")
     g.set_defaults(func=cmd_generate)
     for name, (add, _) in COMMANDS.items():
         add(sub.add_parser(name), _model_args)
