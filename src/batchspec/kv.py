@@ -65,7 +65,7 @@ def _release(t: torch.Tensor | None) -> None:
     if t is None or t.device.type not in POOL_DEVICES:
         return
     buf = whole_buffer(t)
-    if buf.data_ptr() != t.data_ptr() or buf.storage_offset():
+    if buf.storage_offset() or not buf.is_contiguous():  # only whole buffers as ``_rows_buffer`` made them
         return
     key = (tuple(buf.shape), buf.dtype, buf.device)
     with _pool_lock:
