@@ -122,3 +122,44 @@ def fixed_llm(*args, **kwargs):
 
     kwargs.setdefault("speculation", "fixed")
     return batchspec.LLM(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def eagle_head(arch: str = "llama", dtype=torch.float64, vocab: int = 80, steps: int = 300):
+    """``(model, fc, token_map)``: a feature-reading draft head for ``target(arch)``, trained here on the target's
+    greedy continuations of random prompts (so it agrees often, not always); its head covers the ``vocab`` tokens
+    most frequent in those continuations."""
+    from batchspec.drafters.eagle import build_head, head_forward
+
+    t = target(arch)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, VOCAB, (96, 10), generator=g)
+    with torch.no_grad():
+        seqs = t.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                          min_new_tokens=40, pad_token_id=0)
+        feats = t(seqs, output_hidden_states=True).hidden_states[-1].float()
+    token_map = torch.bincount(seqs[:, 10:].flatten(), minlength=VOCAB).argsort(descending=True)[:vocab].sort().values
+    model, fc = build_head(t.float() if False else t, token_map)
+    model, fc = model.float(), fc.float()
+    where = torch.full((VOCAB,), -100, dtype=torch.long)
+    where[token_map] = torch.arange(vocab)
+    emb = t.get_input_embeddings()
+    opt = torch.optim.Adam(list(model.parameters()) + list(fc.parameters()), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        states, logits = head_forward(model, fc, lambda x: emb(x).float(), seqs[:, 1:], feats[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), where[seqs[:, 2:]].flatten(),
+                                                 ignore_index=-100)
+        loss = loss + torch.nn.functional.smooth_l1_loss(states, feats[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.to(dtype).eval().requires_grad_(False), fc.to(dtype).requires_grad_(False), token_map
+
+
+def eagle(arch: str = "llama", dtype=torch.float64, graphs: str = "auto"):
+    """A fresh ``EagleDrafter`` over ``eagle_head`` (drafters hold runners: one per LLM)."""
+    from batchspec.drafters import EagleDrafter
+
+    model, fc, token_map = eagle_head(arch, dtype)
+    return EagleDrafter(model, fc, token_map, target(arch, dtype).get_input_embeddings(), graphs)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 import time
 
 import torch
 
 from . import kv
-from .drafters import ModelDrafter, NoDrafter, PromptLookup
+from .drafters import EagleDrafter, ModelDrafter, NoDrafter, PromptLookup
+from .drafters.eagle import is_checkpoint as is_eagle
 from .engine import Engine, Parts, Request
 from .faults import apply_fault
 from .layouts import get_layout
-from .models import context_length, eos_ids, load_model, load_tokenizer, vocab_size
+from .models import context_length, eos_ids, load_model, load_tokenizer, resolve, vocab_size
 from .params import RequestOutput, SamplingParams, Stats
 from .policy import get_policy
 from .runner import Runner
@@ -69,6 +71,8 @@ class LLM:
             return PromptLookup()
         if hasattr(draft, "propose"):  # an already-built drafter
             return draft
+        if isinstance(draft, (str, os.PathLike)) and is_eagle(path := resolve(draft, "draft")):
+            return EagleDrafter.load(path, self.target, dtype, self.graphs)
         model = load_model(draft, dtype if dtype is not None else self.target.dtype, self.target.device, "draft")
         kv.check_supported(model, "draft")
         if vocab_size(model) != vocab_size(self.target):

@@ -90,9 +90,10 @@ class SlotState:
         return self.count()[:, None] + torch.cumsum(new_valid, 1) - new_valid.long()
 
     def append(self, input_ids: torch.Tensor, new_valid: torch.Tensor | None = None, logits_to_keep: int = 0,
-               hidden: bool = False):
+               hidden: bool = False, embeds: torch.Tensor | None = None):
         """Run the model on ``input_ids`` ``[B, q]`` written into ``q`` new slots per row; returns a
-        ``TargetOutput`` (logits, and the final hidden states when ``hidden``)."""
+        ``TargetOutput`` (logits, and the final hidden states when ``hidden``). ``embeds``: the input vectors, when
+        they are not the ids' embeddings (``Runner.forward``)."""
         if new_valid is None:
             new_valid = torch.ones_like(input_ids, dtype=torch.bool)
         q, w = input_ids.shape[1], self.width
@@ -101,7 +102,7 @@ class SlotState:
         for name, t in (("valid", new_valid), ("tokens", input_ids), ("positions", pos)):
             self._buf[name][:, w : w + q] = t
         self.width = w + q
-        return self.runner.forward(self.cache, input_ids, pos, self.valid, logits_to_keep, hidden)
+        return self.runner.forward(self.cache, input_ids, pos, self.valid, logits_to_keep, hidden, embeds)
 
     def hide_tail(self, q: int, keep: torch.Tensor) -> None:
         """Of the last ``q`` slots, keep the first ``keep[b]`` of each row visible and hide the rest (rejected)."""
@@ -198,8 +199,11 @@ def prefill_groups(lengths: list[int], overhead: int, max_tokens: int = PREFILL_
     return groups[::-1]
 
 
-def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None) -> SlotState:
-    """Cache every prompt but its last token as one left-padded ``SlotState``.
+def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None,
+            hidden: bool = False):
+    """Cache every prompt but its last token as one left-padded ``SlotState``; with ``hidden``, returns
+    ``(state, states)``, ``states`` ``[B, W, H]`` the model's final hidden states at those tokens, laid out like the
+    state's slots (zeros on padding).
 
     Rows are grouped by ``prefill_groups`` (``overhead`` defaults by device: ``PREFILL_OVERHEAD``): each group is one
     forward, left-padded to its longest row (padding slots hidden), and its keys and values are then copied once
@@ -212,6 +216,7 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     if overhead is None:
         overhead = PREFILL_OVERHEAD.get(dev.type, 1)
     cache = kv.new_cache(runner.model)
+    states = None
     for rows in prefill_groups(lengths, overhead):
         rows = [r for r in rows if lengths[r]]
         if not rows:
@@ -222,8 +227,15 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         ids = torch.tensor([[0] * (n - lengths[r]) + prompts[r][: lengths[r]] for r in rows], device=dev)
         visible = None if not pad.any() else col >= pad  # one host read per group, at prefill only
         part = kv.new_cache(runner.model)
-        runner.forward(part, ids, (col - pad).clamp(min=0), visible, logits_to_keep=1)
-        kv.place_rows(cache, torch.tensor(rows, device=dev), part, len(prompts), width)
+        out = runner.forward(part, ids, (col - pad).clamp(min=0), visible, logits_to_keep=1,
+                             hidden="all" if hidden else False)
+        index = torch.tensor(rows, device=dev)
+        kv.place_rows(cache, index, part, len(prompts), width)
+        if hidden:
+            if states is None:
+                states = out.hidden.new_zeros((len(prompts), width, out.hidden.shape[-1]))
+            h = out.hidden if visible is None else out.hidden.masked_fill(~visible[..., None], 0)
+            states[index, width - n:] = h
         part.release()
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]
@@ -233,7 +245,13 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         if length:
             tokens[r, width - length :] = torch.tensor(prompts[r][:-1], device=dev)
     positions = (col - (width - n[:, None])).clamp(min=0)
-    return SlotState(runner, cache, valid, tokens, positions, name)
+    state = SlotState(runner, cache, valid, tokens, positions, name)
+    if not hidden:
+        return state
+    if states is None:  # every prompt is one token long
+        size = runner.model.config.get_text_config().hidden_size
+        states = torch.zeros((len(prompts), width, size), dtype=runner.model.dtype, device=dev)
+    return state, states
 
 
 def check_invariants(state: SlotState, history: torch.Tensor, processed: torch.Tensor, round: int) -> None:

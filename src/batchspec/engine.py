@@ -254,9 +254,14 @@ class Engine:
             return
         joins = [self.waiting.popleft() for _ in range(n)]
         prompts = [r.prompt for r in joins]
+        drafter = self.parts.drafter
         with self.timer("prefill"):
-            new = Batch(Sequences(joins, self.parts.k, self.parts.target.device),
-                        self.parts.prefill(self.parts.target, prompts), self.parts.drafter.prefill(prompts),
+            if drafter.needs_hidden:  # a drafter that reads the target's features starts from the prompt's
+                target, states = self.parts.prefill(self.parts.target, prompts, hidden=True)
+                draft = drafter.prefill(prompts, states)
+            else:
+                target, draft = self.parts.prefill(self.parts.target, prompts), drafter.prefill(prompts)
+            new = Batch(Sequences(joins, self.parts.k, self.parts.target.device), target, draft,
                         [len(p) for p in prompts])
             if self.batch is None:
                 self.batch = new

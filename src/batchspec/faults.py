@@ -41,9 +41,9 @@ class UnmaskedPadding(SlotState):
     def count(self):
         return (self.valid & (self.tokens >= 0)).sum(1)
 
-    def append(self, input_ids, new_valid=None, logits_to_keep=0, hidden=False):
+    def append(self, input_ids, new_valid=None, logits_to_keep=0, hidden=False, embeds=None):
         self.valid = self.valid | (self.tokens < 0)
-        return super().append(input_ids, new_valid, logits_to_keep, hidden)
+        return super().append(input_ids, new_valid, logits_to_keep, hidden, embeds)
 
 
 class RealignOffByOne(SlotState):
@@ -68,11 +68,12 @@ def _target_state(cls):
     def apply(parts):
         base = parts.prefill
 
-        def prefill(runner, prompts, name="target"):
-            state = base(runner, prompts, name)
+        def prefill(runner, prompts, name="target", **kw):
+            out = base(runner, prompts, name, **kw)
+            state = out[0] if isinstance(out, tuple) else out
             faulty = cls.__new__(cls)
             faulty.__dict__.update(state.__dict__)
-            return faulty
+            return (faulty, *out[1:]) if isinstance(out, tuple) else faulty
 
         return dataclasses.replace(parts, prefill=prefill)
 

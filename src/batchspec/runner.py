@@ -184,36 +184,38 @@ class Runner:
         return self._static or None
 
     def forward(self, cache: kv.SlotCache, input_ids, position_ids, visible=None, logits_to_keep=0,
-                hidden=False) -> TargetOutput:
+                hidden=False, embeds=None) -> TargetOutput:
         """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``.
 
         ``visible`` ``[B, S+q]`` says which slots attention may see; ``None`` means a fresh cache and unpadded rows
         (causal attention, which skips the masked half of the work). ``logits_to_keep`` > 0 keeps the last that
-        many positions; ``hidden`` also returns the final hidden states at those positions."""
+        many positions; ``hidden`` also returns the final hidden states at those positions (``"all"``: at every
+        position). ``embeds`` ``[B, q, H]``, when given, are the input vectors in place of the token embeddings
+        (``input_ids`` then only name the slots)."""
         static = self.static
-        if static is not None:
+        if static is not None and embeds is None and hidden != "all":
             out = static.forward(cache, input_ids, position_ids, visible, logits_to_keep, hidden)
             if out is not None:
                 return TargetOutput(*out)
         everything = visible if visible is not None else torch.ones_like(input_ids, dtype=torch.bool)
-        out = fused_llama.forward(self.model, cache, input_ids, position_ids, everything, logits_to_keep, hidden)
+        out = fused_llama.forward(self.model, cache, input_ids, position_ids, everything, logits_to_keep, hidden,
+                                  embeds)
         if out is not None:  # the C layer only reads the model
             return TargetOutput(*out)
         model = self.modules
         mask = segments = None
-        extra = {}
+        extra = {"input_ids": input_ids} if embeds is None else {"inputs_embeds": embeds}
         if visible is not None:
             q = input_ids.shape[1]
             mask = kv.attention_mask(model, visible, q)
             segments = row_segments(visible, q) if model.config._attn_implementation == SLOT_SDPA else None
             if segments:
                 extra["segments"] = segments
-        res = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache,
-                    use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden, **extra)
+        res = model(position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True,
+                    logits_to_keep=logits_to_keep, output_hidden_states=bool(hidden), **extra)
         states = None
         if hidden:
             states = res.hidden_states[-1]
-            if logits_to_keep:
+            if logits_to_keep and hidden != "all":
                 states = states[:, -logits_to_keep:]
         return TargetOutput(res.logits, states)
-

@@ -4,8 +4,9 @@ caches a layout keeps aligned) and ``processed(seqs, state)`` (tokens each of th
 checker). The running batch owns each drafter's state."""
 
 from .base import Drafter, Proposal
+from .eagle import EagleDrafter, EagleState
 from .lookup import PromptLookup
 from .model import DraftState, ModelDrafter
 from .none import NoDrafter
 
-__all__ = ["Drafter", "DraftState", "ModelDrafter", "Proposal", "PromptLookup", "NoDrafter"]
+__all__ = ["Drafter", "DraftState", "EagleDrafter", "EagleState", "ModelDrafter", "Proposal", "PromptLookup", "NoDrafter"]

@@ -30,8 +30,10 @@ class Drafter:
     name = "drafter"
     needs_hidden = False  # whether ``commit`` reads the target's final hidden states
 
-    def prefill(self, prompts: list[list[int]]):
-        """The state of rows starting with ``prompts`` (None for drafters that keep no per-row state)."""
+    def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None):
+        """The state of rows starting with ``prompts`` (None for drafters that keep no per-row state). A drafter
+        that ``needs_hidden`` gets the target's final hidden states at every prompt token but the last, ``[B, W,
+        H]`` right-aligned (``batch.prefill``)."""
         return None
 
     def propose(self, seqs, state, k: int) -> Proposal:

@@ -85,7 +85,7 @@ def plan(model) -> _Plan | None:
     return p
 
 
-def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hidden=False):
+def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hidden=False, embeds=None):
     """``(logits, hidden states or None)`` of one forward over a slot cache (see ``Runner.forward``), or None where
     this path does not apply. Reads the model's modules and weights; writes only the cache."""
     b, q = input_ids.shape
@@ -95,9 +95,9 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     if p is None:
         return None
     lib, inner = _load(), model.model
-    x = inner.embed_tokens(input_ids)
+    x = inner.embed_tokens(input_ids) if embeds is None else embeds
     cos, sin = inner.rotary_emb(x, position_ids)
-    x = x.reshape(b * q, p.hidden).contiguous()
+    x = x.reshape(b * q, p.hidden).contiguous() if embeds is None else embeds.reshape(b * q, p.hidden).clone()
     cos, sin = cos.reshape(b * q, -1).contiguous(), sin.reshape(b * q, -1).contiguous()
     vis = visible.to(torch.uint8).contiguous()
     start = cache.layers[0].length
@@ -110,13 +110,17 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
                            values.data_ptr(), vis.data_ptr(), dims, p.eps, p.scale):
             raise MemoryError("batchspec's layer kernel could not allocate its scratch memory")
         layer.advance(start + q)
-    states = x.view(b, q, p.hidden)
+    normed = inner.norm(x.view(b, q, p.hidden)) if hidden == "all" else None  # every position's states
+    states = x.view(b, q, p.hidden) if normed is None else normed
     if logits_to_keep:
         states = states[:, -logits_to_keep:]
-    states = inner.norm(states)
+    if normed is None:
+        states = inner.norm(states)
     n = states.shape[1]
     flat = states.reshape(b * n, p.hidden)
     logits = skinny_linear(flat, model.lm_head.weight)
     if logits is None:
         logits = model.lm_head(flat)
+    if normed is not None:
+        states = normed
     return logits.view(b, n, -1), (states if hidden else None)

@@ -1,0 +1,233 @@
+"""A draft head that reads the target's features (EAGLE, Li et al. 2024, arXiv 2401.15077), with a vocabulary-
+restricted output head (FR-Spec, arXiv 2502.14856).
+
+The target's final hidden state at position i (its *feature* f_i, what its head reads to predict token i+1) and the
+embedding of token i+1 go through ``fc`` into one Llama decoder layer, whose normalised output predicts f_(i+1); the
+head scores only the ``N`` most frequent tokens (``token_map``: head row -> token id). Drafting feeds the predicted
+feature back in with the drafted token.
+
+Its cache holds one slot per *pair* (f_i, x_(i+1)), filed under position i and token x_i, so it obeys the same
+invariants as the target's: at rest it holds positions 0..processed-1 of the row's history. The verification forward
+returns the target's features (``TargetOutput.hidden``); the state keeps the last ``bound`` of them per row (the
+features of positions length-1-bound .. length-2), and a drafting round's first forward catches up on the pairs the
+head has not cached (right-aligned, rows missing fewer have hidden holes on the left), ending with the pair of the
+pending token, whose output gives the first draft. Pairs built from predicted features (the drafts') are hidden after
+verification: their true features replace them in the next round's catch-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..batch import SlotState
+from ..kv import new_cache
+from ..runner import Runner
+from ..sampling import DRAFT, draw
+from .base import Drafter, Proposal
+
+EXTRA = "eagle.safetensors"  # fc and token_map; the decoder layer, norm and head are a Llama checkpoint beside it
+
+
+def is_checkpoint(path) -> bool:
+    return Path(path, EXTRA).is_file()
+
+
+def build_head(target, token_map: torch.Tensor, copy_layer: int | None = -1):
+    """A fresh head for ``target`` (``(model, fc)``, in training mode, float32): one Llama decoder layer shaped like
+    the target's, its output head (tied to the model's embedding table) the target's head rows ``token_map``, its
+    final norm the target's. A Llama target's layer ``copy_layer`` initialises the decoder layer (None: random)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tc = target.config.get_text_config()
+    hidden = tc.hidden_size
+    heads = getattr(tc, "num_attention_heads", None) or max(1, hidden // 64)
+    cfg = LlamaConfig(
+        vocab_size=len(token_map), hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        intermediate_size=getattr(tc, "intermediate_size", 4 * hidden),
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 2048), rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-5),
+        rope_parameters=getattr(tc, "rope_parameters", None), tie_word_embeddings=True,
+        head_dim=getattr(tc, "head_dim", hidden // heads),
+    )
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).float()
+    fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(target.get_output_embeddings().weight[token_map].float())
+        inner = getattr(target, "model", None)
+        if copy_layer is not None and type(target).__name__ == "LlamaForCausalLM":
+            model.model.layers[0].load_state_dict(inner.layers[copy_layer].state_dict())
+            model.model.norm.load_state_dict(inner.norm.state_dict())
+        fc.weight.mul_(0.5)
+    return model.train(), fc
+
+
+def head_forward(model, fc, embedding, next_tokens: torch.Tensor, feats: torch.Tensor, attention_mask=None):
+    """Training forward over whole sequences: ``(predicted features, logits over the head's tokens)`` for the pairs
+    (``feats[:, i]``, ``next_tokens[:, i]``); the same arithmetic as drafting, without a cache."""
+    x = fc(torch.cat([embedding(next_tokens).to(fc.weight.dtype), feats.to(fc.weight.dtype)], -1))
+    states = model.model(inputs_embeds=x, attention_mask=attention_mask).last_hidden_state
+    return states, model.lm_head(states)
+
+
+class EagleState:
+    """Per row: the head's slots, ``processed`` ``[B]`` (pairs cached) and ``feats`` ``[B, bound, H]``, the target's
+    features of the last ``bound`` positions before the pending token (``bound``: a host-side bound on the pairs any
+    row has not cached)."""
+
+    def __init__(self, slots: SlotState, processed: torch.Tensor, feats: torch.Tensor):
+        self.slots, self.processed, self.feats = slots, processed, feats
+
+    @property
+    def bound(self) -> int:
+        return self.feats.shape[1]
+
+    def select_rows(self, rows):
+        self.slots.select_rows(rows)
+        self.processed, self.feats = self.processed[rows], self.feats[rows]
+
+    def take(self, rows) -> "EagleState":
+        return EagleState(self.slots.take(rows), self.processed[rows], self.feats[rows])
+
+    def put(self, rows, part: "EagleState") -> None:
+        self.slots.put(rows, part.slots)
+        self.processed[rows] = part.processed
+        t = max(self.bound, part.bound)
+        self.feats = _left_pad(self.feats, t)
+        self.feats[rows] = _left_pad(part.feats, t)
+
+    def merge(self, other: "EagleState") -> "EagleState":
+        t = max(self.bound, other.bound)
+        return EagleState(self.slots.merge(other.slots), torch.cat([self.processed, other.processed]),
+                          torch.cat([_left_pad(self.feats, t), _left_pad(other.feats, t)]))
+
+
+def _left_pad(feats: torch.Tensor, t: int) -> torch.Tensor:
+    return feats if feats.shape[1] == t else torch.nn.functional.pad(feats, (0, 0, t - feats.shape[1], 0))
+
+
+class EagleDrafter(Drafter):
+    """``model``: a one-layer ``LlamaForCausalLM`` whose vocabulary is the ``N`` tokens of ``token_map`` (its
+    embedding table is its head); ``fc``: ``Linear(2H, H)`` over [embedding of the next token, feature];
+    ``embedding``: the target's input embedding (shared, not copied)."""
+
+    name = "eagle"
+    needs_hidden = True
+
+    def __init__(self, model, fc: torch.nn.Linear, token_map: torch.Tensor, embedding: torch.nn.Embedding,
+                 graphs: str = "auto"):
+        self.model, self.fc, self.embedding = model, fc, embedding
+        self.token_map = token_map.to(model.device)
+        self.vocab = embedding.num_embeddings
+        self.runner = Runner(model, graphs)
+
+    # ------------------------------------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path, target, dtype=None, graphs: str = "auto") -> "EagleDrafter":
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        dtype = dtype or target.dtype
+        model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype, attn_implementation="sdpa",
+                                                     local_files_only=True).to(target.device).eval()
+        extra = load_file(os.fspath(Path(path, EXTRA)))
+        hidden = model.config.hidden_size
+        fc = torch.nn.Linear(2 * hidden, hidden, bias="fc.bias" in extra, dtype=dtype, device=target.device)
+        with torch.no_grad():
+            fc.weight.copy_(extra["fc.weight"])
+            if fc.bias is not None:
+                fc.bias.copy_(extra["fc.bias"])
+        fc.requires_grad_(False)
+        emb = target.get_input_embeddings()
+        if emb.embedding_dim != hidden:
+            raise ValueError(f"draft head {os.fspath(path)!r} has hidden size {hidden}; the target has "
+                             f"{emb.embedding_dim}")
+        token_map = extra["token_map"].long()
+        if int(token_map.max()) >= emb.num_embeddings:
+            raise ValueError(f"draft head {os.fspath(path)!r} maps to token ids beyond the target's vocabulary")
+        return cls(model, fc, token_map, emb, graphs)
+
+    @staticmethod
+    def save(path, model, fc: torch.nn.Linear, token_map: torch.Tensor, card: dict | None = None) -> None:
+        """Write a checkpoint ``load`` reads: the Llama part (``save_pretrained``), ``fc`` and ``token_map``."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        model.save_pretrained(path)
+        tensors = {"fc.weight": fc.weight.detach().contiguous(), "token_map": token_map.to(torch.int64).contiguous()}
+        if fc.bias is not None:
+            tensors["fc.bias"] = fc.bias.detach().contiguous()
+        save_file(tensors, os.fspath(path / EXTRA))
+        if card is not None:
+            (path / "eagle.json").write_text(json.dumps(card, indent=1))
+
+    # ------------------------------------------------------------------------------------------------ rounds
+    def _inputs(self, next_tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.embedding(next_tokens), feats.to(self.fc.weight.dtype)], -1))
+
+    def prefill(self, prompts, hidden=None):
+        """Cache the pairs of positions 0..n-3 (those whose next token is known and whose feature is not the last
+        one); keep f_(n-2) for the first round, which caches the pending token's pair."""
+        dev = self.runner.device
+        b, w = hidden.shape[:2]  # w: the longest prompt minus its last token
+        n = torch.tensor([len(p) - 1 for p in prompts], device=dev)
+        ids = torch.full((b, w + 1), 0, dtype=torch.long, device=dev)
+        for r, p in enumerate(prompts):  # once per request at prefill, not per round
+            ids[r, w + 1 - len(p):] = torch.tensor(p, device=dev)
+        col = torch.arange(max(w - 1, 0), device=dev)[None, :]
+        start = (w - n)[:, None]  # first column of each row's features
+        valid = col >= start
+        tokens = ids[:, : max(w - 1, 0)].masked_fill(~valid, -1)
+        state = SlotState(self.runner, new_cache(self.model), valid[:, :0], tokens[:, :0], tokens[:, :0], "draft")
+        if w > 1:
+            state.append(tokens.clamp(min=0), valid, logits_to_keep=1,
+                         embeds=self._inputs(ids[:, 1:w], hidden[:, : w - 1]))
+        processed = (n - 1).clamp(min=0)
+        return EagleState(state, processed, hidden[:, w - 1:].clone() if w else hidden.new_zeros((b, 1, hidden.shape[-1])))
+
+    def propose(self, seqs, state: EagleState, k):
+        m = state.bound
+        length = seqs.length
+        at = (length - 1)[:, None] - m + torch.arange(m, device=length.device)[None, :]  # ends at length-2
+        tok = seqs.history.gather(1, at.clamp(min=0))
+        nxt = seqs.history.gather(1, (at + 1).clamp(min=0))
+        out = state.slots.append(tok, at >= state.processed[:, None], logits_to_keep=1, hidden=True,
+                                 embeds=self._inputs(nxt, state.feats))
+        state.processed = torch.maximum(state.processed, length - 1)
+        u = seqs.uniforms(k, DRAFT) if seqs.sampling else None
+        drafts, qs = [], []
+        for i in range(k):
+            if i:
+                slot = seqs.pending() if i == 1 else drafts[-2]  # the token at this pair's position
+                out = state.slots.append(slot[:, None], logits_to_keep=1, hidden=True,
+                                         embeds=self._inputs(drafts[-1][:, None], out.hidden[:, -1:]))
+            logits = out.logits[:, -1]
+            if u is None:
+                drafts.append(self.token_map[logits.argmax(-1)])
+            else:  # the head's distribution spread over the whole vocabulary (zero outside the map)
+                full = logits.new_full((logits.shape[0], self.vocab), float("-inf"))
+                full[:, self.token_map] = logits
+                qs.append(seqs.warp(full[:, None])[:, 0])
+                drafts.append(draw(qs[-1], u[:, i]))
+        return Proposal(torch.stack(drafts, 1), torch.full_like(length, k), torch.stack(qs, 1) if qs else None)
+
+    def commit(self, state: EagleState, proposal: Proposal, accepted, target) -> None:
+        k = proposal.drafts.shape[1]
+        if k > 1:  # the drafts' pairs were built from predicted features
+            state.slots.hide_tail(k - 1, torch.zeros_like(accepted))
+        t = state.bound
+        # features of positions length-1-new .. length'-2, where length' = length + accepted + 1
+        new = k + 1 if k else t + 1
+        feats = torch.cat([state.feats, target.hidden.to(state.feats.dtype)], 1)
+        index = (t + accepted)[:, None] - (new - 1) + torch.arange(new, device=accepted.device)[None, :]
+        state.feats = feats.gather(1, index.clamp(min=0)[..., None].expand(-1, -1, feats.shape[-1]))
+
+    def states(self, state):
+        return (state.slots,)
+
+    def processed(self, seqs, state):
+        return state.processed
