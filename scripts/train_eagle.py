@@ -107,9 +107,227 @@ def cmd_gen(args) -> None:
             f"{total} answer tokens this run, {time.perf_counter() - t0:.0f} s")
 
 
+# --------------------------------------------------------------------------------------------------------- train
+
+
+def load_chunks(work: Path):
+    seqs, feats, starts = [], [], []
+    for path in sorted(work.glob("chunk*.pt")):
+        d = torch.load(path)
+        seqs += [torch.tensor(x) for x in d["ids"]]
+        feats += d["hidden"]
+        starts += d["prompt_len"]
+    if not seqs:
+        raise SystemExit(f"no data in {work}: run the gen stage first")
+    return seqs, feats, starts
+
+
+def token_map_of(seqs, starts, vocab: int, size: int) -> torch.Tensor:
+    """The ``size`` tokens the target writes most often in its answers (ids ascending)."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s, p in zip(seqs, starts):
+        counts += torch.bincount(s[p:], minlength=vocab)
+    return counts.argsort(descending=True)[:size].sort().values
+
+
+def batches(lengths: list[int], max_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Index groups of similar length, at most ``max_tokens`` padded tokens each, in random order."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def collate(rows, seqs, feats, starts, where):
+    """Right-padded ``[R, n]`` pairs: next tokens, input features, target features, head-row labels (-100 outside
+    the map and on padding), and answer / padding masks."""
+    n = max(len(seqs[r]) for r in rows) - 1
+    R, H = len(rows), feats[rows[0]].shape[-1]
+    nxt = torch.zeros((R, n), dtype=torch.long)
+    f_in = torch.zeros((R, n, H))
+    f_out = torch.zeros((R, n, H))
+    label = torch.full((R, n), -100, dtype=torch.long)
+    real = torch.zeros((R, n), dtype=torch.bool)
+    answer = torch.zeros((R, n), dtype=torch.bool)
+    for j, r in enumerate(rows):
+        s, f, m = seqs[r], feats[r].float(), len(seqs[r]) - 1
+        nxt[j, :m] = s[1:]
+        f_in[j, :m] = f[:-1]
+        f_out[j, :m] = f[1:]
+        label[j, : m - 1] = where[s[2:]]
+        real[j, :m] = True
+        answer[j, max(starts[r] - 2, 0): m - 1] = True  # pair i predicts token i+2: an answer token from here on
+    return nxt, f_in, f_out, label, real, answer
+
+
+def cmd_train(args) -> None:
+    from batchspec.drafters.eagle import build_head, head_forward
+    from batchspec.models import load_model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    work = Path(args.work)
+    target = load_model(TARGET, torch.float32, "cpu")
+    seqs, feats, starts = load_chunks(work)
+    vocab = target.config.vocab_size
+    token_map = token_map_of(seqs, starts, vocab, args.vocab)
+    where = torch.full((vocab,), -100, dtype=torch.long)
+    where[token_map] = torch.arange(len(token_map))
+    answers = sum(len(s) - p for s, p in zip(seqs, starts))
+    covered = sum(int((where[s[p:]] >= 0).sum()) for s, p in zip(seqs, starts))
+    log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens ({answers} answer tokens); head of "
+        f"{len(token_map)} tokens covers {covered / answers:.4f} of answer tokens")
+    val = list(range(0, len(seqs), 50))  # 2% held out for the loss curve
+    train = [i for i in range(len(seqs)) if i % 50]
+    model, fc = build_head(target, token_map, None if args.random_layer else args.copy_layer)
+    emb = target.get_input_embeddings()
+    head_w = target.lm_head.weight[token_map].detach()  # the target's scores over the head's tokens
+    model.lm_head.weight.requires_grad_(False)  # tied to the embedding table: the target's rows, frozen
+    params = [p for p in list(model.parameters()) + list(fc.parameters()) if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    plan = [b for _ in range(args.epochs) for b in batches([len(seqs[i]) for i in train], args.batch_tokens, rng)]
+    plan = [[train[i] for i in b] for b in plan]
+    if args.max_steps:
+        plan = plan[: args.max_steps]
+    warm = max(1, len(plan) // 50)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / len(plan))))))
+    log(f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters, {len(plan)} steps")
+    t0 = time.perf_counter()
+
+    def losses(rows, noise: float):
+        nxt, f_in, f_out, label, real, answer = collate(rows, seqs, feats, starts, where)
+        if noise:
+            f_in = f_in + (torch.rand_like(f_in) - 0.5) * 2 * noise
+        states, logits = head_forward(model, fc, emb, nxt, f_in)
+        with torch.no_grad():
+            teacher = (f_out @ head_w.T).log_softmax(-1)
+        logp = logits.log_softmax(-1)
+        soft = -(teacher.exp() * logp).sum(-1)
+        reg = torch.nn.functional.smooth_l1_loss(states, f_out, reduction="none").mean(-1)
+        hard = torch.nn.functional.cross_entropy(logits.flatten(0, 1), label.flatten(), reduction="none",
+                                                 ignore_index=-100).view_as(soft)
+        w = real.float()
+        a = (answer & (label >= 0)).float()
+        loss = ((args.reg * reg + args.soft * soft) * w).sum() / w.sum() + args.hard * (hard * a).sum() / a.sum().clamp(min=1)
+        hit = ((logits.argmax(-1) == teacher.argmax(-1)) & answer).sum() / answer.sum().clamp(min=1)
+        return loss, float(hit)
+
+    for step, rows in enumerate(plan):
+        loss, hit = losses(rows, args.noise)
+        opt.zero_grad()
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, args.clip)
+        opt.step()
+        sched.step()
+        if step % args.log_every == 0 or step == len(plan) - 1:
+            log(f"step {step}/{len(plan)} loss {loss.item():.4f} top-1 {hit:.3f} grad {gnorm.item():.2f} lr {sched.get_last_lr()[0]:.2e} "
+                f"{time.perf_counter() - t0:.0f} s")
+        if (step + 1) % args.eval_every == 0 or step == len(plan) - 1:
+            with torch.no_grad():
+                model.eval()
+                vals = [losses(val[i: i + 16], 0.0) for i in range(0, len(val), 16)]
+                model.train()
+            log(f"held-out: loss {sum(float(v[0]) for v in vals) / len(vals):.4f} top-1 agreement at answer "
+                f"positions {sum(v[1] for v in vals) / len(vals):.4f}")
+    info = {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "answer_tokens": answers, "head_tokens":
+            len(token_map), "head_coverage": round(covered / answers, 4), "steps": len(plan), "epochs": args.epochs,
+            "seconds": round(time.perf_counter() - t0), "threads": args.threads, "args": vars(args)}
+    torch.save({"model": model.state_dict(), "fc": fc.state_dict(), "token_map": token_map, "info": info},
+               work / "head.pt")
+    log(f"saved {work / 'head.pt'}: {info}")
+
+
+def cmd_export(args) -> None:
+    from batchspec.drafters.eagle import EagleDrafter, build_head
+    from batchspec.models import load_model
+
+    work, out = Path(args.work), Path(args.out)
+    ck = torch.load(work / "head.pt")
+    target = load_model(TARGET, torch.float32, "cpu")
+    model, fc = build_head(target, ck["token_map"], None)
+    model.load_state_dict(ck["model"])
+    fc.load_state_dict(ck["fc"])
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.iterdir():
+        old.unlink()
+    model.half()
+    fc.half()
+    model.generation_config.eos_token_id = target.generation_config.eos_token_id
+    EagleDrafter.save(out, model, fc, ck["token_map"], ck["info"])
+    from batchspec.models import load_tokenizer
+
+    load_tokenizer(TARGET).save_pretrained(out)
+    log(f"exported to {out}")
+
+
+# --------------------------------------------------------------------------------------------------------- eval
+
+
+def macs_per_token(modules) -> int:
+    return sum(m.weight.numel() for mod in modules for m in mod.modules() if isinstance(m, torch.nn.Linear))
+
+
+def specbench_prompts(path: str) -> list[str]:
+    recs = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    return [r["turns"][0] for c in ("summarization", "rag", "qa", "translation")
+            for r in [r for r in recs if r.get("category") == c][:2]]
+
+
+@torch.no_grad()
+def cmd_eval(args) -> None:
+    import batchspec
+    from batchspec.data import builtin_prompts
+    from batchspec.prompts import encode
+
+    torch.set_num_threads(args.threads)
+    llm = batchspec.LLM(TARGET, draft=args.draft, num_draft_tokens=args.k, batch_size=args.batch_size,
+                        speculation="fixed", device="cpu")
+    d = llm.drafter
+    res = {"draft": args.draft, "kind": d.name, "k": args.k, "max_tokens": args.max_tokens}
+    if d.name == "eagle":
+        res["draft_macs_per_token"] = macs_per_token([d.model, d.fc]) - d.model.model.embed_tokens.weight.numel() * 0
+        res["head_tokens"] = len(d.token_map)
+    else:
+        res["draft_macs_per_token"] = macs_per_token([d.model])
+    res["target_macs_per_token"] = macs_per_token([llm.target])
+    res["macs_ratio"] = round(res["draft_macs_per_token"] / res["target_macs_per_token"], 4)
+    log(f"multiply-accumulates per token: target {res['target_macs_per_token'] / 1e6:.1f} M, draft "
+        f"{res['draft_macs_per_token'] / 1e6:.2f} M, ratio {res['macs_ratio']:.3f}")
+    sets = [("builtin", encode(llm.tokenizer, [t for _, t in builtin_prompts()], True))]
+    if args.spec_bench:
+        sets.append(("spec_bench_8", encode(llm.tokenizer, specbench_prompts(args.spec_bench), True)))
+    for name, prompts in sets:
+        llm.reset_stats()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=args.max_tokens))
+        s = llm.stats
+        res[name] = {"prompts": len(prompts), "generated": s.generated,
+                     "mean_accepted_length": round(s.mean_accepted_length, 4),
+                     "acceptance_rate": round(s.accepted / max(s.drafted, 1), 4),
+                     "seconds": round(time.perf_counter() - t0, 1)}
+        log(f"{name}: K={args.k} mean accepted length {s.mean_accepted_length:.3f} ({s.generated} tokens)")
+        if args.check_hf:
+            same = sum(llm.target.generate(torch.tensor([p]), max_new_tokens=args.max_tokens, do_sample=False)[
+                0, len(p):].tolist() == o.token_ids for p, o in list(zip(prompts, outs))[: args.check_hf])
+            res[name]["identical_to_hf_generate"] = f"{same}/{min(args.check_hf, len(prompts))}"
+            log(f"{name}: identical to HF generate (batch size 1): {res[name]['identical_to_hf_generate']}")
+    print(json.dumps(res, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["gen"])
+    p.add_argument("stage", choices=["gen", "train", "export", "eval"])
     p.add_argument("--work", default=str(ROOT / "build" / "eagle"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -118,8 +336,32 @@ def main(argv=None) -> int:
     g.add_argument("--chunk", type=int, default=250)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--batch", type=int, default=64)
+    t = p.add_argument_group("train")
+    t.add_argument("--vocab", type=int, default=8192, help="tokens the head scores (the most frequent answers)")
+    t.add_argument("--copy-layer", type=int, default=-1, help="target layer that initialises the head's layer")
+    t.add_argument("--random-layer", action="store_true", help="random initialisation instead")
+    t.add_argument("--epochs", type=int, default=4)
+    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--batch-tokens", type=int, default=4096)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--noise", type=float, default=0.1, help="uniform noise added to input features (+-)")
+    t.add_argument("--reg", type=float, default=1.0, help="weight of the feature regression (smooth L1)")
+    t.add_argument("--soft", type=float, default=0.1, help="weight of the soft cross-entropy on the target's scores")
+    t.add_argument("--hard", type=float, default=0.5, help="weight of the cross-entropy on the target's tokens")
+    t.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
+    t.add_argument("--log-every", type=int, default=25)
+    t.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--out", default=str(ROOT / "build" / "eagle" / "export"))
+    e = p.add_argument_group("eval")
+    e.add_argument("--draft", default="smollm2-135m-draft")
+    e.add_argument("--k", type=int, default=4)
+    e.add_argument("--max-tokens", type=int, default=128)
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--spec-bench", default=None, help="Spec-Bench question.jsonl: also the 8-prompt set")
+    e.add_argument("--check-hf", type=int, default=0, metavar="N")
+    e.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    {"gen": cmd_gen}[args.stage](args)
+    {"gen": cmd_gen, "train": cmd_train, "export": cmd_export, "eval": cmd_eval}[args.stage](args)
     return 0
 
 

@@ -124,11 +124,16 @@ def fixed_llm(*args, **kwargs):
     return batchspec.LLM(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
 def eagle_head(arch: str = "llama", dtype=torch.float64, vocab: int = 80, steps: int = 300):
     """``(model, fc, token_map)``: a feature-reading draft head for ``target(arch)``, trained here on the target's
     greedy continuations of random prompts (so it agrees often, not always); its head covers the ``vocab`` tokens
     most frequent in those continuations."""
+    return _eagle_head(arch, dtype, vocab, steps)
+
+
+@functools.lru_cache(maxsize=None)
+@torch.enable_grad()
+def _eagle_head(arch, dtype, vocab, steps):
     from batchspec.drafters.eagle import build_head, head_forward
 
     t = target(arch)
@@ -139,13 +144,12 @@ def eagle_head(arch: str = "llama", dtype=torch.float64, vocab: int = 80, steps:
                           min_new_tokens=40, pad_token_id=0)
         feats = t(seqs, output_hidden_states=True).hidden_states[-1].float()
     token_map = torch.bincount(seqs[:, 10:].flatten(), minlength=VOCAB).argsort(descending=True)[:vocab].sort().values
-    model, fc = build_head(t.float() if False else t, token_map)
-    model, fc = model.float(), fc.float()
+    torch.manual_seed(0)
+    model, fc = build_head(t, token_map)
     where = torch.full((VOCAB,), -100, dtype=torch.long)
     where[token_map] = torch.arange(vocab)
     emb = t.get_input_embeddings()
     opt = torch.optim.Adam(list(model.parameters()) + list(fc.parameters()), lr=3e-3)
-    torch.manual_seed(0)
     for _ in range(steps):
         states, logits = head_forward(model, fc, lambda x: emb(x).float(), seqs[:, 1:], feats[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), where[seqs[:, 2:]].flatten(),

@@ -1,0 +1,387 @@
+"""The feature-reading draft head (``drafters/eagle.py``): greedy output equals HF generate at batch size 1 for every
+layout x batch size x K, with rows joining and leaving and rounds that draft nothing; its drafts are exactly what
+the head predicts from the target's features (an exact output alone would not show a drafter that drafts badly);
+sampling keeps the target's distribution although the head scores only part of the vocabulary; checkpoints round
+trip; injected faults still show; the target's prefill returns its final hidden states."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+import batchspec
+import tiny
+from batchspec import SamplingParams as SP
+from batchspec.batch import InvariantError, prefill
+from batchspec.drafters import EagleDrafter
+from batchspec.drafters.eagle import EagleState, head_forward, is_checkpoint
+from batchspec.kv import new_cache
+from batchspec.runner import Runner
+from batchspec.schedulers import ExSpec
+from test_engine_exact import MAX_TOKENS, PROMPTS, _stop_token  # 13 prompts of 1..60 tokens, incl. 1 and 2
+from test_policy import Scripted
+
+JOIN_PROMPTS = tiny.prompts(13, seed=9) + [[4]]
+JOIN_MAX = [3, 25, 8, 14, 1, 20, 6, 25, 11, 2, 17, 9, 25, 5]
+
+
+def _llm(k, bs, layout="slotmask", draft=None, **kw):
+    kw.setdefault("check_invariants", True)
+    llm = tiny.fixed_llm(tiny.target(), draft=draft or tiny.eagle(), num_draft_tokens=k, layout=layout,
+                         batch_size=bs, **kw)
+    assert type(llm.drafter).__name__ == "EagleDrafter"
+    return llm
+
+
+def _oracle(prompts, max_tokens, stop_ids=()):
+    m = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    return [tiny.oracle(tiny.target(), p, n, stop_ids=stop_ids) for p, n in zip(prompts, m)]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    eos = _stop_token(tiny.target())
+    return eos, {stop: _oracle(PROMPTS, MAX_TOKENS, [eos] if stop else ()) for stop in (False, True)}
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("layout,bs,k", list(itertools.product(["eqspec", "slotmask"], [1, 2, 5, 8], [1, 3, 5])))
+def test_greedy_matches_oracle(ref, layout, bs, k):
+    eos, want = ref
+    stop = (bs + k + (layout == "eqspec")) % 2 == 0  # every (bs, k) runs once with an EOS falling mid-output
+    llm = _llm(k, bs, layout)
+    outs = llm.generate(PROMPTS, SP(max_tokens=MAX_TOKENS, stop_token_ids=[eos] if stop else []))
+    assert [o.token_ids for o in outs] == want[stop]
+    assert [o.finish_reason for o in outs] == ["stop" if stop and r[-1] == eos else "length" for r in want[stop]]
+    if stop:
+        assert any(len(r) < MAX_TOKENS for r in want[stop])
+    s = llm.stats
+    assert 0 < s.accepted < s.drafted
+    if bs > 1:
+        assert s.ragged_rounds > 0, "rows never accepted different counts in the same round"
+        assert s.full_accepts > 0, "no row ever accepted all K drafts"
+
+
+@pytest.mark.parametrize("scheduler,layout,bs,stop", [
+    ("continuous", "slotmask", 3, False), ("continuous", "eqspec", 5, True),
+    ("exspec", "slotmask", 3, True), ("exspec", "eqspec", 2, False),
+])
+def test_rows_joining_and_leaving(scheduler, layout, bs, stop):
+    seen = [tok for p, m in zip(JOIN_PROMPTS, JOIN_MAX) for tok in tiny.oracle(tiny.target(), p, m)[2:14]]
+    stop_ids = [max(set(seen), key=seen.count)] if stop else []  # a token the oracle emits mid-output in some rows
+    llm = _llm(3, bs, layout, scheduler=ExSpec(window=3) if scheduler == "exspec" else scheduler)
+    outs = llm.generate(JOIN_PROMPTS, [SP(max_tokens=m, stop_token_ids=stop_ids) for m in JOIN_MAX])
+    assert [o.prompt_token_ids for o in outs] == JOIN_PROMPTS
+    assert [o.token_ids for o in outs] == _oracle(JOIN_PROMPTS, JOIN_MAX, stop_ids)
+    s = llm.stats
+    assert s.joined_running > 0, "no request joined a running batch"
+    assert 0 < s.accepted < s.drafted
+    if stop:
+        assert any(o.finish_reason == "stop" for o in outs)
+    if scheduler == "exspec":  # batches taken from a larger window (the drafter's state copied out and back)
+        assert s.schedule > 0 and s.fallback_rounds > 0 and s.grouped_rounds + s.fallback_rounds == s.rounds
+
+
+@pytest.mark.parametrize("speculation", ["adaptive", "scripted"])
+def test_rounds_without_drafting(speculation):
+    """The default adaptive policy (it starts with plain steps, then drafts), and a script with runs of k = 0 rounds
+    (each adds a pair the head must catch up on) among drafting ones, with requests joining: exact, invariants held."""
+    policy = Scripted((0, 3, 0, 0, 2, 1, 3, 0, 0, 0, 3)) if speculation == "scripted" else "adaptive"
+    llm = batchspec.LLM(tiny.target(), draft=tiny.eagle(), num_draft_tokens=3, batch_size=3, scheduler="continuous",
+                        check_invariants=True, speculation=policy)
+    assert llm.parts.policy.name == speculation
+    prompts, max_tokens = JOIN_PROMPTS[:9], JOIN_MAX[:9]
+    outs = llm.generate(prompts, [SP(max_tokens=m) for m in max_tokens])
+    assert [o.token_ids for o in outs] == _oracle(prompts, max_tokens)
+    s = llm.stats
+    assert s.lengths.get(0, 0) > 0 and sum(v for k, v in s.lengths.items() if k) > 0, s.lengths
+    assert s.rounds_without_drafting == s.lengths[0] and s.drafted > 0 and s.joined_running > 0
+    if speculation == "scripted":
+        assert s.lengths[0] > 5 and s.accepted > 0
+        assert max(len(list(g)) for k, g in itertools.groupby(policy.chosen) if k == 0) >= 3
+
+
+@pytest.mark.parametrize("layout", ["eqspec", "slotmask"])
+@pytest.mark.parametrize("prompts,bs,k", [
+    ([[7]], 1, 3), ([[5, 9]], 1, 4),
+    ([[7], [3], [11]], 3, 2),  # every prompt one token: no feature at all at prefill
+    ([[5, 9], [8, 2], [1, 1]], 3, 4),  # every prompt two tokens: one feature each, no pair to cache
+    ([[7], [5, 9], PROMPTS[0], [11], [4, 4]], 5, 3),  # mixed with a long one: short rows padded
+])
+def test_one_and_two_token_prompts(layout, prompts, bs, k):
+    llm = _llm(k, bs, layout)
+    outs = llm.generate(prompts, SP(max_tokens=20))
+    assert [o.token_ids for o in outs] == _oracle(prompts, 20)
+    assert llm.stats.drafted > 0 and llm.stats.accepted > 0
+
+
+# ------------------------------------------------------------------------------------------------ the drafts
+
+
+def _head_drafts(drafter, history: list[int], k: int) -> list[int]:
+    """The head's greedy drafts after ``history`` (its last token pending), computed from scratch: the target's
+    features of every position but the last, then the head fed its own predicted features (``head_forward``)."""
+    t = tiny.target()
+    ids = torch.tensor([history])
+    feats = t(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
+    nxt, out = ids[:, 1:], []
+    for _ in range(k):
+        states, logits = head_forward(drafter.model, drafter.fc, drafter.embedding, nxt, feats)
+        out.append(int(drafter.token_map[logits[0, -1].argmax()]))
+        feats, nxt = torch.cat([feats, states[:, -1:]], 1), torch.cat([nxt, torch.tensor([[out[-1]]])], 1)
+    return out
+
+
+def _check_drafts(scheduler, monkeypatch, corrupt=None):
+    """Requests in two waves (the second joins a batch that has run rounds without drafting) under a length script
+    with runs of k = 0, every round's drafts recorded; returns (row-rounds checked, those whose drafts differ from
+    ``_head_drafts``, states joined or written back with fewer features kept than the batch)."""
+    drafter = tiny.eagle()
+    rounds, propose, commit = [], drafter.propose, drafter.commit
+    narrower = {"put": 0, "merge": 0}
+    for op in ("put", "merge"):  # count the joins / window write-backs that pad a narrower feature window
+        real = getattr(EagleState, op)
+
+        def spy_op(self, *args, _real=real, _op=op):
+            narrower[_op] += args[-1].bound < self.bound
+            return _real(self, *args)
+
+        monkeypatch.setattr(EagleState, op, spy_op)
+
+    def spy(seqs, state, k):
+        proposal = propose(seqs, state, k)
+        rounds.append((seqs.history.tolist(), seqs.length.tolist(), proposal.drafts.tolist()))
+        return proposal
+
+    def bad_commit(state, proposal, accepted, target):
+        commit(state, proposal, accepted, target)
+        corrupt(state)
+
+    drafter.propose = spy
+    if corrupt is not None:
+        drafter.commit = bad_commit
+    llm = batchspec.LLM(tiny.target(), draft=drafter, num_draft_tokens=3, batch_size=3, scheduler=scheduler,
+                        check_invariants=True, speculation=Scripted((0, 3, 0, 0, 0, 2, 1, 3, 0, 3)))
+    order = [1, 7, 0, 2, 3, 4, 5, 6]
+    prompts, max_tokens = [JOIN_PROMPTS[i] for i in order], [JOIN_MAX[i] for i in order]
+    ids, requests = llm.requests(prompts, [SP(max_tokens=m) for m in max_tokens])
+    engine, got = llm.engine(), {}
+    for i, r in enumerate(requests):
+        if i == 2:  # the first wave (two rows of 25 new tokens) has run 5 rounds
+            for _ in range(5):
+                got.update({o.request_id: o.finished.token_ids for o in engine.step() if o.finished})
+        engine.add_request(r)
+    while engine.has_work():
+        got.update({o.request_id: o.finished.token_ids for o in engine.step() if o.finished})
+    assert [got[i] for i in range(len(prompts))] == _oracle(prompts, max_tokens)  # drafts never change the output
+    s = llm.stats
+    assert s.lengths.get(0, 0) > 3 and s.joined_running > 0 and 0 < s.accepted < s.drafted
+    checked = wrong = 0
+    with torch.no_grad():
+        for history, lengths, drafts in rounds:
+            for h, n, d in zip(history, lengths, drafts):
+                if n >= 2:  # (a one-token row has no pair yet: its first draft comes from no feature)
+                    checked += 1
+                    wrong += d != _head_drafts(drafter, h[:n], len(d))
+    return checked, wrong, narrower
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", ExSpec(window=2)], ids=["continuous", "exspec"])
+def test_drafts_are_the_heads_predictions(scheduler, monkeypatch):
+    """Every draft of every row in every round equals the head's prediction from the row's true history: the
+    features and cached pairs stay in step through rejections, k = 0 rounds, joins, window copies and compaction."""
+    checked, wrong, narrower = _check_drafts(scheduler, monkeypatch)
+    assert checked > 25 and wrong == 0, (checked, wrong)
+    # rows joined a batch keeping more features per row (after k = 0 rounds); with exspec, rows drafted in a round
+    # from the window were written back into it
+    assert narrower["put" if isinstance(scheduler, ExSpec) else "merge"] > 0, narrower
+
+
+def test_drafts_check_catches_stale_features(monkeypatch):
+    """The check above has teeth: features one position off (invisible to the output and to the invariants) fail
+    it."""
+    shift = lambda state: setattr(state, "feats", state.feats.roll(1, 1))  # noqa: E731
+    checked, wrong, _ = _check_drafts("continuous", monkeypatch, corrupt=shift)
+    assert wrong > checked // 4, (checked, wrong)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+
+def _greedy_path_prompt():
+    start = torch.randint(1, tiny.VOCAB, (10,), generator=torch.Generator().manual_seed(11)).tolist()
+    return start + tiny.oracle(tiny.target(), start, 12)  # where the head learned: drafts often agree
+
+
+@pytest.mark.parametrize("setting", [(0.5, 0), (1.5, 20)], ids=["T0.5-on-the-greedy-path", "T1.5-top20"])
+def test_sampling_keeps_the_target_distribution(setting):
+    """The head samples from its distribution spread over the whole vocabulary (zero outside its token map); the
+    first two tokens follow the target's exact distribution (chi-square), tokens outside the map included, and the
+    first drafts (one history, many seeds) follow the ``q`` the head reports to the rejection sampler (1e-4 split
+    over these 3 checks). A sampler drawing the replacement from the draft's distribution is rejected. At T 0.5 the
+    head is confident and often right; at T 1.5 its distribution spreads over many tokens."""
+    from batchspec.audit.distribution import chi_square, compare, exact_distribution
+
+    temperature, top_k = setting
+    t, n, samples = tiny.target(), 2, 2000
+    prompt = _greedy_path_prompt() if temperature < 1 else tiny.prompts(2, seed=7, lo=3, hi=12)[1]
+    ref = exact_distribution(t, prompt, temperature, top_k, n_tokens=n, coverage=0.999, max_cells=1024)
+    p_values = {}
+    for fault in (None, "draft-bonus"):
+        drafter = tiny.eagle()
+        outside = torch.ones(tiny.VOCAB, dtype=torch.bool)
+        outside[drafter.token_map] = False
+        propose, qs, first = drafter.propose, [], []
+
+        def spy(seqs, state, k):
+            proposal = propose(seqs, state, k)
+            qs.append(proposal.q)
+            assert not outside[proposal.drafts].any()
+            rows = seqs.length == len(prompt)  # a request's first round: the same history for every seed
+            first.append((proposal.drafts[rows, 0], proposal.q[rows, 0]))
+            return proposal
+
+        drafter.propose = spy
+        llm = batchspec.LLM(t, draft=drafter, num_draft_tokens=3, batch_size=250, fault=fault)
+        outs = llm.generate([prompt] * samples, [SP(max_tokens=n, temperature=temperature, top_k=top_k,
+                                                    seed=90_000 + j) for j in range(samples)])
+        q = torch.cat([x.flatten(0, 1) for x in qs])
+        assert q.shape[-1] == tiny.VOCAB and (q[:, outside] == 0).all()
+        torch.testing.assert_close(q.sum(-1), torch.ones(len(q), dtype=q.dtype))
+        assert llm.stats.accepted > 0.01 * samples  # drafts were accepted (at most one counts per row)
+        drafts, q1 = (torch.cat(x) for x in zip(*first))
+        assert len(drafts) == samples and torch.allclose(q1, q1[0].expand_as(q1), rtol=0, atol=1e-12)
+        tokens = [o.token_ids for o in outs]
+        p_values[fault] = [compare(ref, tokens, length).p_value for length in (1, 2)]
+        if fault is None:
+            counts = torch.bincount(drafts, minlength=tiny.VOCAB)
+            p_values["drafts"] = chi_square(counts.tolist(), (q1[0] * samples).tolist())[2]
+            assert sum(outside[tok[0]].item() for tok in tokens) > 0.02 * samples  # unmapped tokens come out
+    assert min(p_values[None] + [p_values["drafts"]]) > 1e-4 / 3, p_values
+    assert min(p_values["draft-bonus"]) < 1e-8, p_values
+
+
+def test_seeded_sampling_is_batch_invariant():
+    prompts = tiny.prompts(6, seed=5)
+    params = [SP(max_tokens=15, temperature=0.8, top_k=(10 if i % 2 else 0), seed=500 + i) for i in range(6)]
+    runs = []
+    for kw in ({"batch_size": 1}, {"batch_size": 6}, {"batch_size": 2, "scheduler": "continuous"},
+               {"batch_size": 3, "layout": "eqspec"}):
+        llm = batchspec.LLM(tiny.target(), draft=tiny.eagle(), num_draft_tokens=3, check_invariants=True, **kw)
+        runs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert llm.stats.accepted > 0
+    assert all(r == runs[0] for r in runs[1:]) and len({tuple(r) for r in runs[0]}) == 6
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def test_checkpoint_round_trip(tmp_path):
+    mem = tiny.eagle()
+    head = tmp_path / "head"
+    EagleDrafter.save(head, mem.model, mem.fc, mem.token_map, card={"target": "tiny"})
+    target_dir, _ = tiny.save_dir(tmp_path, draft_too=False)
+    assert is_checkpoint(head) and is_checkpoint(str(head)) and not is_checkpoint(target_dir)
+    assert json.loads((head / "eagle.json").read_text()) == {"target": "tiny"}
+    want = _oracle(PROMPTS, MAX_TOKENS)
+    runs = {}
+    for name, target, draft, dtype in (("memory", tiny.target(), mem, None), ("path", tiny.target(), str(head), None),
+                                       ("dirs", str(target_dir), str(head), torch.float64)):
+        llm = _llm(3, 5, draft=draft, dtype=dtype)
+        d = llm.drafter
+        if name != "memory":
+            assert d is not mem and d.model.dtype == d.fc.weight.dtype == torch.float64
+            assert torch.equal(d.token_map, mem.token_map) and torch.equal(d.fc.weight, mem.fc.weight)
+            assert torch.equal(d.fc.bias, mem.fc.bias) and d.embedding is llm.target.get_input_embeddings()
+            for (a, x), (b, y) in zip(d.model.state_dict().items(), mem.model.state_dict().items()):
+                assert a == b and torch.equal(x, y), a
+        outs = llm.generate(PROMPTS, SP(max_tokens=MAX_TOKENS))
+        runs[name] = ([o.token_ids for o in outs], llm.stats.drafted, llm.stats.accepted)
+    assert runs["memory"][0] == want and runs["memory"][2] > 0
+    assert runs["path"] == runs["memory"] and runs["dirs"] == runs["memory"]  # the same drafts, too
+
+
+# ------------------------------------------------------------------------------------------------ faults
+
+
+@pytest.mark.parametrize("fault", ["bsp-keep-rejected-kv", "bsp-stale-positions", "dsd-draft-token-accepted"])
+def test_faults_show_through(fault):
+    prompts = tiny.prompts(6, seed=5, lo=2, hi=30)
+    sp = SP(max_tokens=16)
+    llm = _llm(3, 6, fault=fault, check_invariants=False)
+    outs = llm.generate(prompts, sp)
+    assert llm.stats.drafted > 0 and [o.token_ids for o in outs] != _oracle(prompts, 16)
+    if fault != "dsd-draft-token-accepted":  # (an acceptance-rule fault leaves the caches consistent)
+        with pytest.raises(InvariantError) as e:
+            _llm(3, 6, fault=fault).generate(prompts, sp)
+        assert e.value.invariant == "I2" and e.value.cache == "target"
+
+
+def test_head_cache_is_checked():
+    """The invariant checker reads the head's slots: a rejected draft pair left visible is reported for the draft."""
+    llm = _llm(3, 4)
+    commit = llm.drafter.commit
+
+    def bad_commit(state, proposal, accepted, target):
+        commit(state, proposal, accepted, target)
+        state.slots.valid[:, -1] = True  # a pair built from a predicted feature
+
+    llm.drafter.commit = bad_commit
+    with pytest.raises(InvariantError) as e:
+        llm.generate(tiny.prompts(6), SP(max_tokens=20))
+    assert e.value.invariant == "I2" and e.value.cache == "draft"
+
+
+# ------------------------------------------------------------------------------------------------ features
+
+
+@pytest.mark.parametrize("overhead", [1, 10**6], ids=["per-length", "one-padded-forward"])
+def test_prefill_features_are_the_final_hidden_states(overhead):
+    """``batch.prefill(hidden=True)``: per prompt, the target's ``hidden_states[-1]`` at every token but the last,
+    right-aligned, zeros on the left; whether rows of different lengths share one left-padded forward or not."""
+    t = tiny.target()
+    prompts = [[7], [5, 9], PROMPTS[1], [3, 1, 4, 1, 5, 9, 2, 6], [8, 8, 8, 8, 8, 8, 8, 8], [2, 7, 1]]
+    runner, calls = Runner(t), []
+    forward = runner.forward
+
+    def spy(cache, ids, pos, visible=None, *a, **kw):
+        calls.append(visible is not None)
+        return forward(cache, ids, pos, visible, *a, **kw)
+
+    runner.forward = spy
+    state, feats = prefill(runner, prompts, overhead=overhead, hidden=True)
+    assert calls == ([False] * 4 if overhead == 1 else [True])  # a forward per length (1, 2, 7, 33) / one for all
+    w = max(map(len, prompts)) - 1
+    assert feats.shape == (len(prompts), w, t.config.hidden_size) and feats.dtype == torch.float64
+    with torch.no_grad():
+        for r, p in enumerate(prompts):
+            n = len(p) - 1
+            assert (feats[r, : w - n] == 0).all()
+            if n:
+                want = t(torch.tensor([p[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+                torch.testing.assert_close(feats[r, w - n:], want, rtol=1e-12, atol=1e-12)
+    # the forward reading input vectors (as the head's do) equals the one reading ids
+    ids = torch.tensor([PROMPTS[1]])
+    pos = torch.arange(ids.shape[1])[None]
+    a = Runner(t).forward(new_cache(t), ids, pos, None, 0, "all")
+    b = Runner(t).forward(new_cache(t), ids, pos, None, 0, "all", embeds=t.get_input_embeddings()(ids))
+    assert a.hidden.shape == (1, ids.shape[1], t.config.hidden_size)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+
+
+def test_head_forward_is_the_drafting_arithmetic():
+    """The head's cached forward over pairs (through the runner, with the pair inputs as ``embeds``) equals
+    ``head_forward``, the training forward, for every position."""
+    d, t = tiny.eagle(), tiny.target()
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        feats = t(ids, output_hidden_states=True).hidden_states[-1][:, :-1]
+        states, logits = head_forward(d.model, d.fc, d.embedding, ids[:, 1:], feats)
+    out = d.runner.forward(new_cache(d.model), ids[:, :-1], torch.arange(feats.shape[1])[None], None, 0, "all",
+                           embeds=d._inputs(ids[:, 1:], feats))
+    assert logits.shape[-1] == len(d.token_map) < tiny.VOCAB
+    torch.testing.assert_close(out.logits, logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.hidden, states, rtol=1e-12, atol=1e-12)
