@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     if a.quick:
         texts = texts[:4]
     ids = encode(tok, texts, True)
-    draft = batchspec.models.load_model(a.draft, model.dtype, model.device, "draft")
+    draft = batchspec.api.shared_draft(a.draft, model)
     stops = eos_ids(model)
     big = len(ids)
     print(f"{big} prompts, {min(map(len, ids))}-{max(map(len, ids))} tokens", flush=True)

@@ -110,15 +110,18 @@ def cmd_gen(args) -> None:
 # --------------------------------------------------------------------------------------------------------- train
 
 
-def load_chunks(work: Path):
+def load_chunks(work: Path, seen: set | None = None):
+    """The sequences of every chunk in ``work`` not in ``seen`` (which is updated)."""
     seqs, feats, starts = [], [], []
+    seen = set() if seen is None else seen
     for path in sorted(work.glob("chunk*.pt")):
+        if path.name in seen:
+            continue
+        seen.add(path.name)
         d = torch.load(path)
         seqs += [torch.tensor(x) for x in d["ids"]]
         feats += d["hidden"]
         starts += d["prompt_len"]
-    if not seqs:
-        raise SystemExit(f"no data in {work}: run the gen stage first")
     return seqs, feats, starts
 
 
@@ -176,7 +179,10 @@ def cmd_train(args) -> None:
     rng = random.Random(args.seed)
     work = Path(args.work)
     target = load_model(TARGET, torch.float32, "cpu")
-    seqs, feats, starts = load_chunks(work)
+    seen: set = set()
+    seqs, feats, starts = load_chunks(work, seen)
+    if not seqs:
+        raise SystemExit(f"no data in {work}: run the gen stage first")
     vocab = target.config.vocab_size
     token_map = token_map_of(seqs, starts, vocab, args.vocab)
     where = torch.full((vocab,), -100, dtype=torch.long)
@@ -185,22 +191,19 @@ def cmd_train(args) -> None:
     covered = sum(int((where[s[p:]] >= 0).sum()) for s, p in zip(seqs, starts))
     log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens ({answers} answer tokens); head of "
         f"{len(token_map)} tokens covers {covered / answers:.4f} of answer tokens")
-    val = list(range(0, len(seqs), 50))  # 2% held out for the loss curve
-    train = [i for i in range(len(seqs)) if i % 50]
     model, fc = build_head(target, token_map, None if args.random_layer else args.copy_layer)
     emb = target.get_input_embeddings()
     head_w = target.lm_head.weight[token_map].detach()  # the target's scores over the head's tokens
     model.lm_head.weight.requires_grad_(False)  # tied to the embedding table: the target's rows, frozen
     params = [p for p in list(model.parameters()) + list(fc.parameters()) if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    plan = [b for _ in range(args.epochs) for b in batches([len(seqs[i]) for i in train], args.batch_tokens, rng)]
-    plan = [[train[i] for i in b] for b in plan]
-    if args.max_steps:
-        plan = plan[: args.max_steps]
-    warm = max(1, len(plan) // 50)
+    held = lambda: list(range(0, len(seqs), 50))  # noqa: E731  (every 50th sequence: the loss curve's)
+    train = lambda: [i for i in range(len(seqs)) if i % 50]  # noqa: E731
+    total = args.max_steps or args.epochs * len(batches([len(seqs[i]) for i in train()], args.batch_tokens, rng))
+    warm = max(1, total // 50)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / len(plan))))))
-    log(f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters, {len(plan)} steps")
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))))
+    log(f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters, {total} steps")
     t0 = time.perf_counter()
 
     def losses(rows, noise: float):
@@ -221,29 +224,49 @@ def cmd_train(args) -> None:
         hit = ((logits.argmax(-1) == teacher.argmax(-1)) & answer).sum() / answer.sum().clamp(min=1)
         return loss, float(hit)
 
-    for step, rows in enumerate(plan):
+    def plan():
+        """Epochs of batches; with ``--follow``, chunks the gen stage wrote meanwhile join at each epoch."""
+        epoch = 0
+        while True:
+            if args.follow and epoch:
+                more = load_chunks(work, seen)
+                for have, new in zip((seqs, feats, starts), more):
+                    have += new
+                if more[0]:
+                    log(f"epoch {epoch}: {len(more[0])} more sequences, {len(seqs)} in all")
+            ids = train()
+            for b in batches([len(seqs[i]) for i in ids], args.batch_tokens, rng):
+                yield [ids[i] for i in b]
+            epoch += 1
+
+    def checkpoint(step):
+        info = {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "answer_tokens": sum(len(s) - p for s, p in zip(
+                seqs, starts)), "head_tokens": len(token_map), "steps": step, "batch_tokens": args.batch_tokens,
+                "seconds": round(time.perf_counter() - t0), "threads": args.threads, "args": vars(args)}
+        torch.save({"model": model.state_dict(), "fc": fc.state_dict(), "token_map": token_map, "info": info},
+                   work / "head.pt")
+        return info
+
+    for step, rows in zip(range(total), plan()):
         loss, hit = losses(rows, args.noise)
         opt.zero_grad()
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.clip)
         opt.step()
         sched.step()
-        if step % args.log_every == 0 or step == len(plan) - 1:
-            log(f"step {step}/{len(plan)} loss {loss.item():.4f} top-1 {hit:.3f} grad {gnorm.item():.2f} lr {sched.get_last_lr()[0]:.2e} "
-                f"{time.perf_counter() - t0:.0f} s")
-        if (step + 1) % args.eval_every == 0 or step == len(plan) - 1:
+        if step % args.log_every == 0 or step == total - 1:
+            log(f"step {step}/{total} loss {loss.item():.4f} top-1 {hit:.3f} grad {gnorm.item():.2f} "
+                f"lr {sched.get_last_lr()[0]:.2e} {time.perf_counter() - t0:.0f} s")
+        if (step + 1) % args.eval_every == 0 or step == total - 1:
+            val = held()
             with torch.no_grad():
                 model.eval()
                 vals = [losses(val[i: i + 16], 0.0) for i in range(0, len(val), 16)]
                 model.train()
-            log(f"held-out: loss {sum(float(v[0]) for v in vals) / len(vals):.4f} top-1 agreement at answer "
-                f"positions {sum(v[1] for v in vals) / len(vals):.4f}")
-    info = {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "answer_tokens": answers, "head_tokens":
-            len(token_map), "head_coverage": round(covered / answers, 4), "steps": len(plan), "epochs": args.epochs,
-            "seconds": round(time.perf_counter() - t0), "threads": args.threads, "args": vars(args)}
-    torch.save({"model": model.state_dict(), "fc": fc.state_dict(), "token_map": token_map, "info": info},
-               work / "head.pt")
-    log(f"saved {work / 'head.pt'}: {info}")
+            log(f"held-out ({len(val)} sequences): loss {sum(float(v[0]) for v in vals) / len(vals):.4f} top-1 "
+                f"agreement at answer positions {sum(v[1] for v in vals) / len(vals):.4f}")
+            checkpoint(step + 1)
+    log(f"saved {work / 'head.pt'}: {checkpoint(total)}")
 
 
 def cmd_export(args) -> None:
@@ -341,7 +364,8 @@ def main(argv=None) -> int:
     t.add_argument("--copy-layer", type=int, default=-1, help="target layer that initialises the head's layer")
     t.add_argument("--random-layer", action="store_true", help="random initialisation instead")
     t.add_argument("--epochs", type=int, default=4)
-    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--max-steps", type=int, default=None, help="steps in all (default: --epochs over the data)")
+    t.add_argument("--follow", action="store_true", help="add chunks written by a running gen stage each epoch")
     t.add_argument("--batch-tokens", type=int, default=4096)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--noise", type=float, default=0.1, help="uniform noise added to input features (+-)")

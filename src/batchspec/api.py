@@ -217,6 +217,15 @@ class LLM:
         return results
 
 
+def shared_draft(draft, target):
+    """``draft`` loaded once, to share between several ``LLM`` over ``target`` (a draft model's weights), or as it
+    is where each ``LLM`` builds its own drafter (prompt lookup, a feature-reading head: small, and tied to one
+    runner)."""
+    if not isinstance(draft, (str, os.PathLike)) or draft == "prompt-lookup" or is_eagle(resolve(draft, "draft")):
+        return draft
+    return load_model(draft, target.dtype, target.device, "draft")
+
+
 def _token_id(t, prompt: int) -> int:
     """An integer token id (bool, float, str and other types are refused, numpy / torch integers accepted)."""
     if isinstance(t, bool) or not isinstance(t, numbers.Integral):

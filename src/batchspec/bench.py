@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .audit.oracle import greedy_generate
-from .models import eos_ids, load_model
+from .models import eos_ids
 from .policy import split_speculation
 
 
@@ -96,6 +96,7 @@ def hf_generate(model, prompts, max_tokens, stops, batch_size):
 def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch_sizes=(1, 8), max_tokens=128,
           num_draft_tokens=5, tokenizer=None, hf=True, progress=False, speculation="adaptive") -> list[BenchRow]:
     import batchspec
+    from batchspec.api import shared_draft
 
     if not prompts:
         raise ValueError("no prompts to benchmark")
@@ -104,8 +105,8 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
     ids = llm0._encode(prompts)
     stops = eos_ids(model)
     specs = {e: parse_engine(e, draft, speculation) for e in engines}
-    if isinstance(draft, str) and draft != "prompt-lookup" and any(s["draft"] is draft for s in specs.values()):
-        draft = load_model(draft, model.dtype, model.device, "draft")  # load once, share between engines
+    if isinstance(draft, str) and any(s["draft"] is draft for s in specs.values()):
+        draft = shared_draft(draft, model)  # load once, share between engines
         specs = {e: parse_engine(e, draft, speculation) for e in engines}
     bar = _Bar(progress, (len(batch_sizes) + 1 if hf else 0) + len(engines) * len(batch_sizes))
     rows, hf_tps, plain = [], {}, {}

@@ -178,12 +178,12 @@ def _black_box_records(engine, ctx, ids, outs, ref, sync, batches, stops, probe,
 
 def load_inputs(target, draft, tokenizer, prompts, dtype, device):
     """(target model, draft model or drafter name, tokenizer, token-id prompts) as ``batchspec.LLM`` resolves them."""
+    from batchspec.api import shared_draft
     from batchspec.models import load_model, load_tokenizer
 
     model = load_model(target, dtype, device, "target")
     tok = load_tokenizer(tokenizer if tokenizer is not None else target if isinstance(target, str) else None)
-    if isinstance(draft, str) and draft != "prompt-lookup":
-        draft = load_model(draft, model.dtype, model.device, "draft")
+    draft = shared_draft(draft, model)
     return model, draft, tok, _encode(list(prompts), tok)
 
 

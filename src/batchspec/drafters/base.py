@@ -13,11 +13,13 @@ import torch
 class Proposal:
     """A round's drafts: ``drafts`` ``[B, k]`` (entries past ``n_drafts[b]`` are meaningless), ``n_drafts`` ``[B]``
     and ``q`` ``[B, k, V]``, the distributions they were sampled from (None for greedy or deterministic drafting:
-    one-hot on the drafts)."""
+    one-hot on the drafts); ``match`` ``[B]``: what a drafter wants back at ``commit`` (prompt lookup's match
+    lengths), or None."""
 
     drafts: torch.Tensor
     n_drafts: torch.Tensor
     q: torch.Tensor | None = None
+    match: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, rows: int, device) -> "Proposal":
