@@ -32,31 +32,48 @@ def test_longest_match_and_its_continuation():
 
 
 def test_length_follows_what_each_match_length_earned():
-    d = PromptLookup(min_survival=0.3)
+    d = PromptLookup(default_cost=0.3)
     seqs = _seqs([WEAK, STRONG])
     for _ in range(20):  # weak matches: the first draft is always rejected; strong ones: all accepted
         prop = d.propose(seqs, None, 5)
         d.commit(None, prop, torch.tensor([0, 5]), None)
     prop = d.propose(seqs, None, 5)
-    assert prop.n_drafts.tolist() == [0, 5]
+    assert prop.n_drafts.tolist() == [5, 5]  # the strong row pays for the columns; the weak one rides along
     assert prop.drafts.shape[1] == 5
     alone = d.propose(_seqs([WEAK]), None, 5)  # a batch of weak matches only: a plain step
     assert alone.n_drafts.tolist() == [0] and alone.drafts.shape[1] == 0
+    d.cost_per_token = 0.0  # what speculation="fixed" sets: every candidate up to K
+    assert d.propose(seqs, None, 5).n_drafts.tolist() == [5, 5]
 
 
 def test_partial_survival_cuts_at_the_first_weak_index():
-    d = PromptLookup(min_survival=0.5)
+    d = PromptLookup(default_cost=0.5)
     seqs = _seqs([STRONG])
     for _ in range(30):  # the first two drafts always accepted, the third never
         prop = d.propose(seqs, None, 5)
         d.commit(None, prop, torch.tensor([2]), None)
     assert d.propose(seqs, None, 5).n_drafts.tolist() == [2]
     s = d.survival(5, "cpu")[4]
-    assert s[0] > 0.9 and s[1] > 0.9 and s[2] < 0.5 and (s[2:] == s[2]).all()  # survival never rises again
+    assert s[0] > 0.9 and s[1] > 0.9 and s[2] < 0.5 and (s[1:] <= s[:-1]).all()  # a product: never rises
+
+
+def test_batch_width_weighs_every_row():
+    """A column is verified when the rows' summed chances there cover its cost for the whole batch."""
+    d = PromptLookup(default_cost=0.4)
+    strong, weak = _seqs([STRONG]), _seqs([WEAK])
+    d.cost_per_token = 0.0  # learn with every candidate offered
+    for _ in range(30):
+        d.commit(None, d.propose(strong, None, 5), torch.tensor([5]), None)  # strong matches: all accepted
+        d.commit(None, d.propose(weak, None, 5), torch.tensor([0]), None)  # weak ones: none
+    d.cost_per_token = None  # back to the default cost, 0.4
+    assert d.propose(_seqs([STRONG, WEAK]), None, 5).n_drafts.tolist() == [5, 5]  # ~1 token per column >= 0.8
+    assert d.propose(_seqs([STRONG] + [WEAK] * 3), None, 5).n_drafts.tolist() == [0] * 4  # ~1 < 0.4 x 4 rows
+    d.cost_per_token = 0.2  # measured cheaper: 1 >= 0.2 x 4
+    assert d.propose(_seqs([STRONG] + [WEAK] * 3), None, 5).n_drafts.tolist() == [5] * 4
 
 
 def test_sampling_offers_every_candidate():
-    d = PromptLookup(min_survival=0.3)
+    d = PromptLookup(default_cost=0.3)
     for _ in range(20):
         prop = d.propose(_seqs([WEAK]), None, 5)
         d.commit(None, prop, torch.tensor([0]), None)

@@ -220,8 +220,12 @@ class Engine:
             stats.grouped_rounds += grouped
             stats.fallback_rounds += not grouped
         k_max = _room(self.parts, batch)
+        drafter = self.parts.drafter
         if rows is None:
-            k = policy.length(len(batch), k_max, batch.seqs.sampling)
+            if getattr(drafter, "sizes_own_drafts", False) and not batch.seqs.sampling:
+                k, drafter.cost_per_token = policy.drafter_length(len(batch), k_max)
+            else:
+                k = policy.length(len(batch), k_max, batch.seqs.sampling)
             result = speculative_round(self.parts, batch, timer, k)
         else:  # rounds drawn from a window keep every row's draft state in step: fixed length
             k = k_max

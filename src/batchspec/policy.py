@@ -22,6 +22,11 @@ class FixedLength:
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
         return k_max
 
+    def drafter_length(self, rows: int, k_max: int) -> tuple[int, float | None]:
+        """For a drafter that sizes its own proposals (prompt lookup): the round's maximum, and what one more
+        verified token costs in plain steps (0: offer everything, as today)."""
+        return self.length(rows, k_max), 0.0
+
     def record(self, seqs, accepted, k: int) -> None:
         pass
 
@@ -103,6 +108,20 @@ class AdaptiveLength:
                 self.busy = 0
                 return 0
         return best
+
+    def drafter_length(self, rows: int, k_max: int) -> tuple[int, float | None]:
+        """For a drafter that sizes its own proposals from what it knows per row (prompt lookup's match lengths):
+        K, and ``D / T0`` (one more verified token's cost in plain steps) for it to weigh each draft against, or
+        None before it is measured. The plain-step measurements stay: first a round that drafts nothing, and again
+        after ``2 * probe_every`` rounds that drafted."""
+        t0, _, d = self.cost(rows)
+        if t0 is None:
+            return 0, None
+        self.busy += 1
+        if self.busy >= 2 * self.probe_every:
+            self.busy = 0
+            return 0, None
+        return k_max, (None if d is None else d / t0)
 
     def cost(self, rows: int) -> tuple:
         """``(T0, F, D)`` for ``rows`` rows: a round drafting k costs ``T0`` seconds if k = 0, else

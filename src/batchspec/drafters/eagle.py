@@ -51,9 +51,8 @@ def build_head(target, token_map: torch.Tensor, copy_layer: int | None = -1):
         intermediate_size=getattr(tc, "intermediate_size", 4 * hidden),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 2048), rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-5),
         rope_parameters=getattr(tc, "rope_parameters", None), tie_word_embeddings=True,
-        head_dim=getattr(tc, "head_dim", hidden // heads),
+        head_dim=getattr(tc, "head_dim", hidden // heads), attn_implementation="sdpa",
     )
-    cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg).float()
     fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
     with torch.no_grad():

@@ -7,33 +7,40 @@ followed that occurrence are its candidate drafts. Rows with no match propose no
 
 How far a copy goes on being right depends on how long the match is (a 1-token match is a weak hint; an 8-token one
 usually means the model is copying a passage): the drafter keeps, per match length and draft index j, how often the
-j-th draft was accepted when offered (counts over every round it served, starting from an optimistic prior), and a
-row proposes its candidates only while that survival estimate stays at or above ``min_survival`` (greedy decoding;
-with sampling every row proposes up to k, so that a seed's tokens never depend on what ran before). The block is as
-wide as the longest proposal in the batch (one host read per round), so a round where nothing matched costs one
-plain decoding step.
+j-th draft was accepted when offered (counts over every round it served, from an optimistic prior), so it knows
+P(drafts 1..j all accepted | match length). The block's j-th column is verified only if the rows' summed chances
+there cover its cost: ``cost_per_token`` x rows, one more verified column's seconds in plain steps, which the
+engine's policy measures (``policy.drafter_length``; ``speculation="fixed"`` sets 0: every candidate up to K, the
+classic behaviour). With sampling every row proposes up to k, so that a seed's tokens never depend on what ran
+before. The block is as wide as the longest proposal in the batch (one host read per round), so a round where
+nothing was worth drafting costs one plain decoding step.
 """
 
 import torch
 
 from .base import Drafter, Proposal
 
-PRIOR_HITS, PRIOR_MISSES = 2.0, 1.0  # an untried (match length, index) starts at 2/3 survival: worth trying
+PRIOR_HITS, PRIOR_MISSES = 4.0, 1.0  # an untried (match length, index) starts at 0.8: worth trying
 
 
 class PromptLookup(Drafter):
     name = "prompt-lookup"
+    sizes_own_drafts = True  # the engine sets ``cost_per_token`` before each round (``policy.drafter_length``)
 
-    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, min_survival: float = 0.15):
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, default_cost: float = 0.2):
+        """``default_cost``: what one more verified token costs, in plain decoding steps, until the engine's policy
+        has measured it (``cost_per_token``)."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        if not 0.0 <= min_survival < 1.0:
-            raise ValueError(f"min_survival must be in [0, 1), got {min_survival}")
-        self.max_ngram, self.min_ngram, self.min_survival = max_ngram, min_ngram, min_survival
+        if not 0.0 <= default_cost < 1.0:
+            raise ValueError(f"default_cost must be in [0, 1), got {default_cost}")
+        self.max_ngram, self.min_ngram, self.default_cost = max_ngram, min_ngram, default_cost
+        self.cost_per_token: float | None = None
         self.offered = self.hits = None  # [max_ngram + 1, K]: drafts offered / accepted, per match length and index
 
     def survival(self, k: int, device) -> torch.Tensor:
-        """``[max_ngram + 1, k]``: estimated P(draft j accepted | drafts before it accepted, match length n)."""
+        """``[max_ngram + 1, k]``: estimated P(drafts 1..j all accepted | match length n), the product of each
+        index's estimated acceptance given the ones before it."""
         if self.offered is None:
             self.offered, self.hits = (torch.zeros((self.max_ngram + 1, k), dtype=torch.float64, device=device)
                                        for _ in range(2))
@@ -41,7 +48,7 @@ class PromptLookup(Drafter):
             grow = (0, max(k - self.offered.shape[1], 0))
             self.offered, self.hits = (torch.nn.functional.pad(t, grow).to(device) for t in (self.offered, self.hits))
         s = (self.hits[:, :k] + PRIOR_HITS) / (self.offered[:, :k] + PRIOR_HITS + PRIOR_MISSES)
-        return s.cummin(1).values  # P(j-th accepted) is the product: drafting stops at the first weak index
+        return s.cumprod(1)
 
     def propose(self, seqs, state, k):
         hist, length = seqs.history, seqs.length
@@ -66,9 +73,12 @@ class PromptLookup(Drafter):
             match = torch.where(take, n, match)
             found |= has
         n_drafts = torch.where(found, (length - start).clamp(max=k), torch.zeros_like(start))
-        if not seqs.sampling and k:
-            trusted = (self.survival(k, dev)[match] >= self.min_survival).sum(1)
-            n_drafts = torch.minimum(n_drafts, trusted)
+        cost = self.default_cost if self.cost_per_token is None else self.cost_per_token
+        if not seqs.sampling and k and cost > 0:
+            # the block's j-th column pays for itself when the rows' expected accepted tokens there cover its cost
+            offered = torch.arange(k, device=dev)[None, :] < n_drafts[:, None]
+            gain = (self.survival(k, dev)[match] * offered).sum(0)
+            n_drafts = torch.minimum(n_drafts, (gain >= cost * b).sum())
         # verify only as many slots as the longest proposal: rows without a match would waste the rest
         w = int(n_drafts.max()) if b else 0
         idx = (start[:, None] + torch.arange(w, device=dev)[None, :]).clamp(max=t - 1)
@@ -78,8 +88,9 @@ class PromptLookup(Drafter):
 
     def commit(self, state, proposal: Proposal, accepted, target) -> None:
         w = proposal.drafts.shape[1]
-        if not w or proposal.match is None or self.offered is None:
+        if not w or proposal.match is None:
             return
+        self.survival(w, accepted.device)  # the tables, grown to w if needed
         j = torch.arange(w, device=accepted.device)[None, :]
         rows = proposal.match[:, None].expand(-1, w)
         cols = j.expand(rows.shape[0], -1)
