@@ -196,7 +196,7 @@ def cmd_train(args) -> None:
     head_w = target.lm_head.weight[token_map].detach()  # the target's scores over the head's tokens
     model.lm_head.weight.requires_grad_(False)  # tied to the embedding table: the target's rows, frozen
     params = [p for p in list(model.parameters()) + list(fc.parameters()) if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     held = lambda: list(range(0, len(seqs), 50))  # noqa: E731  (every 50th sequence: the loss curve's)
     train = lambda: [i for i in range(len(seqs)) if i % 50]  # noqa: E731
     total = args.max_steps or args.epochs * len(batches([len(seqs[i]) for i in train()], args.batch_tokens, rng))
@@ -368,7 +368,8 @@ def main(argv=None) -> int:
     t.add_argument("--follow", action="store_true", help="add chunks written by a running gen stage each epoch")
     t.add_argument("--batch-tokens", type=int, default=4096)
     t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--noise", type=float, default=0.1, help="uniform noise added to input features (+-)")
+    t.add_argument("--noise", type=float, default=0.2, help="uniform noise added to input features (+-)")
+    t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--reg", type=float, default=1.0, help="weight of the feature regression (smooth L1)")
     t.add_argument("--soft", type=float, default=0.1, help="weight of the soft cross-entropy on the target's scores")
     t.add_argument("--hard", type=float, default=0.5, help="weight of the cross-entropy on the target's tokens")

@@ -170,31 +170,20 @@ def test_builtin_tokenizer_ships_with_the_package(cache, monkeypatch):
     assert models.load_tokenizer("smollm2-135m-draft").get_vocab() == tok.get_vocab()
 
 
-def test_trained_draft_loads_by_name_and_drafts_valid_tokens():
-    """The built-in draft is a feature-reading head: it loads by name against a target of the default model's shape
-    (here random weights: the head needs only the target's embedding and hidden size), drafts tokens of its map, and
-    the output stays the target's own."""
-    import batchspec
-    from batchspec.drafters.eagle import is_checkpoint
+def test_trained_draft_loads_by_name_and_emits_valid_tokens():
     from batchspec.prompts import encode
 
-    assert is_checkpoint(models.resolve("smollm2-135m-draft"))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=96, num_hidden_layers=1,
-                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-    target = LlamaForCausalLM(cfg).eval()
+    draft = models.load_model("smollm2-135m-draft", device="cpu", role="draft")
     tok = models.load_tokenizer("smollm2-135m-draft")
-    llm = batchspec.LLM(target, draft="smollm2-135m-draft", tokenizer="smollm2-135m-draft", speculation="fixed",
-                        num_draft_tokens=3)
-    head = llm.drafter
-    assert type(head).__name__ == "EagleDrafter" and head.model.dtype == torch.float32
-    assert head.model.config.num_hidden_layers == 1 and head.token_map.unique().numel() == len(head.token_map)
-    assert 0 < len(head.token_map) < 49152 and int(head.token_map.max()) < len(tok)
-    assert tok.eos_token_id in head.token_map.tolist()  # the head can propose the end of an answer
+    cfg = draft.config
+    assert type(draft) is LlamaForCausalLM and draft.dtype == torch.float32
+    assert models.vocab_size(draft) == 49152 and cfg.num_hidden_layers <= 4
+    assert models.eos_ids(draft) == {tok.eos_token_id}
+    kv.check_supported(draft, "draft")
     ids = encode(tok, ["Name three colours."], True)[0]
-    out = llm.generate([ids], batchspec.SamplingParams(max_tokens=8, ignore_eos=True))[0]
-    ref = target.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(ids):]
-    assert out.token_ids == ref.tolist() and llm.stats.drafted > 0
+    out = draft.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):]
+    assert all(0 <= t < len(tok) for t in out.tolist())
+    assert isinstance(tok.decode(out), str)
 
 
 def test_draft_weights_are_small():
