@@ -317,7 +317,7 @@ def cmd_eval(args) -> None:
     d = llm.drafter
     res = {"draft": args.draft, "kind": d.name, "k": args.k, "max_tokens": args.max_tokens}
     if d.name == "eagle":
-        res["draft_macs_per_token"] = macs_per_token([d.model, d.fc]) - d.model.model.embed_tokens.weight.numel() * 0
+        res["draft_macs_per_token"] = macs_per_token([d.model, d.fc])  # fc, the layer and the restricted head
         res["head_tokens"] = len(d.token_map)
     else:
         res["draft_macs_per_token"] = macs_per_token([d.model])
