@@ -3,7 +3,10 @@ gives the candidates, and learned survival per (match length, draft index) decid
 
 from types import SimpleNamespace
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import batchspec
 import tiny
@@ -25,9 +28,14 @@ STRONG = [1, 2, 3, 4, 30, 31, 32, 33, 34, 35, 1, 2, 3, 4]
 
 def test_longest_match_and_its_continuation():
     p = _seqs([WEAK, STRONG]).__dict__
-    prop = PromptLookup().propose(SimpleNamespace(**p), None, 5)
+    d = PromptLookup()
+    # nothing learned yet: each index 0.8 likely given the one before; at the prior cost of 0.2 per column, the
+    # tokens per cost peak at 4 drafts (2 rows: E(4) / 1.8 = 3.73 against E(5) / 2 = 3.69)
+    assert d.propose(SimpleNamespace(**p), None, 5).n_drafts.tolist() == [4, 4]
+    d.costs = [1.0] * 6
+    prop = d.propose(SimpleNamespace(**p), None, 5)
     assert prop.match.tolist() == [1, 4]
-    assert prop.n_drafts.tolist() == [5, 5]  # nothing learned yet: the prior trusts every index
+    assert prop.n_drafts.tolist() == [5, 5]
     assert prop.drafts[0].tolist() == [20, 21, 22, 23, 24] and prop.drafts[1].tolist() == [30, 31, 32, 33, 34]
 
 
@@ -42,16 +50,18 @@ def test_length_follows_what_each_match_length_earned():
     assert prop.drafts.shape[1] == 5
     alone = d.propose(_seqs([WEAK]), None, 5)  # a batch of weak matches only: a plain step
     assert alone.n_drafts.tolist() == [0] and alone.drafts.shape[1] == 0
-    d.cost_per_token = 0.0  # what speculation="fixed" sets: every candidate up to K
+    d.costs = [1.0] * 6  # what speculation="fixed" sets (equal costs): every candidate up to K
     assert d.propose(seqs, None, 5).n_drafts.tolist() == [5, 5]
 
 
 def test_partial_survival_cuts_at_the_first_weak_index():
     d = PromptLookup(default_cost=0.5)
     seqs = _seqs([STRONG])
+    d.costs = [1.0] * 6  # learn with every candidate offered
     for _ in range(30):  # the first two drafts always accepted, the third never
         prop = d.propose(seqs, None, 5)
         d.commit(None, prop, torch.tensor([2]), None)
+    d.costs = None  # the prior cost, 0.5 per column
     assert d.propose(seqs, None, 5).n_drafts.tolist() == [2]
     s = d.survival(5, "cpu")[4]
     assert s[0] > 0.9 and s[1] > 0.9 and s[2] < 0.5 and (s[1:] <= s[:-1]).all()  # a product: never rises
@@ -61,15 +71,63 @@ def test_batch_width_weighs_every_row():
     """A column is verified when the rows' summed chances there cover its cost for the whole batch."""
     d = PromptLookup(default_cost=0.4)
     strong, weak = _seqs([STRONG]), _seqs([WEAK])
-    d.cost_per_token = 0.0  # learn with every candidate offered
+    d.costs = [1.0] * 6  # learn with every candidate offered
     for _ in range(30):
         d.commit(None, d.propose(strong, None, 5), torch.tensor([5]), None)  # strong matches: all accepted
         d.commit(None, d.propose(weak, None, 5), torch.tensor([0]), None)  # weak ones: none
-    d.cost_per_token = None  # back to the default cost, 0.4
+    d.costs = None  # back to the default cost, 0.4 per column
     assert d.propose(_seqs([STRONG, WEAK]), None, 5).n_drafts.tolist() == [5, 5]  # ~1 token per column >= 0.8
     assert d.propose(_seqs([STRONG] + [WEAK] * 3), None, 5).n_drafts.tolist() == [0] * 4  # ~1 < 0.4 x 4 rows
-    d.cost_per_token = 0.2  # measured cheaper: 1 >= 0.2 x 4
+    d.costs = [1 + 0.2 * j for j in range(6)]  # measured cheaper: (4 + 5) / 2 > 4 / 1
     assert d.propose(_seqs([STRONG] + [WEAK] * 3), None, 5).n_drafts.tolist() == [5] * 4
+
+
+def test_latest_occurrence_gives_the_candidates():
+    """The suffix 5 6 occurs twice before the end, followed by 7 8 the first time and 40 41 the second: the latest
+    occurrence continues."""
+    prop = PromptLookup().propose(_seqs([[5, 6, 7, 8, 5, 6, 40, 41, 5, 6]]), None, 2)
+    assert prop.match.tolist() == [2] and prop.drafts.tolist() == [[40, 41]]
+
+
+def test_block_width_maximises_tokens_per_cost():
+    """Rows whose drafts are always accepted, and costs nearly flat up to 3 drafts then steep: the round verifies 3
+    (E(j) / cost(j): 4 / 1.06 beats 5 / 2); with a linear cost of 0.1 per column it verifies all 5."""
+    d = PromptLookup()
+    seqs = _seqs([STRONG])
+    d.costs = [1.0] * 6
+    for _ in range(30):
+        d.commit(None, d.propose(seqs, None, 5), torch.tensor([5]), None)
+    d.costs = [1.0, 1.02, 1.04, 1.06, 2.0, 3.0]
+    assert d.propose(seqs, None, 5).n_drafts.tolist() == [3]
+    d.costs = [1.0, None, 1.2, None, 1.4, 1.5]  # widths not measured: the prior (1 + 0.2 j), and never falling
+    assert d.round_costs(5, "cpu").tolist() == pytest.approx([1.0, 1.2, 1.2, 1.6, 1.6, 1.6])
+    assert d.propose(seqs, None, 5).n_drafts.tolist() == [5]
+
+
+def _reference(row, max_ngram, min_ngram):
+    """(match length, start of the candidates) by brute force: the longest suffix of up to max_ngram tokens with an
+    earlier occurrence that something follows, the latest such occurrence; (0, None) without one."""
+    for n in range(min(max_ngram, len(row) - 1), min_ngram - 1, -1):
+        ends = [i for i in range(n - 1, len(row) - 1) if row[i - n + 1 : i + 1] == row[len(row) - n :]]
+        if ends:
+            return n, ends[-1] + 1
+    return 0, None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=4),
+       st.integers(1, 8), st.integers(1, 3))
+def test_matching_equals_brute_force(rows, max_ngram, min_ngram):
+    """Small vocabularies, so that matches of every length occur; rows of different lengths in one batch."""
+    min_ngram = min(min_ngram, max_ngram)
+    d = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
+    d.costs = [1.0] * 4
+    prop = d.propose(_seqs(rows), None, 3)
+    for i, row in enumerate(rows):
+        n, start = _reference(row, max_ngram, min_ngram)
+        assert prop.match[i] == n
+        want = [] if start is None else row[start : start + 3]
+        assert prop.drafts[i, : prop.n_drafts[i]].tolist() == want
 
 
 def test_sampling_offers_every_candidate():

@@ -137,6 +137,27 @@ def test_cost_model_converges_on_synthetic_timings():
     assert p.cost(7) == p.cost(8)
 
 
+def test_drafter_costs_come_per_block_width():
+    """For prompt lookup the policy reports what a round of each block width cost (relative to a plain step),
+    measured where that width ran, from the fitted line where it did not; none before a plain step was timed."""
+    p = AdaptiveLength()
+    assert p.drafter_length(1, 5) == (0, None)
+    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
+    p.observe(1, 0, 1, 0.010, None)
+    k, costs = p.drafter_length(1, 5)
+    assert k == 5 and costs[0] == 1.0 and costs[1:] == [None] * 5  # no drafting round yet: the drafter's prior
+    for _ in range(30):  # a CPU at batch 1: wider blocks nearly free up to 3 drafts, then dear
+        for width, secs in ((1, 0.0102), (3, 0.0105), (4, 0.0110), (6, 0.0200)):
+            p.observe(1, 5, width, secs, None)
+    k, costs = p.drafter_length(1, 5)
+    assert costs[0] == pytest.approx(1.02) and costs[2] == pytest.approx(1.05) and costs[3] == pytest.approx(1.1)
+    assert costs[5] == pytest.approx(2.0)
+    t0, f, d = p.cost(1)
+    assert costs[1] == pytest.approx(1 + (f + d) / t0) and costs[4] == pytest.approx(1 + (f + 4 * d) / t0)
+    assert p.drafter_length(3, 5)[1] == costs  # a batch size not seen borrows the nearest one's
+    assert FixedLength().drafter_length(1, 4) == (4, [1.0] * 5)  # fixed: equal costs, every candidate offered
+
+
 def test_acceptance_estimates_come_from_the_rounds():
     """Running an engine fills the policy's per-row estimates; a draft equal to the target is estimated near 1, a
     random one near 0 (with fixed costs, the choices follow)."""

@@ -223,7 +223,7 @@ class Engine:
         drafter = self.parts.drafter
         if rows is None:
             if getattr(drafter, "sizes_own_drafts", False) and not batch.seqs.sampling:
-                k, drafter.cost_per_token = policy.drafter_length(len(batch), k_max)
+                k, drafter.costs = policy.drafter_length(len(batch), k_max)
             else:
                 k = policy.length(len(batch), k_max, batch.seqs.sampling)
             result = speculative_round(self.parts, batch, timer, k)

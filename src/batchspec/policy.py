@@ -22,10 +22,11 @@ class FixedLength:
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
         return k_max
 
-    def drafter_length(self, rows: int, k_max: int) -> tuple[int, float | None]:
-        """For a drafter that sizes its own proposals (prompt lookup): the round's maximum, and what one more
-        verified token costs in plain steps (0: offer everything, as today)."""
-        return self.length(rows, k_max), 0.0
+    def drafter_length(self, rows: int, k_max: int) -> tuple[int, list | None]:
+        """For a drafter that sizes its own proposals (prompt lookup): the round's maximum, and what a round
+        verifying j = 0..k drafts costs (equal costs: offer every candidate, the classic behaviour)."""
+        k = self.length(rows, k_max)
+        return k, [1.0] * (k + 1)
 
     def record(self, seqs, accepted, k: int) -> None:
         pass
@@ -83,6 +84,7 @@ class AdaptiveLength:
         self.interval, self.probed = probe_every, False  # rounds between probes (doubling while probes find nothing)
         self.seen = 0
         self.fill = 1.0  # tokens verified per token offered (prompt lookup often proposes fewer, or none)
+        self.widths: dict[int, dict[int, float]] = {}  # rows -> block width -> seconds of a round that drafted
 
     # ---------------------------------------------------------------------------------------------- choose
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
@@ -109,19 +111,23 @@ class AdaptiveLength:
                 return 0
         return best
 
-    def drafter_length(self, rows: int, k_max: int) -> tuple[int, float | None]:
+    def drafter_length(self, rows: int, k_max: int) -> tuple[int, list | None]:
         """For a drafter that sizes its own proposals from what it knows per row (prompt lookup's match lengths):
-        K, and ``D / T0`` (one more verified token's cost in plain steps) for it to weigh each draft against, or
-        None before it is measured. The plain-step measurements stay: first a round that drafts nothing, and again
-        after ``2 * probe_every`` rounds that drafted."""
-        t0, _, d = self.cost(rows)
+        K, and what a round verifying j = 0..K drafts per row costs, in plain steps: measured per block width
+        (rounds of about this many rows, older rounds fading), else from the fitted line ``T0 + F + j * D``, else
+        None (the drafter's own prior). None instead of the list before a plain step was measured. The plain-step
+        measurements stay: first a round that drafts nothing, and again after ``2 * probe_every`` rounds that
+        drafted."""
+        t0, f, d = self.cost(rows)
         if t0 is None:
             return 0, None
         self.busy += 1
         if self.busy >= 2 * self.probe_every:
             self.busy = 0
             return 0, None
-        return k_max, (None if d is None else d / t0)
+        seen = _nearest(self.widths, rows) or {}
+        line = [1.0 if j == 0 else None if d is None else 1.0 + (f + j * d) / t0 for j in range(k_max + 1)]
+        return k_max, [seen[j + 1] / t0 if j + 1 in seen else line[j] for j in range(k_max + 1)]
 
     def cost(self, rows: int) -> tuple:
         """``(T0, F, D)`` for ``rows`` rows: a round drafting k costs ``T0`` seconds if k = 0, else
@@ -168,6 +174,7 @@ class AdaptiveLength:
             _ema(self.t0, rows, seconds, self.smoothing)
         else:
             self.fill += self.smoothing * (drafted / k - self.fill)
+            _ema(self.widths.setdefault(rows, {}), width, seconds, self.smoothing)
             if (t0 := _nearest(self.t0, rows)) is not None:
                 self.lines.setdefault(rows, _Line(1 - self.smoothing)).add(drafted, seconds - t0)
 

@@ -1,17 +1,20 @@
-"""Prompt lookup (model-free n-gram drafting, as HF's ``prompt_lookup_num_tokens``), batched, with each row's draft
-length chosen from its match.
+"""Prompt lookup (model-free n-gram drafting, as HF's ``prompt_lookup_num_tokens``), batched, with the round's block
+width chosen from what each row's match promises and what a wider block costs.
 
-For n from ``max_ngram`` down to ``min_ngram``, find the earliest earlier occurrence of each row's last n tokens in
+For n from ``max_ngram`` down to ``min_ngram``, find the latest earlier occurrence of each row's last n tokens in
 its own prompt + generated tokens; the longest n that occurs is the row's *match length*, and the tokens that
-followed that occurrence are its candidate drafts. Rows with no match propose none.
+followed that occurrence are its candidate drafts (the latest occurrence: a passage being copied or a phrase being
+repeated continues like its most recent use). Rows with no match propose none.
 
 How far a copy goes on being right depends on how long the match is (a 1-token match is a weak hint; an 8-token one
 usually means the model is copying a passage): the drafter keeps, per match length and draft index j, how often the
 j-th draft was accepted when offered (counts over every round it served, from an optimistic prior), so it knows
-P(drafts 1..j all accepted | match length). The block's j-th column is verified only if the rows' summed chances
-there cover its cost: ``cost_per_token`` x rows, one more verified column's seconds in plain steps, which the
-engine's policy measures (``policy.drafter_length``; ``speculation="fixed"`` sets 0: every candidate up to K, the
-classic behaviour). With sampling every row proposes up to k, so that a seed's tokens never depend on what ran
+P(drafts 1..j all accepted | match length). A round that verifies j drafts per row then yields
+``E(j) = rows + sum of those chances`` tokens and costs ``costs[j]`` (seconds of a round as wide as j + 1, in plain
+steps; the engine's policy measures them per width: ``policy.drafter_length``); the round verifies the j with the
+most tokens per second, ``E(j) / costs[j]``. On a CPU the first few columns cost little and the later ones much;
+on a wide batch every column costs much. ``speculation="fixed"`` gives equal costs: every candidate up to K, the
+classic behaviour. With sampling every row proposes up to k, so that a seed's tokens never depend on what ran
 before. The block is as wide as the longest proposal in the batch (one host read per round), so a round where
 nothing was worth drafting costs one plain decoding step.
 """
@@ -20,7 +23,7 @@ import torch
 
 from .base import Drafter, Proposal
 
-PRIOR_HITS, PRIOR_MISSES = 4.0, 1.0  # an untried (match length, index) starts at 0.8: worth trying
+PRIOR_RATE, PRIOR_WEIGHT = 0.8, 5.0  # an untried first draft starts at 0.8: worth trying
 
 
 class PromptLookup(Drafter):
@@ -28,63 +31,74 @@ class PromptLookup(Drafter):
     sizes_own_drafts = True  # the engine sets ``cost_per_token`` before each round (``policy.drafter_length``)
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1, default_cost: float = 0.2):
-        """``default_cost``: what one more verified token costs, in plain decoding steps, until the engine's policy
-        has measured it (``cost_per_token``)."""
+        """``default_cost``: what one more verified token costs, in plain decoding steps, for block widths the
+        engine's policy has not measured (``costs``)."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if not 0.0 <= default_cost < 1.0:
             raise ValueError(f"default_cost must be in [0, 1), got {default_cost}")
         self.max_ngram, self.min_ngram, self.default_cost = max_ngram, min_ngram, default_cost
-        self.cost_per_token: float | None = None
+        self.costs: list | None = None  # [j]: a round verifying j drafts, in plain steps (None: not measured)
         self.offered = self.hits = None  # [max_ngram + 1, K]: drafts offered / accepted, per match length and index
 
     def survival(self, k: int, device) -> torch.Tensor:
         """``[max_ngram + 1, k]``: estimated P(drafts 1..j all accepted | match length n), the product of each
-        index's estimated acceptance given the ones before it."""
+        index's estimated acceptance given the ones before it. Each index's estimate starts from the one before it
+        (``PRIOR_WEIGHT`` pseudo-counts; the first from ``PRIOR_RATE``): an index rarely offered yet is taken to go
+        on like the ones before, so a long match that was always right earns wider blocks before they are tried."""
         if self.offered is None:
             self.offered, self.hits = (torch.zeros((self.max_ngram + 1, k), dtype=torch.float64, device=device)
                                        for _ in range(2))
         elif self.offered.shape[1] < k or self.offered.device != device:  # keep what was learned
             grow = (0, max(k - self.offered.shape[1], 0))
             self.offered, self.hits = (torch.nn.functional.pad(t, grow).to(device) for t in (self.offered, self.hits))
-        s = (self.hits[:, :k] + PRIOR_HITS) / (self.offered[:, :k] + PRIOR_HITS + PRIOR_MISSES)
-        return s.cumprod(1)
+        rate = torch.full_like(self.offered[:, 0], PRIOR_RATE)
+        cols = []
+        for j in range(k):  # k is small: a handful of [max_ngram + 1] operations
+            rate = (self.hits[:, j] + PRIOR_WEIGHT * rate) / (self.offered[:, j] + PRIOR_WEIGHT)
+            cols.append(rate)
+        return torch.stack(cols, 1).cumprod(1) if cols else self.offered[:, :0]
 
     def propose(self, seqs, state, k):
         hist, length = seqs.history, seqs.length
         b, t = hist.shape
         dev = hist.device
-        cols = torch.arange(t, device=dev)
-        found = torch.zeros(b, dtype=torch.bool, device=dev)
-        start = torch.zeros(b, dtype=torch.long, device=dev)
-        match = torch.zeros(b, dtype=torch.long, device=dev)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if t <= n:
-                continue
-            tail_idx = (length[:, None] - n + torch.arange(n, device=dev)[None, :]).clamp(min=0)
-            tail = hist.gather(1, tail_idx)  # [B, n]: the last n tokens
-            windows = hist.unfold(1, n, 1)  # [B, t-n+1, n]
-            hit = (windows == tail[:, None, :]).all(-1)
-            # a window must end before the last token, so that something follows it
-            hit &= (cols[: t - n + 1][None, :] + n < length[:, None]) & (length[:, None] > n)
-            has = hit.any(1)
-            take = has & ~found
-            start = torch.where(take, hit.int().argmax(1) + n, start)
-            match = torch.where(take, n, match)
-            found |= has
+        n_max = self.max_ngram
+        # every position i as the end of a window of the n_max tokens up to it (left-padded with -1), compared with
+        # the row's last n_max tokens (-2 before its start): the run of matches back from i is the match length there
+        padded = torch.nn.functional.pad(hist, (n_max - 1, 0), value=-1)
+        tail_pos = length[:, None] - n_max + torch.arange(n_max, device=dev)[None, :]
+        tail = torch.where(tail_pos >= 0, padded.gather(1, tail_pos + n_max - 1), -2)
+        eq = padded.unfold(1, n_max, 1) == tail[:, None, :]  # [B, t, n_max]
+        run = eq.flip(-1).cumprod(-1).sum(-1)  # [B, t]
+        # the occurrence must end before the last token, so that something follows it
+        run = run.masked_fill(torch.arange(t, device=dev)[None, :] >= (length[:, None] - 1), 0)
+        match = run.max(1).values
+        found = match >= self.min_ngram
+        match = match.masked_fill(~found, 0)
+        latest = t - 1 - (run == match[:, None]).flip(1).int().argmax(1)  # the latest occurrence of that length
+        start = latest + 1
         n_drafts = torch.where(found, (length - start).clamp(max=k), torch.zeros_like(start))
-        cost = self.default_cost if self.cost_per_token is None else self.cost_per_token
-        if not seqs.sampling and k and cost > 0:
-            # the block's j-th column pays for itself when the rows' expected accepted tokens there cover its cost
+        if not seqs.sampling and k:
             offered = torch.arange(k, device=dev)[None, :] < n_drafts[:, None]
-            gain = (self.survival(k, dev)[match] * offered).sum(0)
-            n_drafts = torch.minimum(n_drafts, (gain >= cost * b).sum())
+            gain = (self.survival(k, dev)[match] * offered).sum(0)  # expected accepted tokens in each column
+            tokens = torch.cat([gain.new_full((1,), float(b)), b + gain.cumsum(0)])  # E(j), j = 0..k
+            n_drafts = torch.minimum(n_drafts, (tokens / self.round_costs(k, dev)).argmax())
         # verify only as many slots as the longest proposal: rows without a match would waste the rest
         w = int(n_drafts.max()) if b else 0
         idx = (start[:, None] + torch.arange(w, device=dev)[None, :]).clamp(max=t - 1)
         drafts = hist.gather(1, idx)
         drafts = torch.where(torch.arange(w, device=dev)[None, :] < n_drafts[:, None], drafts, 0)
         return Proposal(drafts, n_drafts, match=match)  # deterministic: q is one-hot on the proposal
+
+    def round_costs(self, k: int, device) -> torch.Tensor:
+        """``[k + 1]``: a round verifying j drafts, in plain steps: the measured ``costs`` where given, else
+        ``1 + default_cost * j``; never falling with j (a wider block does at least the narrower one's work)."""
+        costs = [1.0 + self.default_cost * j for j in range(k + 1)]
+        for j, c in enumerate((self.costs or [])[: k + 1]):
+            if c is not None:
+                costs[j] = c
+        return torch.tensor(costs, dtype=torch.float64, device=device).cummax(0).values
 
     def commit(self, state, proposal: Proposal, accepted, target) -> None:
         w = proposal.drafts.shape[1]
