@@ -28,7 +28,7 @@ PRIOR_RATE, PRIOR_WEIGHT = 0.8, 5.0  # an untried first draft starts at 0.8: wor
 
 class PromptLookup(Drafter):
     name = "prompt-lookup"
-    sizes_own_drafts = True  # the engine sets ``cost_per_token`` before each round (``policy.drafter_length``)
+    sizes_own_drafts = True  # the engine sets ``costs`` before each round (``policy.drafter_length``)
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1, default_cost: float = 0.2):
         """``default_cost``: what one more verified token costs, in plain decoding steps, for block widths the
