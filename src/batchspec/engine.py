@@ -222,7 +222,7 @@ class Engine:
         k_max = _room(self.parts, batch)
         drafter = self.parts.drafter
         if rows is None:
-            if getattr(drafter, "sizes_own_drafts", False) and not batch.seqs.sampling:
+            if drafter.sizes_own_drafts and not batch.seqs.sampling:
                 k, drafter.costs = policy.drafter_length(len(batch), k_max)
             else:
                 k = policy.length(len(batch), k_max, batch.seqs.sampling)

@@ -31,6 +31,9 @@ class Proposal:
 class Drafter:
     name = "drafter"
     needs_hidden = False  # whether ``commit`` reads the target's final hidden states
+    # whether ``propose`` picks its own width under greedy decoding from ``costs`` (a round verifying j = 0..k drafts,
+    # in plain steps), which the engine sets from the policy before each round (``policy.drafter_length``)
+    sizes_own_drafts = False
 
     def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None):
         """The state of rows starting with ``prompts`` (None for drafters that keep no per-row state). A drafter
