@@ -99,6 +99,20 @@ def test_skinny_kernel_matches_matmul(m, n, k):
     torch.testing.assert_close(kernels.skinny_linear(x.T.contiguous().T, w), got, rtol=0, atol=0)
 
 
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 5, 13, 30])
+@pytest.mark.parametrize("k", [40, 13])
+def test_skinny_kernel_rows_do_not_depend_on_their_neighbours(n, k):
+    """A row's outputs have the same bits whether it runs alone or in any place of a block of 2..9 rows (blocks of
+    4, 3, 2 and 1 rows sum in one order): a verification block gives the logits a decode step gives."""
+    g = torch.Generator().manual_seed(n * 10 + k)
+    x, w = torch.randn(9, k, generator=g), torch.randn(n, k, generator=g)
+    alone = torch.cat([kernels.skinny_linear(x[i : i + 1], w) for i in range(9)])
+    for m in range(2, 10):
+        assert torch.equal(kernels.skinny_linear(x[:m], w), alone[:m]), m
+        assert torch.equal(kernels.skinny_linear(x[9 - m :], w), alone[9 - m :]), m
+
+
 def test_skinny_kernel_declines_what_it_does_not_cover(monkeypatch):
     w = torch.randn(16, 40)
     assert kernels.skinny_linear(torch.randn(kernels.MAX_ROWS + 1, 40), w) is None

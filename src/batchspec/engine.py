@@ -221,8 +221,9 @@ class Engine:
             stats.fallback_rounds += not grouped
         k_max = _room(self.parts, batch)
         drafter = self.parts.drafter
+        own = drafter.sizes_own_drafts and not batch.seqs.sampling  # the drafter sizes its blocks from costs
         if rows is None:
-            if drafter.sizes_own_drafts and not batch.seqs.sampling:
+            if own:
                 k, drafter.costs = policy.drafter_length(len(batch), k_max)
             else:
                 k = policy.length(len(batch), k_max, batch.seqs.sampling)
@@ -232,7 +233,8 @@ class Engine:
             result = self._round_from_window(rows, k)
         stats.lengths[k] = stats.lengths.get(k, 0) + 1
         with timer("align"):
-            estimates = policy.estimates(batch.seqs, self.parts.k) if rows is None and self.parts.k else None
+            wants = rows is None and self.parts.k and not own  # per-row estimates, for the policy's own choice
+            estimates = policy.estimates(batch.seqs, self.parts.k) if wants else None
             fin, width, new, values = _account(stats, batch, rows, result, estimates)  # the round's one host sync
             policy.observe(len(result.emitted), k, result.block.shape[1], time.perf_counter() - start, values)
             if any(fin):

@@ -1,11 +1,25 @@
 /* y = x @ w^T for a few rows of x (fp32, AVX2 + FMA): every weight row is read once from memory for all rows of x.
- * x: M x K, w: N x K, y: M x N, all row-major and contiguous; the last K % 8 products of each sum are scalar.
- * Columns are split across OpenMP threads. */
+ * x: M x K, w: N x K, y: M x N, all row-major and contiguous.
+ *
+ * Every output y[m][n] is summed in the same order whatever M is and wherever the row falls in a block: eight lanes
+ * over k in steps of 8, the lanes added pairwise (hsum), then the last K % 8 products one by one. So a token's
+ * logits do not depend on how many tokens share its forward (a verification block gives the bits a decode step
+ * gives).
+ *
+ * Rows of x go in blocks of 4 (then one block of the 1-3 left), each against a few weight rows at a time with every
+ * sum in a register: 4 rows x 2 weight rows, 3 x 4, 2 x 4, 1 x 2 (at most 12 accumulators, so the x rows or the
+ * weight rows of a step stay in registers too). Weight rows go to the threads in chunks of 12, so a chunk stays in
+ * L1 while each block of x rows passes over it. Before, 2 and 3 rows ran as 2 and 3 single rows, each against 2
+ * weight rows: on the model's weights, with memory fast, 3 rows then cost ~30% more than 1 and ~10% more than 4;
+ * now 3 and 5-6 rows cost 10-25% less than before, 1, 2, 4 and 8 about the same. With memory slow (this machine's
+ * bandwidth varies by ~30% over minutes) every width up to 8 waits on the weights alike. */
 #include <immintrin.h>
 
 /* Weights are prefetched this many floats ahead of the rows being read: the hardware prefetcher alone left the
- * kernel at ~9 GB/s on 8 rows; with it, ~14 GB/s (the machine reads ~22 GB/s on 2 cores). */
-#define AHEAD 1536
+ * kernel at ~9 GB/s on 8 rows; with it, ~14 GB/s. Far more (8192) wastes bandwidth past the end of each thread's
+ * share of a small matrix: one row of x ran ~5% slower. */
+#define AHEAD 3072
+#define CHUNK 12 /* weight rows per thread task: a multiple of every block's weight rows */
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -14,58 +28,54 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* two weight rows (n, n + 1) against four rows of x, all sums in registers */
-static void rows4(const float *x, const float *w0, const float *w1, float *y, long N, long K, long n, int two) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    long k = 0;
-    for (; k + 8 <= K; k += 8) {
-        _mm_prefetch((const char *)(w0 + AHEAD + k), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w1 + AHEAD + k), _MM_HINT_T0);
-        __m256 u = _mm256_loadu_ps(w0 + k), v = _mm256_loadu_ps(w1 + k), t;
-        t = _mm256_loadu_ps(x + k);         a0 = _mm256_fmadd_ps(u, t, a0); b0 = _mm256_fmadd_ps(v, t, b0);
-        t = _mm256_loadu_ps(x + K + k);     a1 = _mm256_fmadd_ps(u, t, a1); b1 = _mm256_fmadd_ps(v, t, b1);
-        t = _mm256_loadu_ps(x + 2 * K + k); a2 = _mm256_fmadd_ps(u, t, a2); b2 = _mm256_fmadd_ps(v, t, b2);
-        t = _mm256_loadu_ps(x + 3 * K + k); a3 = _mm256_fmadd_ps(u, t, a3); b3 = _mm256_fmadd_ps(v, t, b3);
+/* R rows of x against the weight rows n .. n + nw - 1 (nw <= C; a short block repeats its first row, unwritten) */
+#define BLOCK(NAME, R, C)                                                                                     \
+    static void NAME(const float *x, const float *w, float *y, long N, long K, long n, int nw) {              \
+        __m256 acc[R][C];                                                                                     \
+        const float *wr[C];                                                                                   \
+        for (int c = 0; c < C; c++) {                                                                         \
+            wr[c] = w + (c < nw ? c : 0) * K;                                                                 \
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_setzero_ps();                                      \
+        }                                                                                                     \
+        long k = 0;                                                                                           \
+        for (; k + 8 <= K; k += 8) {                                                                          \
+            __m256 wv[C];                                                                                     \
+            for (int c = 0; c < C; c++) {                                                                     \
+                _mm_prefetch((const char *)(wr[c] + AHEAD + k), _MM_HINT_T0);                                 \
+                wv[c] = _mm256_loadu_ps(wr[c] + k);                                                           \
+            }                                                                                                 \
+            for (int r = 0; r < R; r++) {                                                                     \
+                __m256 t = _mm256_loadu_ps(x + r * K + k);                                                    \
+                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(wv[c], t, acc[r][c]);                 \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int r = 0; r < R; r++)                                                                           \
+            for (int c = 0; c < nw; c++) {                                                                    \
+                float s = hsum(acc[r][c]);                                                                    \
+                for (long j = k; j < K; j++) s += wr[c][j] * x[r * K + j];                                    \
+                y[r * N + n + c] = s;                                                                         \
+            }                                                                                                 \
     }
-    float sa[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)}, sb[4] = {hsum(b0), hsum(b1), hsum(b2), hsum(b3)};
-    for (; k < K; k++)
-        for (int r = 0; r < 4; r++) {
-            sa[r] += w0[k] * x[r * K + k];
-            sb[r] += w1[k] * x[r * K + k];
-        }
-    for (int r = 0; r < 4; r++) {
-        y[r * N + n] = sa[r];
-        if (two) y[r * N + n + 1] = sb[r];
-    }
-}
 
-/* two weight rows against one row of x */
-static void rows1(const float *x, const float *w0, const float *w1, float *y, long K, long n, int two) {
-    __m256 a = _mm256_setzero_ps(), b = a;
-    long k = 0;
-    for (; k + 8 <= K; k += 8) {
-        _mm_prefetch((const char *)(w0 + AHEAD + k), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w1 + AHEAD + k), _MM_HINT_T0);
-        __m256 t = _mm256_loadu_ps(x + k);
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), t, a);
-        b = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), t, b);
-    }
-    float sa = hsum(a), sb = hsum(b);
-    for (; k < K; k++) {
-        sa += w0[k] * x[k];
-        sb += w1[k] * x[k];
-    }
-    y[n] = sa;
-    if (two) y[n + 1] = sb;
-}
+BLOCK(rows4, 4, 2)
+BLOCK(rows3, 3, 4)
+BLOCK(rows2, 2, 4)
+BLOCK(rows1, 1, 2)
+
+/* the rows of x in blocks of 4, then the 1-3 left, against weight rows n0 .. n1 - 1 (direct calls: inlined) */
+#define PASS(F, C, X, Y)                                                                                     \
+    for (long n = n0; n < n1; n += C) F(X, w + n * K, Y, N, K, n, n1 - n < C ? (int)(n1 - n) : C)
 
 void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K) {
+    long rest = M % 4, m4 = M - rest;
+    const float *xr = x + m4 * K;
+    float *yr = y + m4 * N;
     #pragma omp parallel for schedule(static)
-    for (long n = 0; n < N; n += 2) {
-        int two = n + 1 < N;
-        const float *w0 = w + n * K, *w1 = two ? w0 + K : w0;
-        long m = 0;
-        for (; m + 4 <= M; m += 4) rows4(x + m * K, w0, w1, y + m * N, N, K, n, two);
-        for (; m < M; m++) rows1(x + m * K, w0, w1, y + m * N, K, n, two);
+    for (long n0 = 0; n0 < N; n0 += CHUNK) {
+        long n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
+        for (long m = 0; m < m4; m += 4) PASS(rows4, 2, x + m * K, y + m * N);
+        if (rest == 3) PASS(rows3, 4, xr, yr);
+        if (rest == 2) PASS(rows2, 4, xr, yr);
+        if (rest == 1) PASS(rows1, 2, xr, yr);
     }
 }
