@@ -158,6 +158,19 @@ def test_drafter_costs_come_per_block_width():
     assert FixedLength().drafter_length(1, 4) == (4, [1.0] * 5)  # fixed: equal costs, every candidate offered
 
 
+def test_drafter_costs_are_relative_to_the_plain_step_of_their_time():
+    """The machine slows down 1.5x after width 6 was last run: width 6 keeps its cost relative to a plain step (2x),
+    instead of looking cheap against the slower step."""
+    p = AdaptiveLength(smoothing=1.0, width_smoothing=1.0)
+    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
+    p.observe(1, 0, 1, 0.010, None)
+    p.observe(1, 5, 6, 0.020, None)
+    p.observe(1, 0, 1, 0.015, None)
+    p.observe(1, 5, 3, 0.0165, None)
+    costs = p.drafter_length(1, 5)[1]
+    assert costs[5] == pytest.approx(2.0) and costs[2] == pytest.approx(1.1)
+
+
 def test_acceptance_estimates_come_from_the_rounds():
     """Running an engine fills the policy's per-row estimates; a draft equal to the target is estimated near 1, a
     random one near 0 (with fixed costs, the choices follow)."""

@@ -70,10 +70,12 @@ class AdaptiveLength:
     name = "adaptive"
 
     def __init__(self, prior_weight: float = 1.0, probe_every: int = 8, smoothing: float = 0.3,
-                 initial_rate: float = 0.5, costs: tuple | None = None, decay: float = 0.7):
+                 initial_rate: float = 0.5, costs: tuple | None = None, decay: float = 0.7,
+                 width_smoothing: float = 0.1):
         """``costs``: ``(T0, D)`` or ``(T0, F, D)`` in seconds, used for every batch size instead of measured ones
         (tests, or a machine whose costs are known)."""
         self.prior_weight, self.probe_every, self.smoothing = prior_weight, probe_every, smoothing
+        self.width_smoothing = width_smoothing  # per-width costs: relative, so they may average longer
         self.costs = None if costs is None else (costs[0], 0.0, costs[1]) if len(costs) == 2 else tuple(costs)
         self.decay = decay
         self.rate = initial_rate  # running acceptance rate of all rows (the prior for each row)
@@ -84,7 +86,9 @@ class AdaptiveLength:
         self.interval, self.probed = probe_every, False  # rounds between probes (doubling while probes find nothing)
         self.seen = 0
         self.fill = 1.0  # tokens verified per token offered (prompt lookup often proposes fewer, or none)
-        self.widths: dict[int, dict[int, float]] = {}  # rows -> block width -> seconds of a round that drafted
+        # rows -> block width -> a drafting round's seconds over the plain step's at the time (the machine's speed
+        # drifts; a width seldom run keeps its cost relative to the step, not its seconds)
+        self.widths: dict[int, dict[int, float]] = {}
 
     # ---------------------------------------------------------------------------------------------- choose
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
@@ -115,7 +119,9 @@ class AdaptiveLength:
         """For a drafter that sizes its own proposals from what it knows per row (prompt lookup's match lengths):
         K, and what a round verifying j = 0..K drafts per row costs, in plain steps: measured per block width
         (rounds of about this many rows, older rounds fading), else from the fitted line ``T0 + F + j * D``, else
-        None (the drafter's own prior). None instead of the list before a plain step was measured. The plain-step
+        None (the drafter's own prior). A width's measured cost is the moving average of its rounds' seconds over
+        the plain step's cost when each ran, so the machine's drifting speed does not skew widths run at different
+        times. None instead of the list before a plain step was measured. The plain-step
         measurements stay: first a round that drafts nothing, and again after ``2 * probe_every`` rounds that
         drafted."""
         t0, f, d = self.cost(rows)
@@ -127,7 +133,7 @@ class AdaptiveLength:
             return 0, None
         seen = _nearest(self.widths, rows) or {}
         line = [1.0 if j == 0 else None if d is None else 1.0 + (f + j * d) / t0 for j in range(k_max + 1)]
-        return k_max, [seen[j + 1] / t0 if j + 1 in seen else line[j] for j in range(k_max + 1)]
+        return k_max, [seen.get(j + 1, line[j]) for j in range(k_max + 1)]
 
     def cost(self, rows: int) -> tuple:
         """``(T0, F, D)`` for ``rows`` rows: a round drafting k costs ``T0`` seconds if k = 0, else
@@ -174,8 +180,8 @@ class AdaptiveLength:
             _ema(self.t0, rows, seconds, self.smoothing)
         else:
             self.fill += self.smoothing * (drafted / k - self.fill)
-            _ema(self.widths.setdefault(rows, {}), width, seconds, self.smoothing)
             if (t0 := _nearest(self.t0, rows)) is not None:
+                _ema(self.widths.setdefault(rows, {}), width, seconds / t0, self.width_smoothing)
                 self.lines.setdefault(rows, _Line(1 - self.smoothing)).add(drafted, seconds - t0)
 
 

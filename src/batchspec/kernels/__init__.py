@@ -2,7 +2,8 @@
 
 - ``skinny.c``: linear layers over a few rows. For a handful of rows MKL's fp32 products stream a large weight at
   ~6 GB/s on this project's reference CPU (AVX2); reading each weight row once for all rows, with the weights
-  prefetched ahead, streams it at ~13-14 GB/s.
+  prefetched ahead, streams it at ~13-14 GB/s. Rows go in register blocks of 4, 3, 2 or 1, each row summed in one
+  order whatever its block, so a token's outputs have the same bits in a verification block as in a decode step.
 - ``layer.c``: one Llama decoder layer per call (driven by ``llama.py``), attention over visible slots only.
 
 They are compiled on first use with the system C compiler into ``$BATCHSPEC_CACHE/kernels`` (default
