@@ -10,9 +10,9 @@
  * sum in a register: 4 rows x 2 weight rows, 3 x 4, 2 x 4, 1 x 2 (at most 12 accumulators, so the x rows or the
  * weight rows of a step stay in registers too). Weight rows go to the threads in chunks of 12, so a chunk stays in
  * L1 while each block of x rows passes over it. Before, 2 and 3 rows ran as 2 and 3 single rows, each against 2
- * weight rows: on the model's weights, with memory fast, 3 rows then cost ~30% more than 1 and ~10% more than 4;
- * now 3 and 5-6 rows cost 10-25% less than before, 1, 2, 4 and 8 about the same. With memory slow (this machine's
- * bandwidth varies by ~30% over minutes) every width up to 8 waits on the weights alike. */
+ * weight rows: on the model's weights, with memory fast, 3 rows then cost ~30% more than 1 and ~10% more than 4.
+ * Now 3 rows cost 10-25% less than before, 5-6 rows 5-15% less, 1, 2, 4 and 8 about the same. With memory slow
+ * (this machine's bandwidth varies by ~30% over minutes) most widths wait on the weights alike. */
 #include <immintrin.h>
 
 /* Weights are prefetched this many floats ahead of the rows being read: the hardware prefetcher alone left the
