@@ -233,7 +233,9 @@ class Engine:
             result = self._round_from_window(rows, k)
         stats.lengths[k] = stats.lengths.get(k, 0) + 1
         with timer("align"):
-            wants = rows is None and self.parts.k and not own  # per-row estimates, for the policy's own choice
+            # per-row estimates, for the policy's own choice; they only move when rows draft (a round without
+            # drafting leaves them, so it skips the work and the read)
+            wants = rows is None and k and not own
             estimates = policy.estimates(batch.seqs, self.parts.k) if wants else None
             fin, width, new, values = _account(stats, batch, rows, result, estimates)  # the round's one host sync
             policy.observe(len(result.emitted), k, result.block.shape[1], time.perf_counter() - start, values)
