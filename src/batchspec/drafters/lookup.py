@@ -46,18 +46,22 @@ class PromptLookup(Drafter):
         index's estimated acceptance given the ones before it. Each index's estimate starts from the one before it
         (``PRIOR_WEIGHT`` pseudo-counts; the first from ``PRIOR_RATE``): an index rarely offered yet is taken to go
         on like the ones before, so a long match that was always right earns wider blocks before they are tried."""
-        if self.offered is None:
-            self.offered, self.hits = (torch.zeros((self.max_ngram + 1, k), dtype=torch.float64, device=device)
-                                       for _ in range(2))
-        elif self.offered.shape[1] < k or self.offered.device != device:  # keep what was learned
-            grow = (0, max(k - self.offered.shape[1], 0))
-            self.offered, self.hits = (torch.nn.functional.pad(t, grow).to(device) for t in (self.offered, self.hits))
+        self._tables(k, device)
         rate = torch.full_like(self.offered[:, 0], PRIOR_RATE)
         cols = []
         for j in range(k):  # k is small: a handful of [max_ngram + 1] operations
             rate = (self.hits[:, j] + PRIOR_WEIGHT * rate) / (self.offered[:, j] + PRIOR_WEIGHT)
             cols.append(rate)
         return torch.stack(cols, 1).cumprod(1) if cols else self.offered[:, :0]
+
+    def _tables(self, k: int, device) -> None:
+        """``offered`` / ``hits`` with at least k indices, on ``device`` (grown, keeping what was learned)."""
+        if self.offered is None:
+            self.offered, self.hits = (torch.zeros((self.max_ngram + 1, k), dtype=torch.float64, device=device)
+                                       for _ in range(2))
+        elif self.offered.shape[1] < k or self.offered.device != device:
+            grow = (0, max(k - self.offered.shape[1], 0))
+            self.offered, self.hits = (torch.nn.functional.pad(t, grow).to(device) for t in (self.offered, self.hits))
 
     def propose(self, seqs, state, k):
         hist, length = seqs.history, seqs.length
@@ -94,17 +98,15 @@ class PromptLookup(Drafter):
     def round_costs(self, k: int, device) -> torch.Tensor:
         """``[k + 1]``: a round verifying j drafts, in plain steps: the measured ``costs`` where given, else
         ``1 + default_cost * j``; never falling with j (a wider block does at least the narrower one's work)."""
-        costs = [1.0 + self.default_cost * j for j in range(k + 1)]
-        for j, c in enumerate((self.costs or [])[: k + 1]):
-            if c is not None:
-                costs[j] = c
+        given = (self.costs or [])[: k + 1]
+        costs = [1.0 + self.default_cost * j if j >= len(given) or given[j] is None else given[j] for j in range(k + 1)]
         return torch.tensor(costs, dtype=torch.float64, device=device).cummax(0).values
 
     def commit(self, state, proposal: Proposal, accepted, target) -> None:
         w = proposal.drafts.shape[1]
         if not w or proposal.match is None:
             return
-        self.survival(w, accepted.device)  # the tables, grown to w if needed
+        self._tables(w, accepted.device)
         j = torch.arange(w, device=accepted.device)[None, :]
         rows = proposal.match[:, None].expand(-1, w)
         cols = j.expand(rows.shape[0], -1)
