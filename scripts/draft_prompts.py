@@ -453,3 +453,104 @@ def training_prompts(n: int, seed: int, held_out: list[str]) -> list[tuple[str, 
         out.extend(pools[c][i] for c in live)
         i += 1
     return out[:n]
+
+
+# ------------------------------------------------------------------------------------ broad prompts (second set)
+# Any topic under any kind of request: far more distinct answers than the tables above, whose few hundred fillers
+# a head memorises. Passages for the context kinds (summarise, answer from a text, rewrite) are the target's own
+# earlier answers, so these prompts copy from text the way Spec-Bench's summarization and rag prompts do.
+
+TOPICS = """volcanoes|coral reefs|honey bees|the water cycle|black holes|the immune system|sleep|vaccines|rainforests|
+deserts|glaciers|earthquakes|the moon|Mars|comets|the solar wind|electric cars|solar panels|nuclear power|
+wind farms|recycling plastic|composting|urban gardening|beekeeping|bird migration|whales|octopuses|wolves|
+elephants|ants|mushrooms|ferns|cacti|tomatoes|coffee|chocolate|bread baking|fermentation|cheese making|olive oil|
+rice farming|tea ceremonies|street food|vegetarian cooking|spices|knitting|pottery|woodworking|origami|
+photography|watercolour painting|sculpture|calligraphy|jazz|opera|hip hop|folk music|the violin|the piano|drums|
+film editing|animation|video games|chess|board games|football|basketball|tennis|swimming|cycling|marathon running|
+yoga|rock climbing|sailing|skiing|camping|hiking boots|maps|lighthouses|bridges|skyscrapers|tunnels|railways|
+airports|container ships|the printing press|the telegraph|radio|television|smartphones|the internet|email|
+passwords|encryption|databases|spreadsheets|compilers|operating systems|computer viruses|cloud computing|
+open-source software|robots|drones|3D printing|artificial intelligence|machine translation|search engines|
+social media|online shopping|credit cards|inflation|interest rates|taxes|budgeting|saving for retirement|
+starting a small business|job interviews|writing a CV|teamwork|leadership|time management|procrastination|
+public speaking|learning a language|homeschooling|libraries|museums|newspapers|podcasts|poetry|fairy tales|
+detective novels|science fiction|Shakespeare|ancient Egypt|ancient Rome|the Vikings|the Silk Road|the Aztecs|
+medieval castles|the Renaissance|the Industrial Revolution|the Cold War|the space race|democracy|human rights|
+elections|the United Nations|city planning|public transport|traffic jams|noise pollution|air quality|
+drinking water|floods|droughts|hurricanes|climate change|biodiversity|endangered species|national parks|
+zoos|pets|training a puppy|cats|horses|aquariums|first aid|healthy breakfasts|vitamins|exercise at home|
+running injuries|stress|meditation|friendship|grandparents|moving house|noisy neighbours|wedding planning|
+birthday parties|holidays by train|packing a suitcase|hotels|camping stoves|weather forecasts|rainbows|
+thunderstorms|snow|tides|magnets|electricity|batteries|light bulbs|lasers|microscopes|telescopes|satellites|
+GPS|clocks|calendars|prime numbers|fractions|probability|statistics|geometry|algebra|the number zero|
+sorting algorithms|recursion|binary numbers|spreadsheets formulas|plumbing|fixing a bicycle|painting a room|
+houseplants|lawn care|bees in cities|electric scooters|car maintenance|driving lessons|airline delays|
+lost luggage|customer service|restaurant reviews|minimalism|second-hand clothes|fashion|perfume|soap making|
+candles|dinosaurs|fossils|volcanic islands|the Arctic|Antarctica|the Amazon river|the Sahara|the Alps|
+the Pacific Ocean|penguins|sharks|dolphins|butterflies|spiders|owls|crows|forests in autumn|
+the history of money|the Olympic Games|chess champions|famous inventors|women in science|space telescopes|
+the human brain|memory|dreams|left-handedness|optical illusions|laughter|music therapy|languages that died|
+sign language|handwriting|typewriters|vinyl records|cinema history|comic books|theme parks|circus|
+firefighters|nurses|farmers|teachers|astronauts|architects|librarians|bakers|pilots|lifeguards""".replace("\n", "")
+
+ASKS = {
+    "writing": ["Write a short blog post about {t}.", "Write a poem about {t}.", "Write a short story in which {t} "
+                "play an important part.", "Write a persuasive paragraph about {t}.", "Write a news report about "
+                "something surprising involving {t}.", "Write a letter to a friend about {t}.", "Write a short "
+                "essay on {t}.", "Write an advertisement that mentions {t}.", "Write a speech for a school event "
+                "about {t}.", "Write a diary entry about a day spent learning about {t}."],
+    "roleplay": ["Pretend you are an expert on {t}. Introduce yourself to a class of students.", "You are a tour "
+                 "guide. Describe {t} to a group of visitors.", "Act as a teacher and explain {t} to a ten-year-old.",
+                 "Imagine you are a journalist interviewing someone who knows all about {t}. Write the first "
+                 "questions and answers.", "Pretend you are a shop assistant selling something related to {t}."],
+    "reasoning": ["What are the pros and cons of {t}?", "Give three arguments for and three against {t}.",
+                  "What would happen if {t} disappeared tomorrow? Think it through.", "How are {t} and {u} alike, "
+                  "and how are they different?", "What mistakes do beginners make with {t}, and why?"],
+    "stem": ["Explain {t} in simple terms.", "How does {t} work?", "What is the science behind {t}?",
+             "Give three surprising facts about {t}.", "What are common misconceptions about {t}?"],
+    "humanities": ["What is the history of {t}?", "How has {t} changed over the last hundred years?", "Why do "
+                   "people care about {t}?", "How do different cultures think about {t}?"],
+    "qa": ["What is {t}?", "Why is {t} important?", "Who uses {t}, and for what?", "What should I know about {t} "
+           "before I start?", "Where can I learn more about {t}?"],
+    "general": ["Give me five tips about {t}.", "Make a step-by-step plan for getting started with {t}.", "List "
+                "the most important things to know about {t}.", "What questions should I ask about {t}?",
+                "Recommend some ways to enjoy {t} on a small budget."],
+    "coding": ["Write a {lang} program that stores facts about {t} and prints them.", "Design a small {lang} class "
+               "that models {t}. Explain the fields.", "Write a {lang} function that counts how often the word "
+               "'{w}' appears in a text."],
+}
+
+PASSAGE_ASKS = {
+    "summarization": ["Summarize this text in two sentences:\n\"{p}\"", "Write a one-line headline for this text:"
+                      "\n\"{p}\"", "What are the three main points of the following text?\n\"{p}\""],
+    "rag": ["Use the text to answer the question.\nText: \"{p}\"\nQuestion: What does the text say about {w}?",
+            "Answer using only the passage below.\nPassage: \"{p}\"\nQuestion: What is the main idea?"],
+    "extraction": ["List every name, number and place mentioned in this text:\n\"{p}\"", "Rewrite this text as "
+                   "a bulleted list:\n\"{p}\"", "Rewrite this text in simpler words:\n\"{p}\""],
+    "translation": ["Translate the first sentence of this text into {lang2}:\n\"{p}\""],
+}
+
+
+def broad_prompts(n: int, seed: int, held_out: list[str], passages: list[str]) -> list[tuple[str, str]]:
+    """``n`` distinct ``(category, prompt)`` pairs: any of ``TOPICS`` under any of ``ASKS``, and ``passages``
+    (texts of a few sentences) under ``PASSAGE_ASKS`` for about a quarter of them; none overlapping ``held_out``."""
+    rng = random.Random(seed)
+    held = HeldOut(held_out)
+    topics = [t.strip() for t in TOPICS.split("|") if t.strip()]
+    out, seen, tries = [], set(), 0
+    while len(out) < n:
+        tries += 1
+        if tries > 50 * n:
+            raise RuntimeError(f"could only make {len(out)} distinct broad prompts")
+        use_passage = passages and rng.random() < 0.25
+        cat = rng.choice(list(PASSAGE_ASKS if use_passage else ASKS))
+        template = rng.choice((PASSAGE_ASKS if use_passage else ASKS)[cat])
+        p = rng.choice(passages) if use_passage else ""
+        words = re.findall(r"[A-Za-z]{5,}", p) or topics
+        text = template.format(t=rng.choice(topics), u=rng.choice(topics), lang=rng.choice(CODE_LANGS),
+                               lang2=rng.choice(LANGS), p=p, w=rng.choice(words).lower()) + rng.choice(STYLE)
+        if text in seen or held.overlaps(text):
+            continue
+        seen.add(text)
+        out.append((cat, text))
+    return out

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from draft_prompts import HeldOut, training_prompts  # noqa: E402
+from draft_prompts import HeldOut, broad_prompts, training_prompts  # noqa: E402
 
 TARGET = "smollm2-135m"
 
@@ -76,6 +76,21 @@ def features(model, seqs: list[list[int]], max_tokens: int = 8192) -> list[torch
     return out
 
 
+def answer_passages(tokenizer, dirs: list[Path], chars: int = 500) -> list[str]:
+    """The target's answers stored in the chunks of ``dirs``, each cut to whole sentences within ``chars``."""
+    out = []
+    for d in dirs:
+        for path in sorted(d.glob("*chunk*.pt")):
+            c = torch.load(path)
+            for ids, p in zip(c["ids"], c["prompt_len"]):
+                text = tokenizer.decode(ids[p:], skip_special_tokens=True).strip().replace('"', "'")
+                cut = text[:chars]
+                end = max(cut.rfind(". "), cut.rfind(".\n"))
+                if end > 100:
+                    out.append(cut[:end + 1])
+    return out
+
+
 def cmd_gen(args) -> None:
     import batchspec
     from batchspec.prompts import encode
@@ -84,11 +99,16 @@ def cmd_gen(args) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     held = held_out_texts()
-    pairs = training_prompts(args.num_prompts, args.seed, held)
+    llm = batchspec.LLM(TARGET, batch_size=args.batch, scheduler="continuous")
+    if args.prompts == "broad":
+        passages = answer_passages(llm.tokenizer, [Path(d) for d in args.passages])
+        pairs = broad_prompts(args.num_prompts, args.seed, held, passages)
+        log(f"gen: broad prompts, {len(passages)} passages from earlier answers")
+    else:
+        pairs = training_prompts(args.num_prompts, args.seed, held)
     guard = HeldOut(held)
     assert not any(guard.overlaps(t) for _, t in pairs), "training prompts overlap the built-in prompts"
     random.Random(args.seed).shuffle(pairs)  # every chunk mixes the categories
-    llm = batchspec.LLM(TARGET, batch_size=args.batch, scheduler="continuous")
     ids = encode(llm.tokenizer, [t for _, t in pairs], True)
     params = batchspec.SamplingParams(max_tokens=args.max_new_tokens)
     t0 = time.perf_counter()
@@ -114,7 +134,7 @@ def load_chunks(work: Path, seen: set | None = None):
     """The sequences of every chunk in ``work`` not in ``seen`` (which is updated)."""
     seqs, feats, starts = [], [], []
     seen = set() if seen is None else seen
-    for path in sorted(work.glob("chunk*.pt")):
+    for path in sorted(work.glob("*chunk*.pt")):
         if path.name in seen:
             continue
         seen.add(path.name)
@@ -359,6 +379,9 @@ def main(argv=None) -> int:
     g.add_argument("--chunk", type=int, default=250)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--batch", type=int, default=64)
+    g.add_argument("--prompts", choices=["templates", "broad"], default="templates",
+                   help="templates: the first set of draft_prompts.py; broad: any topic under any request")
+    g.add_argument("--passages", nargs="*", default=[], help="work folders whose answers become broad prompts' texts")
     t = p.add_argument_group("train")
     t.add_argument("--vocab", type=int, default=8192, help="tokens the head scores (the most frequent answers)")
     t.add_argument("--copy-layer", type=int, default=-1, help="target layer that initialises the head's layer")
