@@ -145,6 +145,10 @@ def load_chunks(work: Path, seen: set | None = None):
     return seqs, feats, starts
 
 
+def fmt(xs: list[float]) -> str:
+    return " ".join(f"{x:.3f}" for x in xs)
+
+
 def token_map_of(seqs, starts, vocab: int, size: int) -> torch.Tensor:
     """The ``size`` tokens the target writes most often in its answers (ids ascending)."""
     counts = torch.zeros(vocab, dtype=torch.long)
@@ -191,7 +195,7 @@ def collate(rows, seqs, feats, starts, where):
 
 
 def cmd_train(args) -> None:
-    from batchspec.drafters.eagle import build_head, head_forward
+    from batchspec.drafters.eagle import build_head, head_unrolled
     from batchspec.models import load_model
 
     torch.set_num_threads(args.threads)
@@ -204,7 +208,8 @@ def cmd_train(args) -> None:
     if not seqs:
         raise SystemExit(f"no data in {work}: run the gen stage first")
     vocab = target.config.vocab_size
-    token_map = token_map_of(seqs, starts, vocab, args.vocab)
+    init = torch.load(args.init) if args.init else None
+    token_map = init["token_map"] if init else token_map_of(seqs, starts, vocab, args.vocab)
     where = torch.full((vocab,), -100, dtype=torch.long)
     where[token_map] = torch.arange(len(token_map))
     answers = sum(len(s) - p for s, p in zip(seqs, starts))
@@ -212,6 +217,10 @@ def cmd_train(args) -> None:
     log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens ({answers} answer tokens); head of "
         f"{len(token_map)} tokens covers {covered / answers:.4f} of answer tokens")
     model, fc = build_head(target, token_map, None if args.random_layer else args.copy_layer)
+    if init:
+        model.load_state_dict(init["model"])
+        fc.load_state_dict(init["fc"])
+        log(f"initialised from {args.init} ({init['info']['steps']} steps)")
     emb = target.get_input_embeddings()
     head_w = target.lm_head.weight[token_map].detach()  # the target's scores over the head's tokens
     model.lm_head.weight.requires_grad_(False)  # tied to the embedding table: the target's rows, frozen
@@ -219,30 +228,36 @@ def cmd_train(args) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     held = lambda: list(range(0, len(seqs), 50))  # noqa: E731  (every 50th sequence: the loss curve's)
     train = lambda: [i for i in range(len(seqs)) if i % 50]  # noqa: E731
-    total = args.max_steps or args.epochs * len(batches([len(seqs[i]) for i in train()], args.batch_tokens, rng))
+    total = args.max_steps if args.max_steps is not None else args.epochs * len(batches([len(seqs[i]) for i in train()], args.batch_tokens, rng))
     warm = max(1, total // 50)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))))
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(total, 1))))))
     log(f"training {sum(p.numel() for p in params) / 1e6:.2f} M parameters, {total} steps")
     t0 = time.perf_counter()
 
     def losses(rows, noise: float):
+        """The loss summed over ``--depth`` drafting steps, and each step's top-1 agreement at answer positions."""
         nxt, f_in, f_out, label, real, answer = collate(rows, seqs, feats, starts, where)
         if noise:
             f_in = f_in + (torch.rand_like(f_in) - 0.5) * 2 * noise
-        states, logits = head_forward(model, fc, emb, nxt, f_in)
         with torch.no_grad():
             teacher = (f_out @ head_w.T).log_softmax(-1)
-        logp = logits.log_softmax(-1)
-        soft = -(teacher.exp() * logp).sum(-1)
-        reg = torch.nn.functional.smooth_l1_loss(states, f_out, reduction="none").mean(-1)
-        hard = torch.nn.functional.cross_entropy(logits.flatten(0, 1), label.flatten(), reduction="none",
-                                                 ignore_index=-100).view_as(soft)
-        w = real.float()
-        a = (answer & (label >= 0)).float()
-        loss = ((args.reg * reg + args.soft * soft) * w).sum() / w.sum() + args.hard * (hard * a).sum() / a.sum().clamp(min=1)
-        hit = ((logits.argmax(-1) == teacher.argmax(-1)) & answer).sum() / answer.sum().clamp(min=1)
-        return loss, float(hit)
+        total, hits = 0.0, []
+        for d, (states, logits) in enumerate(head_unrolled(model, fc, emb, nxt, f_in, args.depth)):
+            logp = logits.log_softmax(-1)
+            soft = -(teacher.exp() * logp).sum(-1)
+            reg = F.smooth_l1_loss(states, f_out, reduction="none").mean(-1)
+            hard = F.cross_entropy(logits.flatten(0, 1), label.flatten(), reduction="none",
+                                   ignore_index=-100).view_as(soft)
+            w = real.clone()
+            w[:, :d] = False  # step d at position i starts from the real feature f_(i-d)
+            ans = answer & w
+            a = (ans & (label >= 0)).float()
+            w = w.float()
+            total = total + ((args.reg * reg + args.soft * soft) * w).sum() / w.sum() + \
+                args.hard * (hard * a).sum() / a.sum().clamp(min=1)
+            hits.append(float(((logits.argmax(-1) == teacher.argmax(-1)) & ans).sum() / ans.sum().clamp(min=1)))
+        return total / args.depth, hits
 
     def plan():
         """Epochs of batches; with ``--follow``, chunks the gen stage wrote meanwhile join at each epoch."""
@@ -262,11 +277,23 @@ def cmd_train(args) -> None:
     def checkpoint(step):
         info = {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "answer_tokens": sum(len(s) - p for s, p in zip(
                 seqs, starts)), "head_tokens": len(token_map), "steps": step, "batch_tokens": args.batch_tokens,
-                "seconds": round(time.perf_counter() - t0), "threads": args.threads, "args": vars(args)}
+                "seconds": round(time.perf_counter() - t0), "threads": args.threads, "args": vars(args),
+                "continued_from": init["info"] if init else None}
         torch.save({"model": model.state_dict(), "fc": fc.state_dict(), "token_map": token_map, "info": info},
-                   work / "head.pt")
+                   save)
         return info
 
+    def evaluate():
+        val = held()
+        with torch.no_grad():
+            model.eval()
+            vals = [losses(val[i: i + 16], 0.0) for i in range(0, len(val), 16)]
+            model.train()
+        hit = [sum(v[1][d] for v in vals) / len(vals) for d in range(args.depth)]
+        log(f"held-out ({len(val)} sequences): loss {sum(float(v[0]) for v in vals) / len(vals):.4f} top-1 "
+            f"agreement at answer positions, per drafting step {fmt(hit)}")
+
+    save = Path(args.save) if args.save else work / "head.pt"
     for step, rows in zip(range(total), plan()):
         loss, hit = losses(rows, args.noise)
         opt.zero_grad()
@@ -275,18 +302,14 @@ def cmd_train(args) -> None:
         opt.step()
         sched.step()
         if step % args.log_every == 0 or step == total - 1:
-            log(f"step {step}/{total} loss {loss.item():.4f} top-1 {hit:.3f} grad {gnorm.item():.2f} "
+            log(f"step {step}/{total} loss {loss.item():.4f} top-1 {fmt(hit)} grad {gnorm.item():.2f} "
                 f"lr {sched.get_last_lr()[0]:.2e} {time.perf_counter() - t0:.0f} s")
         if (step + 1) % args.eval_every == 0 or step == total - 1:
-            val = held()
-            with torch.no_grad():
-                model.eval()
-                vals = [losses(val[i: i + 16], 0.0) for i in range(0, len(val), 16)]
-                model.train()
-            log(f"held-out ({len(val)} sequences): loss {sum(float(v[0]) for v in vals) / len(vals):.4f} top-1 "
-                f"agreement at answer positions {sum(v[1] for v in vals) / len(vals):.4f}")
+            evaluate()
             checkpoint(step + 1)
-    log(f"saved {work / 'head.pt'}: {checkpoint(total)}")
+    if not total:
+        evaluate()
+    log(f"saved {save}: {checkpoint(total)}")
 
 
 def cmd_export(args) -> None:
@@ -294,7 +317,7 @@ def cmd_export(args) -> None:
     from batchspec.models import load_model
 
     work, out = Path(args.work), Path(args.out)
-    ck = torch.load(work / "head.pt")
+    ck = torch.load(args.save or work / "head.pt")
     target = load_model(TARGET, torch.float32, "cpu")
     model, fc = build_head(target, ck["token_map"], None)
     model.load_state_dict(ck["model"])
@@ -317,6 +340,45 @@ def cmd_export(args) -> None:
 
 def macs_per_token(modules) -> int:
     return sum(m.weight.numel() for mod in modules for m in mod.modules() if isinstance(m, torch.nn.Linear))
+
+
+@torch.no_grad()
+def step_costs(llm, batch_sizes=(1, 8), context: int = 256, repeats: int = 40) -> dict:
+    """Measured time of one drafting step (the head: ``fc`` and its layer over one pair per row, restricted head)
+    against one target decode step (one token per row), both through their runners over caches of ``context``
+    positions, interleaved; medians of ``repeats`` pairs."""
+    from batchspec.kv import new_cache
+
+    from batchspec.runner import Runner
+
+    d, target = llm.drafter, llm.target
+    runner = Runner(target)
+    out = {}
+    for b in batch_sizes:
+        ids = torch.randint(3, 1000, (b, context + 1))
+        pos = torch.arange(context)[None].expand(b, -1)
+        tc, hc = new_cache(target), new_cache(d.model)
+        feats = runner.forward(tc, ids[:, :context], pos, None, 1, "all").hidden
+        d.runner.forward(hc, ids[:, :context], pos, None, 1, True, embeds=d._inputs(ids[:, 1:], feats))
+        times = {"target": [], "draft": []}
+        for r in range(repeats + 3):
+            n = context + r
+            p1 = torch.full((b, 1), n)
+            t0 = time.perf_counter()
+            runner.forward(tc, ids[:, -1:], p1, torch.ones((b, n + 1), dtype=torch.bool), 1)
+            t1 = time.perf_counter()
+            d.runner.forward(hc, ids[:, -1:], p1, torch.ones((b, n + 1), dtype=torch.bool), 1, True,
+                             embeds=d._inputs(ids[:, -1:], feats[:, -1:]))
+            t2 = time.perf_counter()
+            if r >= 3:  # warm-up
+                times["target"].append(t1 - t0)
+                times["draft"].append(t2 - t1)
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        out[f"batch_{b}"] = {"target_step_ms": round(med["target"] * 1e3, 3), "draft_step_ms": round(
+            med["draft"] * 1e3, 3), "ratio": round(med["draft"] / med["target"], 4)}
+        log(f"batch {b}: target decode step {med['target'] * 1e3:.2f} ms, drafting step {med['draft'] * 1e3:.2f} ms, "
+            f"ratio {med['draft'] / med['target']:.3f}")
+    return out
 
 
 def specbench_prompts(path: str) -> list[str]:
@@ -345,6 +407,8 @@ def cmd_eval(args) -> None:
     res["macs_ratio"] = round(res["draft_macs_per_token"] / res["target_macs_per_token"], 4)
     log(f"multiply-accumulates per token: target {res['target_macs_per_token'] / 1e6:.1f} M, draft "
         f"{res['draft_macs_per_token'] / 1e6:.2f} M, ratio {res['macs_ratio']:.3f}")
+    if d.name == "eagle":
+        res["step_costs"] = step_costs(llm)
     sets = [("builtin", encode(llm.tokenizer, [t for _, t in builtin_prompts()], True))]
     if args.spec_bench:
         sets.append(("spec_bench_8", encode(llm.tokenizer, specbench_prompts(args.spec_bench), True)))
@@ -386,6 +450,11 @@ def main(argv=None) -> int:
     t.add_argument("--vocab", type=int, default=8192, help="tokens the head scores (the most frequent answers)")
     t.add_argument("--copy-layer", type=int, default=-1, help="target layer that initialises the head's layer")
     t.add_argument("--random-layer", action="store_true", help="random initialisation instead")
+    t.add_argument("--depth", type=int, default=1,
+                   help="drafting steps trained at every position (training-time test: steps after the first read "
+                        "the head's own predicted features)")
+    t.add_argument("--init", default=None, help="a head.pt to continue from (its token map is kept)")
+    t.add_argument("--save", default=None, help="where the head goes (default: head.pt in --work)")
     t.add_argument("--epochs", type=int, default=4)
     t.add_argument("--max-steps", type=int, default=None, help="steps in all (default: --epochs over the data)")
     t.add_argument("--follow", action="store_true", help="add chunks written by a running gen stage each epoch")

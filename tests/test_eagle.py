@@ -15,7 +15,7 @@ import tiny
 from batchspec import SamplingParams as SP
 from batchspec.batch import InvariantError, prefill
 from batchspec.drafters import EagleDrafter
-from batchspec.drafters.eagle import EagleState, head_forward, is_checkpoint
+from batchspec.drafters.eagle import EagleState, head_forward, head_unrolled, is_checkpoint
 from batchspec.kv import new_cache
 from batchspec.runner import Runner
 from batchspec.schedulers import ExSpec
@@ -385,3 +385,28 @@ def test_head_forward_is_the_drafting_arithmetic():
     assert logits.shape[-1] == len(d.token_map) < tiny.VOCAB
     torch.testing.assert_close(out.logits, logits, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out.hidden, states, rtol=1e-12, atol=1e-12)
+
+
+def test_unrolled_training_forward_is_chained_drafting():
+    """``head_unrolled`` step d at position i equals drafting from scratch: the real pairs up to i-d, then the head
+    fed its own predicted features for d more pairs (with the true next tokens), through ``head_forward``."""
+    d, t = tiny.eagle(), tiny.target()
+    ids = torch.tensor([PROMPTS[1] + PROMPTS[2]])
+    with torch.no_grad():
+        feats = t(ids, output_hidden_states=True).hidden_states[-1][:, :-1]
+        steps = head_unrolled(d.model, d.fc, d.embedding, ids[:, 1:], feats, 3)
+        n, checked = feats.shape[1], 0
+        torch.testing.assert_close(steps[0], head_forward(d.model, d.fc, d.embedding, ids[:, 1:], feats),
+                                   rtol=1e-12, atol=1e-12)
+        for depth in (1, 2):
+            for i in range(depth, n):
+                f, nxt = feats[:, : i - depth + 1], ids[:, 1: i - depth + 2]
+                for e in range(depth):
+                    states, logits = head_forward(d.model, d.fc, d.embedding, nxt, f)
+                    f = torch.cat([f, states[:, -1:]], 1)
+                    nxt = ids[:, 1: i - depth + 3 + e]
+                states, logits = head_forward(d.model, d.fc, d.embedding, nxt, f)
+                torch.testing.assert_close(steps[depth][0][:, i], states[:, -1], rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(steps[depth][1][:, i], logits[:, -1], rtol=1e-10, atol=1e-10)
+                checked += 1
+    assert checked == 2 * n - 3 and n > 8

@@ -73,6 +73,48 @@ def head_forward(model, fc, embedding, next_tokens: torch.Tensor, feats: torch.T
     return states, model.lm_head(states)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, -1)
+    return x * cos + torch.cat([-b, a], -1) * sin
+
+
+def head_unrolled(model, fc, embedding, next_tokens: torch.Tensor, feats: torch.Tensor, depth: int):
+    """Training forward of ``depth`` drafting steps at every position at once (training-time test): a list, one
+    ``(states, logits)`` per step d = 0..depth-1. Step d at position i is the head's d+1-th draft in a round whose
+    last real feature is f_(i-d): its input pair is (step d-1's output at i-1, x_(i+1)) and it sees the real pairs
+    up to position i-d and its own round's pairs i-d+1..i, exactly as drafting does (with the true tokens, those of
+    the round in which every earlier draft was accepted). Step 0 is ``head_forward``. Right padding only."""
+    layer, inner = model.model.layers[0], model.model
+    attn = layer.self_attn
+    R, n, _ = feats.shape
+    pos = torch.arange(n, device=feats.device)
+    emb = embedding(next_tokens).to(fc.weight.dtype)
+    x = fc(torch.cat([emb, feats.to(fc.weight.dtype)], -1))
+    cos, sin = inner.rotary_emb(x, pos[None])
+    cos, sin = cos[:, None], sin[:, None]
+    keys, values, out = [], [], []
+    i, j = pos[:, None], pos[None, :]
+    for d in range(depth):
+        if d:  # the previous step's predicted feature of position i, from its output at i-1
+            prev = torch.nn.functional.pad(out[-1][0][:, :-1], (0, 0, 1, 0))
+            x = fc(torch.cat([emb, prev], -1))
+        h = layer.input_layernorm(x)
+        shape = (R, n, -1, attn.head_dim)
+        q = _rotate(attn.q_proj(h).view(shape).transpose(1, 2), cos, sin)
+        keys.append(_rotate(attn.k_proj(h).view(shape).transpose(1, 2), cos, sin))
+        values.append(attn.v_proj(h).view(shape).transpose(1, 2))
+        # visible: real pairs j <= i-d, and step e's pair at i-d+e for e = 1..d
+        mask = torch.cat([j <= i - d] + [j == i - d + e for e in range(1, d + 1)], 1)
+        k = torch.cat(keys, 2).repeat_interleave(attn.num_key_value_groups, 1)
+        v = torch.cat(values, 2).repeat_interleave(attn.num_key_value_groups, 1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+        y = x + attn.o_proj(a.transpose(1, 2).reshape(R, n, -1))
+        y = y + layer.mlp(layer.post_attention_layernorm(y))
+        states = inner.norm(y)
+        out.append((states, model.lm_head(states)))
+    return out
+
+
 class EagleState:
     """Per row: the head's slots, ``processed`` ``[B]`` (pairs cached) and ``feats`` ``[B, bound, H]``, the target's
     features of the last ``bound`` positions before the pending token (``bound``: a host-side bound on the pairs any
