@@ -124,8 +124,18 @@ class EagleState:
         self.slots, self.processed, self.feats = slots, processed, feats
 
     @property
+    def feats(self) -> torch.Tensor:
+        if self.plain:  # join the rounds without drafting once, not once per round
+            self._feats, self.plain = torch.cat([self._feats, *self.plain], 1), []
+        return self._feats
+
+    @feats.setter
+    def feats(self, value: torch.Tensor) -> None:
+        self._feats, self.plain = value, []  # plain: one [B, 1, H] per round without drafting, not joined yet
+
+    @property
     def bound(self) -> int:
-        return self.feats.shape[1]
+        return self._feats.shape[1] + len(self.plain)
 
     def select_rows(self, rows):
         self.slots.select_rows(rows)
@@ -258,11 +268,14 @@ class EagleDrafter(Drafter):
 
     def commit(self, state: EagleState, proposal: Proposal, accepted, target) -> None:
         k = proposal.drafts.shape[1]
+        if not k:  # every row's one new feature, kept aside until the next drafting round needs them
+            state.plain.append(target.hidden.to(state._feats.dtype))
+            return
         if k > 1:  # the drafts' pairs were built from predicted features
             state.slots.hide_tail(k - 1, torch.zeros_like(accepted))
         t = state.bound
         # features of positions length-1-new .. length'-2, where length' = length + accepted + 1
-        new = k + 1 if k else t + 1
+        new = k + 1
         feats = torch.cat([state.feats, target.hidden.to(state.feats.dtype)], 1)
         index = (t + accepted)[:, None] - (new - 1) + torch.arange(new, device=accepted.device)[None, :]
         state.feats = feats.gather(1, index.clamp(min=0)[..., None].expand(-1, -1, feats.shape[-1]))
