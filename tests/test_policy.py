@@ -134,7 +134,10 @@ def test_cost_model_converges_on_synthetic_timings():
         assert t0 == pytest.approx(0.030, rel=0.08)
         assert f == pytest.approx(0.006, abs=0.003)
         assert d == pytest.approx(0.004 + 0.001 * rows, rel=0.15)
-    assert p.cost(7) == p.cost(8)
+    assert p.cost(7) == (None, *p.cost(8)[1:])  # a batch size not seen: a plain round first, for its own T0
+    assert p.length(7, 5) == 0
+    p.observe(7, 0, 1, 0.029, None)
+    assert p.cost(7) == (0.029, *p.cost(8)[1:])  # drafting's costs borrowed from the nearest size
 
 
 def test_drafter_costs_come_per_block_width():
@@ -154,7 +157,9 @@ def test_drafter_costs_come_per_block_width():
     assert costs[5] == pytest.approx(2.0)
     t0, f, d = p.cost(1)
     assert costs[1] == pytest.approx(1 + (f + d) / t0) and costs[4] == pytest.approx(1 + (f + 4 * d) / t0)
-    assert p.drafter_length(3, 5)[1] == costs  # a batch size not seen borrows the nearest one's
+    assert p.drafter_length(3, 5) == (0, None)  # a batch size not seen: a plain round first (its own T0) ...
+    p.observe(3, 0, 1, 0.012, None)
+    assert p.drafter_length(3, 5)[1][2:4] == costs[2:4]  # ... then the nearest size's measured widths
     assert FixedLength().drafter_length(1, 4) == (4, [1.0] * 5)  # fixed: equal costs, every candidate offered
 
 

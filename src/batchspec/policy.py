@@ -56,10 +56,11 @@ class AdaptiveLength:
     - Cost: a round of ``B`` rows costs ``T0(B)`` seconds if it drafts nothing, else ``T0(B) + F(B) + k * D(B)``:
       ``T0`` from rounds that drafted nothing (a moving average), ``F`` (what drafting costs at all: a draft model's
       catch-up forward, prompt lookup's matching) and ``D`` (each token drafted and verified) from a line fitted to
-      the other rounds' extra seconds against the tokens they verified, older rounds fading; per batch size, the
-      nearest size seen standing in for one not seen yet. A drafter that proposes fewer tokens than offered (prompt
-      lookup) is charged for what it verifies on average (``fill``: verified / offered, a moving average). The first
-      rounds measure: k = 0, then k = 1.
+      the other rounds' extra seconds against the tokens they verified, older rounds fading; per batch size. A batch
+      size runs a plain round before its first drafting round (its own ``T0``: a plain step of more or fewer rows
+      would misprice every width against it); its ``F``, ``D`` and width costs may come from the nearest size seen.
+      A drafter that proposes fewer tokens than offered (prompt lookup) is charged for what it verifies on average
+      (``fill``: verified / offered, a moving average). The first rounds measure: k = 0, then k = 1.
     - A row's rate only updates when it drafts: after ``probe_every`` rounds in a row without drafting, one round
       drafts a single token (the interval doubles, up to 8x, while such probes change nothing); after twice as many
       rounds in a row that drafted, one round drafts nothing (the cost of a plain step grows with the context).
@@ -141,7 +142,7 @@ class AdaptiveLength:
         lookup's matching; ``D``: each drafted token, drafting and verifying it). Nones until measured."""
         if self.costs is not None:
             return self.costs
-        t0, line = _nearest(self.t0, rows), _nearest(self.lines, rows)
+        t0, line = self.t0.get(rows), _nearest(self.lines, rows)
         return (t0, *(line.solve() if line is not None else (None, None)))
 
     def tokens(self, k: int) -> float:
@@ -180,7 +181,7 @@ class AdaptiveLength:
             _ema(self.t0, rows, seconds, self.smoothing)
         else:
             self.fill += self.smoothing * (drafted / k - self.fill)
-            if (t0 := _nearest(self.t0, rows)) is not None:
+            if (t0 := self.t0.get(rows)) is not None:
                 _ema(self.widths.setdefault(rows, {}), width, seconds / t0, self.width_smoothing)
                 self.lines.setdefault(rows, _Line(1 - self.smoothing)).add(drafted, seconds - t0)
 
