@@ -1,4 +1,4 @@
-"""Train the ``smollm2-135m-draft`` draft model for the ``smollm2-135m`` target by distillation, on CPU.
+"""Train the ``smollm2-135m-draft-model`` draft model for the ``smollm2-135m`` target by distillation, on CPU.
 
 Stages (each reads the previous one's output from ``--work``; ``all`` runs gen, train and export in order):
 
@@ -10,7 +10,7 @@ Stages (each reads the previous one's output from ``--work``; ``all`` runs gen, 
    those sequences: soft cross-entropy on the target's top-k distribution plus hard cross-entropy on the target's
    greedy token, at answer positions only.
 3. ``export``: float16 safetensors, config, generation config and the tokenizer into
-   ``src/batchspec/data/smollm2-135m-draft``.
+   ``src/batchspec/data/smollm2-135m-draft-model``.
 4. ``eval`` (separate): mean accepted length with ``batchspec.LLM`` at K draft tokens on the built-in prompts, and the
    per-token cost of the draft relative to the target (multiply-accumulates, and measured decode-step time).
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_prompts import HeldOut, training_prompts  # noqa: E402
 
 TARGET = "smollm2-135m"
-OUT_DIR = ROOT / "src" / "batchspec" / "data" / "smollm2-135m-draft"
+OUT_DIR = ROOT / "src" / "batchspec" / "data" / "smollm2-135m-draft-model"
 
 
 def log(msg: str) -> None:
@@ -549,7 +549,7 @@ def main(argv=None) -> int:
     t.add_argument("--log-every", type=int, default=20)
     p.add_argument("--out", default=str(OUT_DIR))
     e = p.add_argument_group("eval")
-    e.add_argument("--draft", default="smollm2-135m-draft")
+    e.add_argument("--draft", default="smollm2-135m-draft-model")
     e.add_argument("--k", type=int, default=4)
     e.add_argument("--max-tokens", type=int, default=128)
     e.add_argument("--batch-size", type=int, default=8)

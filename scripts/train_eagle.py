@@ -113,7 +113,7 @@ def cmd_gen(args) -> None:
     params = batchspec.SamplingParams(max_tokens=args.max_new_tokens)
     t0 = time.perf_counter()
     total = 0
-    for c in range(0, len(pairs), args.chunk):
+    for c in range(0, len(pairs), args.chunk)[: args.chunks]:
         path = work / f"chunk{c // args.chunk:03d}.pt"
         if path.exists():
             continue
@@ -312,6 +312,15 @@ def cmd_train(args) -> None:
     log(f"saved {save}: {checkpoint(total)}")
 
 
+def portable(info):
+    """``info`` with paths inside this checkout written relative to it (a card names no machine's folders)."""
+    if isinstance(info, dict):
+        return {k: portable(v) for k, v in info.items()}
+    if isinstance(info, str) and info.startswith(str(ROOT) + "/"):
+        return info[len(str(ROOT)) + 1:]
+    return info
+
+
 def cmd_export(args) -> None:
     from batchspec.drafters.eagle import EagleDrafter, build_head
     from batchspec.models import load_model
@@ -324,11 +333,12 @@ def cmd_export(args) -> None:
     fc.load_state_dict(ck["fc"])
     out.mkdir(parents=True, exist_ok=True)
     for old in out.iterdir():
-        old.unlink()
+        if old.name != "README.md":
+            old.unlink()
     model.half()
     fc.half()
     model.generation_config.eos_token_id = target.generation_config.eos_token_id
-    EagleDrafter.save(out, model, fc, ck["token_map"], ck["info"])
+    EagleDrafter.save(out, model, fc, ck["token_map"], portable(ck["info"]))
     from batchspec.models import load_tokenizer
 
     load_tokenizer(TARGET).save_pretrained(out)
@@ -344,31 +354,31 @@ def macs_per_token(modules) -> int:
 
 @torch.no_grad()
 def step_costs(llm, batch_sizes=(1, 8), context: int = 256, repeats: int = 40) -> dict:
-    """Measured time of one drafting step (the head: ``fc`` and its layer over one pair per row, restricted head)
-    against one target decode step (one token per row), both through their runners over caches of ``context``
-    positions, interleaved; medians of ``repeats`` pairs."""
+    """Measured time of one drafting step (a draft model's decode step; a head's ``fc`` and layer over one pair per
+    row, with its restricted output head) against one target decode step (one token per row), both through their
+    runners over caches of ``context`` positions, interleaved; medians of ``repeats`` pairs."""
     from batchspec.kv import new_cache
-
     from batchspec.runner import Runner
 
     d, target = llm.drafter, llm.target
-    runner = Runner(target)
+    runner, eagle = Runner(target), d.name == "eagle"
     out = {}
     for b in batch_sizes:
         ids = torch.randint(3, 1000, (b, context + 1))
         pos = torch.arange(context)[None].expand(b, -1)
-        tc, hc = new_cache(target), new_cache(d.model)
+        tc, dc = new_cache(target), new_cache(d.model)
         feats = runner.forward(tc, ids[:, :context], pos, None, 1, "all").hidden
-        d.runner.forward(hc, ids[:, :context], pos, None, 1, True, embeds=d._inputs(ids[:, 1:], feats))
+        extra = dict(hidden=True, embeds=d._inputs(ids[:, 1:], feats)) if eagle else {}
+        d.runner.forward(dc, ids[:, :context], pos, None, 1, **extra)
         times = {"target": [], "draft": []}
         for r in range(repeats + 3):
             n = context + r
-            p1 = torch.full((b, 1), n)
+            p1, seen = torch.full((b, 1), n), torch.ones((b, n + 1), dtype=torch.bool)
             t0 = time.perf_counter()
-            runner.forward(tc, ids[:, -1:], p1, torch.ones((b, n + 1), dtype=torch.bool), 1)
+            runner.forward(tc, ids[:, -1:], p1, seen, 1)
             t1 = time.perf_counter()
-            d.runner.forward(hc, ids[:, -1:], p1, torch.ones((b, n + 1), dtype=torch.bool), 1, True,
-                             embeds=d._inputs(ids[:, -1:], feats[:, -1:]))
+            extra = dict(hidden=True, embeds=d._inputs(ids[:, -1:], feats[:, -1:])) if eagle else {}
+            d.runner.forward(dc, ids[:, -1:], p1, seen, 1, **extra)
             t2 = time.perf_counter()
             if r >= 3:  # warm-up
                 times["target"].append(t1 - t0)
@@ -407,7 +417,7 @@ def cmd_eval(args) -> None:
     res["macs_ratio"] = round(res["draft_macs_per_token"] / res["target_macs_per_token"], 4)
     log(f"multiply-accumulates per token: target {res['target_macs_per_token'] / 1e6:.1f} M, draft "
         f"{res['draft_macs_per_token'] / 1e6:.2f} M, ratio {res['macs_ratio']:.3f}")
-    if d.name == "eagle":
+    if d.name in ("eagle", "model"):
         res["step_costs"] = step_costs(llm)
     sets = [("builtin", encode(llm.tokenizer, [t for _, t in builtin_prompts()], True))]
     if args.spec_bench:
@@ -441,6 +451,7 @@ def main(argv=None) -> int:
     g = p.add_argument_group("gen")
     g.add_argument("--num-prompts", type=int, default=4000)
     g.add_argument("--chunk", type=int, default=250)
+    g.add_argument("--chunks", type=int, default=None, help="stop after the first N chunks (default: all)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--batch", type=int, default=64)
     g.add_argument("--prompts", choices=["templates", "broad"], default="templates",
@@ -468,7 +479,8 @@ def main(argv=None) -> int:
     t.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
     t.add_argument("--log-every", type=int, default=25)
     t.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--out", default=str(ROOT / "build" / "eagle" / "export"))
+    p.add_argument("--out", default=str(ROOT / "src" / "batchspec" / "data" / "smollm2-135m-draft"),
+                   help="export: the checkpoint folder (its README.md, the model card, is kept)")
     e = p.add_argument_group("eval")
     e.add_argument("--draft", default="smollm2-135m-draft")
     e.add_argument("--k", type=int, default=4)

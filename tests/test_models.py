@@ -167,14 +167,14 @@ def test_builtin_tokenizer_ships_with_the_package(cache, monkeypatch):
     tok = models.load_tokenizer("smollm2-135m")  # nothing cached: the shipped copy
     assert tok is not None and tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
     assert tok.chat_template and len(tok) <= 49152
-    assert models.load_tokenizer("smollm2-135m-draft").get_vocab() == tok.get_vocab()
+    assert models.load_tokenizer(models.DEFAULT_DRAFT).get_vocab() == tok.get_vocab()
 
 
-def test_trained_draft_loads_by_name_and_emits_valid_tokens():
+def test_trained_draft_model_loads_by_name_and_emits_valid_tokens():
     from batchspec.prompts import encode
 
-    draft = models.load_model("smollm2-135m-draft", device="cpu", role="draft")
-    tok = models.load_tokenizer("smollm2-135m-draft")
+    draft = models.load_model(models.DRAFT_MODEL, device="cpu", role="draft")
+    tok = models.load_tokenizer(models.DRAFT_MODEL)
     cfg = draft.config
     assert type(draft) is LlamaForCausalLM and draft.dtype == torch.float32
     assert models.vocab_size(draft) == 49152 and cfg.num_hidden_layers <= 4
@@ -186,10 +186,35 @@ def test_trained_draft_loads_by_name_and_emits_valid_tokens():
     assert isinstance(tok.decode(out), str)
 
 
-def test_draft_weights_are_small():
-    size = sum(f.stat().st_size for f in models.draft_dir().glob("*.safetensors"))
+def test_default_draft_is_the_feature_reading_head():
+    """``smollm2-135m-draft`` is a head checkpoint for a 576-wide, 49152-token target: it loads by name over a
+    random target of that shape, and the engine's output with it is the target's own greedy decoding."""
+    import batchspec
+    from batchspec.drafters.eagle import is_checkpoint
+
+    assert is_checkpoint(models.resolve(models.DEFAULT_DRAFT, "draft"))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=None, bos_token_id=None)
+    target = LlamaForCausalLM(cfg).eval()
+    llm = batchspec.LLM(target, draft=models.DEFAULT_DRAFT, tokenizer=models.DEFAULT_DRAFT, num_draft_tokens=3,
+                        speculation="fixed", batch_size=2, device="cpu")
+    assert llm.drafter.name == "eagle" and 1000 < len(llm.drafter.token_map) < 49152
+    prompts = [[1, 504, 3250, 2], [1, 9519, 28, 253, 1553, 2, 198]]
+    outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=6))
+    for p, o in zip(prompts, outs):
+        ref = target.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):]
+        assert o.token_ids == ref.tolist() and len(o.token_ids) == 6
+    assert llm.stats.drafted > 0
+
+
+@pytest.mark.parametrize("name", [models.DEFAULT_DRAFT, models.DRAFT_MODEL])
+def test_draft_weights_are_small(name):
+    size = sum(f.stat().st_size for f in models.draft_dir(name).glob("*.safetensors"))
     assert 0 < size <= 20 * 2**20
-    assert (models.draft_dir() / "README.md").is_file()
+    assert (models.draft_dir(name) / "README.md").is_file()
+    assert models.load_tokenizer(name).get_vocab() == models.load_tokenizer(models.DEFAULT_TARGET).get_vocab()
 
 
 # ------------------------------------------------------------------------------------------------ built-in prompts
@@ -211,18 +236,42 @@ def test_builtin_prompts():
     assert read_prompts(PROMPTS_FILE) == pairs
 
 
-def test_builtin_prompts_are_held_out_from_draft_training():
+def _prompt_sets():
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        from draft_prompts import HeldOut, training_prompts
+        import draft_prompts
     finally:
         sys.path.remove(str(ROOT / "scripts"))
+    return draft_prompts
+
+
+def _card_count(name: str, key: str) -> int:
+    card = (models.draft_dir(name) / "README.md").read_text()
+    return int(next(line for line in card.splitlines() if f"{key}:" in line).split(f"{key}:")[1].split()[0])
+
+
+@pytest.mark.parametrize("name", [models.DEFAULT_DRAFT, models.DRAFT_MODEL])
+def test_builtin_prompts_are_held_out_from_draft_training(name):
+    dp = _prompt_sets()
     held = [t for _, t in builtin_prompts()]
-    card = (models.draft_dir() / "README.md").read_text()
-    n = int(next(line for line in card.splitlines() if "training prompts:" in line).split(":")[1].split()[0])
-    train = training_prompts(n, 0, held)
-    guard = HeldOut(held)
+    n = _card_count(name, "training prompts")
+    train = dp.training_prompts(n, 0, held)
+    guard = dp.HeldOut(held)
     assert len(train) == n and not any(guard.overlaps(t) for _, t in train)
+
+
+def test_broad_prompts_keep_built_in_text_out_even_from_passages():
+    """The head's second prompt set quotes earlier answers as passages: a passage that copies a built-in prompt
+    never makes it into a training prompt."""
+    dp = _prompt_sets()
+    held = [t for _, t in builtin_prompts()]
+    n = _card_count(models.DEFAULT_DRAFT, "broad prompts")
+    assert n >= 1000
+    passages = held[:6] + ["A short text about rivers. It has two sentences."]
+    out = dp.broad_prompts(600, 1, held, passages)
+    guard = dp.HeldOut(held)
+    assert len(out) == 600 and not any(guard.overlaps(t) for _, t in out)
+    assert any("rivers" in t for _, t in out)  # passages were used
 
 
 # ------------------------------------------------------------------------------------------------ real model (slow)

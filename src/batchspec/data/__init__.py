@@ -2,8 +2,10 @@
 
 ``prompts.jsonl`` holds 48 prompts written for batchspec, spread over the 13 Spec-Bench categories (writing, roleplay,
 reasoning, math, coding, extraction, stem, humanities, translation, summarization, qa, math_reasoning, rag), in the
-Spec-Bench record format (``question_id``, ``category``, ``turns``). They are held out from the draft's training
-prompts (``scripts/train_draft.py`` checks that). ``smollm2-135m-draft/`` is that draft, with its model card.
+Spec-Bench record format (``question_id``, ``category``, ``turns``). They are held out from the drafts' training
+prompts (``scripts/draft_prompts.py`` checks that). ``smollm2-135m-draft/`` is the default draft of the default
+target, a feature-reading head (``scripts/train_eagle.py``); ``smollm2-135m-draft-model/`` the earlier draft model
+(``scripts/train_draft.py``); each with its model card.
 """
 
 from __future__ import annotations

@@ -46,8 +46,9 @@ def add_serve_arguments(p: argparse.ArgumentParser, model_args=None) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"target model: path, model id or built-in name (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=None,
-                   help="draft model path/name, 'prompt-lookup' or 'none' (default smollm2-135m-draft with the default "
-                        "target, else none)")
+                   help="draft: a model or draft-head path, a built-in name (smollm2-135m-draft: the feature-reading "
+                        "head; smollm2-135m-draft-model), 'prompt-lookup' or 'none' (default smollm2-135m-draft with "
+                        "the default target, else none)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
     p.add_argument("--num-draft-tokens", type=positive_int, default=5)
     p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
