@@ -233,3 +233,19 @@ def test_changing_lengths_keep_the_sampling_distribution():
         assert llm.stats.lengths.get(0, 0) and llm.stats.lengths.get(3, 0)
         p_values[fault] = compare(ref, [o.token_ids for o in outs], n).p_value
     assert p_values[None] > 1e-4 and p_values["no-residual"] < 1e-6, p_values
+
+
+def test_prior_is_the_drafters_long_run_rate():
+    """The prior blended into each row's estimate is the mean over drafting rounds, then a slow moving average: two
+    unlucky rounds barely move it, and rounds without drafting (whose evidence is stale) do not move it at all."""
+    p = AdaptiveLength()
+    for _ in range(40):  # drafting rounds whose rows' evidence says ~0.4
+        p.observe(1, 2, 3, 0.01, [1.0, 1.4, 1.5, 3.0, 5.0])
+    assert p.rate == pytest.approx(0.4, abs=0.01)
+    for _ in range(2):  # two rounds in which every draft was rejected
+        p.observe(1, 2, 3, 0.01, [1.0, 1.1, 1.1, 0.0, 4.0])
+    assert 0.35 < p.rate < 0.4
+    before = p.rate
+    for _ in range(30):
+        p.observe(1, 0, 1, 0.01, [1.0, 1.1, 1.1, 0.0, 4.0])
+    assert p.rate == before
