@@ -228,7 +228,9 @@ def cmd_train(args) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     held = lambda: list(range(0, len(seqs), 50))  # noqa: E731  (every 50th sequence: the loss curve's)
     train = lambda: [i for i in range(len(seqs)) if i % 50]  # noqa: E731
-    total = args.max_steps if args.max_steps is not None else args.epochs * len(batches([len(seqs[i]) for i in train()], args.batch_tokens, rng))
+    total = args.max_steps
+    if total is None:
+        total = args.epochs * len(batches([len(seqs[i]) for i in train()], args.batch_tokens, rng))
     warm = max(1, total // 50)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(total, 1))))))

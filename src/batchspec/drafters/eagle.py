@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 import torch
+from transformers.models.llama import modeling_llama as hf
 
 from ..batch import SlotState
 from ..kv import new_cache
@@ -73,11 +74,6 @@ def head_forward(model, fc, embedding, next_tokens: torch.Tensor, feats: torch.T
     return states, model.lm_head(states)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, -1)
-    return x * cos + torch.cat([-b, a], -1) * sin
-
-
 def head_unrolled(model, fc, embedding, next_tokens: torch.Tensor, feats: torch.Tensor, depth: int):
     """Training forward of ``depth`` drafting steps at every position at once (training-time test): a list, one
     ``(states, logits)`` per step d = 0..depth-1. Step d at position i is the head's d+1-th draft in a round whose
@@ -91,7 +87,6 @@ def head_unrolled(model, fc, embedding, next_tokens: torch.Tensor, feats: torch.
     emb = embedding(next_tokens).to(fc.weight.dtype)
     x = fc(torch.cat([emb, feats.to(fc.weight.dtype)], -1))
     cos, sin = inner.rotary_emb(x, pos[None])
-    cos, sin = cos[:, None], sin[:, None]
     keys, values, out = [], [], []
     i, j = pos[:, None], pos[None, :]
     for d in range(depth):
@@ -100,8 +95,9 @@ def head_unrolled(model, fc, embedding, next_tokens: torch.Tensor, feats: torch.
             x = fc(torch.cat([emb, prev], -1))
         h = layer.input_layernorm(x)
         shape = (R, n, -1, attn.head_dim)
-        q = _rotate(attn.q_proj(h).view(shape).transpose(1, 2), cos, sin)
-        keys.append(_rotate(attn.k_proj(h).view(shape).transpose(1, 2), cos, sin))
+        q, k = hf.apply_rotary_pos_emb(attn.q_proj(h).view(shape).transpose(1, 2),
+                                       attn.k_proj(h).view(shape).transpose(1, 2), cos, sin)
+        keys.append(k)
         values.append(attn.v_proj(h).view(shape).transpose(1, 2))
         # visible: real pairs j <= i-d, and step e's pair at i-d+e for e = 1..d
         mask = torch.cat([j <= i - d] + [j == i - d + e for e in range(1, d + 1)], 1)
