@@ -413,12 +413,13 @@ def cmd_eval(args) -> None:
     if d.name == "eagle":
         res["draft_macs_per_token"] = macs_per_token([d.model, d.fc])  # fc, the layer and the restricted head
         res["head_tokens"] = len(d.token_map)
-    else:
+    elif d.name == "model":
         res["draft_macs_per_token"] = macs_per_token([d.model])
-    res["target_macs_per_token"] = macs_per_token([llm.target])
-    res["macs_ratio"] = round(res["draft_macs_per_token"] / res["target_macs_per_token"], 4)
-    log(f"multiply-accumulates per token: target {res['target_macs_per_token'] / 1e6:.1f} M, draft "
-        f"{res['draft_macs_per_token'] / 1e6:.2f} M, ratio {res['macs_ratio']:.3f}")
+    if "draft_macs_per_token" in res:  # a model-free drafter (prompt lookup) has none
+        res["target_macs_per_token"] = macs_per_token([llm.target])
+        res["macs_ratio"] = round(res["draft_macs_per_token"] / res["target_macs_per_token"], 4)
+        log(f"multiply-accumulates per token: target {res['target_macs_per_token'] / 1e6:.1f} M, draft "
+            f"{res['draft_macs_per_token'] / 1e6:.2f} M, ratio {res['macs_ratio']:.3f}")
     if d.name in ("eagle", "model"):
         res["step_costs"] = step_costs(llm)
     sets = [("builtin", encode(llm.tokenizer, [t for _, t in builtin_prompts()], True))]

@@ -4,6 +4,7 @@ the head predicts from the target's features (an exact output alone would not sh
 sampling keeps the target's distribution although the head scores only part of the vocabulary; checkpoints round
 trip; injected faults still show; the target's prefill returns its final hidden states."""
 
+import collections
 import itertools
 import json
 
@@ -20,6 +21,7 @@ from batchspec.kv import new_cache
 from batchspec.runner import Runner
 from batchspec.schedulers import ExSpec
 from test_engine_exact import MAX_TOKENS, PROMPTS, _stop_token  # 13 prompts of 1..60 tokens, incl. 1 and 2
+from test_lookup import _reference
 from test_policy import Scripted
 
 JOIN_PROMPTS = tiny.prompts(13, seed=9) + [[4]]
@@ -121,39 +123,60 @@ def test_one_and_two_token_prompts(layout, prompts, bs, k):
 # ------------------------------------------------------------------------------------------------ the drafts
 
 
-def _head_drafts(drafter, history: list[int], k: int) -> list[int]:
+def _head_drafts(drafter, history: list[int], k: int, forced=()) -> list[int]:
     """The head's greedy drafts after ``history`` (its last token pending), computed from scratch: the target's
-    features of every position but the last, then the head fed its own predicted features (``head_forward``)."""
+    features of every position but the last, then the head fed its own predicted features (``head_forward``); the
+    first ``len(forced)`` drafts are those tokens instead of the head's (copies), the head drafting on after them."""
     t = tiny.target()
     ids = torch.tensor([history])
     feats = t(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
     nxt, out = ids[:, 1:], []
-    for _ in range(k):
+    for i in range(k):
         states, logits = head_forward(drafter.model, drafter.fc, drafter.embedding, nxt, feats)
-        out.append(int(drafter.token_map[logits[0, -1].argmax()]))
+        out.append(forced[i] if i < len(forced) else int(drafter.token_map[logits[0, -1].argmax()]))
         feats, nxt = torch.cat([feats, states[:, -1:]], 1), torch.cat([nxt, torch.tensor([[out[-1]]])], 1)
     return out
 
 
-def _check_drafts(scheduler, monkeypatch, corrupt=None):
+class KindScript(Scripted):
+    """For a drafter with kinds of rounds: a fixed cycle of plain rounds (None) and rounds where one kind is cheap
+    and the other dear (so the drafter picks the cheap one, as wide as it can)."""
+
+    def __init__(self, cycle=(None, "copy", "copy", "head", "copy", None, "head", "copy", "copy", "copy", "head")):
+        super().__init__()
+        self.kinds = itertools.cycle(cycle)
+
+    def drafter_length(self, rows, k_max, kinds=None):
+        cheap = next(self.kinds)
+        if cheap is None:
+            return 0, None
+        return k_max, {kind: [1.0] + [1.0 if kind == cheap else 9.0] * k_max for kind in kinds}
+
+
+def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None):
     """Requests in two waves (the second joins a batch that has run rounds without drafting) under a length script
     with runs of k = 0, every round's drafts recorded; returns (row-rounds checked, those whose drafts differ from
-    ``_head_drafts``, states joined or written back with fewer features kept than the batch)."""
-    drafter = tiny.eagle()
+    ``_head_drafts``, states joined or written back with fewer features kept than the batch, row-rounds whose
+    drafts began with copies, rounds per kind). With ``copy``, every row with a match drafts its copies first (the
+    rates say so); in a "copy" round rows draft their copies only."""
+    drafter = tiny.eagle(copy=copy)
+    if copy:
+        monkeypatch.setattr(drafter.copy, "survival", lambda k, device: torch.ones((9, k), dtype=torch.float64))
     rounds, propose, commit = [], drafter.propose, drafter.commit
     narrower = {"put": 0, "merge": 0}
     for op in ("put", "merge"):  # count the joins / window write-backs that pad a narrower feature window
         real = getattr(EagleState, op)
 
         def spy_op(self, *args, _real=real, _op=op):
-            narrower[_op] += args[-1].bound < self.bound
+            narrower[_op] += args[-1].feats.shape[1] < self.feats.shape[1]
             return _real(self, *args)
 
         monkeypatch.setattr(EagleState, op, spy_op)
 
     def spy(seqs, state, k):
         proposal = propose(seqs, state, k)
-        rounds.append((seqs.history.tolist(), seqs.length.tolist(), proposal.drafts.tolist()))
+        rounds.append((seqs.history.tolist(), seqs.length.tolist(), proposal.drafts.tolist(),
+                       proposal.n_drafts.tolist(), proposal.kind))
         return proposal
 
     def bad_commit(state, proposal, accepted, target):
@@ -164,7 +187,7 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None):
     if corrupt is not None:
         drafter.commit = bad_commit
     llm = batchspec.LLM(tiny.target(), draft=drafter, num_draft_tokens=3, batch_size=3, scheduler=scheduler,
-                        check_invariants=True, speculation=Scripted((0, 3, 0, 0, 0, 2, 1, 3, 0, 3)))
+                        check_invariants=True, speculation=policy or Scripted((0, 3, 0, 0, 0, 2, 1, 3, 0, 3)))
     order = [1, 7, 0, 2, 3, 4, 5, 6]
     prompts, max_tokens = [JOIN_PROMPTS[i] for i in order], [JOIN_MAX[i] for i in order]
     ids, requests = llm.requests(prompts, [SP(max_tokens=m) for m in max_tokens])
@@ -179,21 +202,28 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None):
     assert [got[i] for i in range(len(prompts))] == _oracle(prompts, max_tokens)  # drafts never change the output
     s = llm.stats
     assert s.lengths.get(0, 0) > 3 and s.joined_running > 0 and 0 < s.accepted < s.drafted
-    checked = wrong = 0
+    checked = wrong = copied = 0
+    kinds = collections.Counter(kind for *_, kind in rounds)
     with torch.no_grad():
-        for history, lengths, drafts in rounds:
-            for h, n, d in zip(history, lengths, drafts):
-                if n >= 2:  # (a one-token row has no pair yet: its first draft comes from no feature)
+        for history, lengths, drafts, counts, kind in rounds:
+            for h, n, d, c in zip(history, lengths, drafts, counts):
+                _, start = _reference(h[:n], 8, 1) if copy else (0, None)
+                forced = [] if start is None else h[start:n][: len(d)]
+                if kind == "copy":  # the copies alone, whatever the head would say
                     checked += 1
-                    wrong += d != _head_drafts(drafter, h[:n], len(d))
-    return checked, wrong, narrower
+                    wrong += d[:c] != forced
+                elif n >= 2:  # (a one-token row has no pair yet: its first draft comes from no feature)
+                    checked += 1
+                    copied += bool(forced) and forced != _head_drafts(drafter, h[:n], len(forced))
+                    wrong += d != _head_drafts(drafter, h[:n], len(d), forced)
+    return checked, wrong, narrower, copied, kinds
 
 
 @pytest.mark.parametrize("scheduler", ["continuous", ExSpec(window=2)], ids=["continuous", "exspec"])
 def test_drafts_are_the_heads_predictions(scheduler, monkeypatch):
     """Every draft of every row in every round equals the head's prediction from the row's true history: the
     features and cached pairs stay in step through rejections, k = 0 rounds, joins, window copies and compaction."""
-    checked, wrong, narrower = _check_drafts(scheduler, monkeypatch)
+    checked, wrong, narrower, _, _ = _check_drafts(scheduler, monkeypatch)
     assert checked > 25 and wrong == 0, (checked, wrong)
     # rows joined a batch keeping more features per row (after k = 0 rounds); with exspec, rows drafted in a round
     # from the window were written back into it
@@ -204,8 +234,72 @@ def test_drafts_check_catches_stale_features(monkeypatch):
     """The check above has teeth: features one position off (invisible to the output and to the invariants) fail
     it."""
     shift = lambda state: setattr(state, "feats", state.feats.roll(1, 1))  # noqa: E731
-    checked, wrong, _ = _check_drafts("continuous", monkeypatch, corrupt=shift)
+    checked, wrong, _, _, _ = _check_drafts("continuous", monkeypatch, corrupt=shift)
     assert wrong > checked // 4, (checked, wrong)
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", ExSpec(window=2)], ids=["continuous", "exspec"])
+def test_copies_then_the_head(scheduler, monkeypatch):
+    """Rows whose text repeats draft prompt lookup's copies (here: whenever there is a match), and the head drafts on
+    from them, fed the copied tokens: every round's drafts equal that, computed from scratch; the features stay in
+    step although the drafts came from two sources."""
+    checked, wrong, _, copied, _ = _check_drafts(scheduler, monkeypatch, copy=True)
+    assert checked > 25 and wrong == 0, (checked, wrong)
+    assert copied > 5, "copies never differed from what the head would have drafted"
+
+
+def test_copy_rounds_leave_the_head_in_step(monkeypatch):
+    """Rounds that verify copies only (the head does not run; its features wait, each row's as many as it accepted)
+    among rounds that run the head and plain ones, rows joining: the head's drafts after them are still its
+    predictions from the true history (it catches up on every waiting pair), outputs exact, invariants held."""
+    checked, wrong, narrower, copied, kinds = _check_drafts("continuous", monkeypatch, copy=True, policy=KindScript())
+    assert checked > 25 and wrong == 0, (checked, wrong)
+    assert kinds["copy"] > 5 and kinds["head"] > 5, kinds
+    assert copied > 0 and narrower["merge"] > 0
+
+
+def test_copies_used_where_they_earned_it():
+    """The first drafts' acceptance is learned for the head and for copies per match length from every drafting
+    round (both sources scored against the target's token, whichever was drafted); a row copies when its match
+    length's copies were accepted more often than the head's drafts, at the time of the round."""
+    drafter = tiny.eagle()
+    chosen, propose = [], drafter.propose
+
+    def spy(seqs, state, k):
+        head_rate = drafter._head_survival(k, seqs.length.device)[0]
+        copy_rate = drafter.copy.survival(k, seqs.length.device)[:, 0]
+        proposal = propose(seqs, state, k)
+        assert proposal.kind == "head"  # fixed length: the head runs every round
+        match, n_copies, copied, head, used = proposal.match.unbind(1)
+        use = (n_copies > 0) & (copy_rate[match] > head_rate)
+        assert use.tolist() == used.bool().tolist()
+        chosen.append((proposal.drafts[:, 0].tolist(), torch.where(use, copied, head).tolist(),
+                       int(use.sum()), int(((n_copies > 0) & ~use).sum())))
+        return proposal
+
+    drafter.propose = spy
+    llm = _llm(3, 4, draft=drafter, speculation="fixed")
+    prompts = JOIN_PROMPTS + tiny.prompts(12, seed=3)
+    outs = llm.generate(prompts, SP(max_tokens=25))
+    assert [o.token_ids for o in outs] == _oracle(prompts, 25)
+    assert all(got == want for got, want, _, _ in chosen)
+    assert sum(c[2] for c in chosen) > 10, "no row copied"
+    assert sum(c[3] for c in chosen) > 10, "every match was copied: the rule never refused one"
+    head_hits, head_offered = drafter.table
+    assert head_offered[0] == llm.stats.row_rounds and 0 < head_hits[0] < head_offered[0]
+    assert 0 < head_offered[1] < head_offered[0] and 0 < head_hits[1] < head_offered[1]
+    assert 0 < drafter.copy.hits[:, 0].sum() < drafter.copy.offered[:, 0].sum()
+
+
+def test_copy_off_and_under_sampling():
+    """``copy=False`` drafts with the head alone; sampling never copies (the proposal carries no first drafts)."""
+    for copy, params in ((False, SP(max_tokens=12)), (True, SP(max_tokens=12, temperature=0.8, seed=1))):
+        drafter = tiny.eagle(copy=copy)
+        seen, propose = [], drafter.propose
+        drafter.propose = lambda seqs, state, k: seen.append(propose(seqs, state, k)) or seen[-1]
+        _llm(3, 4, draft=drafter, speculation="fixed").generate(JOIN_PROMPTS, params)
+        assert seen and all(p.match is None for p in seen)
+        assert drafter.table is None and (drafter.copy is None or drafter.copy.offered is None)
 
 
 # ------------------------------------------------------------------------------------------------ sampling

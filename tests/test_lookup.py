@@ -67,6 +67,20 @@ def test_partial_survival_cuts_at_the_first_weak_index():
     assert s[0] > 0.9 and s[1] > 0.9 and s[2] < 0.5 and (s[1:] <= s[:-1]).all()  # a product: never rises
 
 
+def test_survival_multiplies_conditional_rates():
+    """Half the rounds reject the first draft, the others accept all five: a draft after an accepted one was always
+    accepted, so surviving five drafts is as likely as surviving one (counting the later drafts of rounds that had
+    already failed as rejections would multiply the first failure in at every index)."""
+    d = PromptLookup()
+    seqs = _seqs([STRONG])
+    d.costs = [1.0] * 6
+    for accepted in [0, 5] * 40:
+        d.commit(None, d.propose(seqs, None, 5), torch.tensor([accepted]), None)
+    s = d.survival(5, "cpu")[4]
+    assert 0.4 < s[0] < 0.6 and s[4] > 0.9 * s[0], s
+    assert d.offered[4].tolist() == [80, 40, 40, 40, 40] and d.hits[4].tolist() == [40] * 5
+
+
 def test_batch_width_weighs_every_row():
     """A column is verified when the rows' summed chances there cover its cost for the whole batch."""
     d = PromptLookup(default_cost=0.4)

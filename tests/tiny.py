@@ -161,9 +161,9 @@ def _eagle_head(arch, dtype, vocab, steps):
     return model.to(dtype).eval().requires_grad_(False), fc.to(dtype).requires_grad_(False), token_map
 
 
-def eagle(arch: str = "llama", dtype=torch.float64, graphs: str = "auto"):
+def eagle(arch: str = "llama", dtype=torch.float64, graphs: str = "auto", copy: bool = True):
     """A fresh ``EagleDrafter`` over ``eagle_head`` (drafters hold runners: one per LLM)."""
     from batchspec.drafters import EagleDrafter
 
     model, fc, token_map = eagle_head(arch, dtype)
-    return EagleDrafter(model, fc, token_map, target(arch, dtype).get_input_embeddings(), graphs)
+    return EagleDrafter(model, fc, token_map, target(arch, dtype).get_input_embeddings(), graphs, copy)

@@ -94,6 +94,7 @@ class RoundResult:
     cut: torch.Tensor  # [B] verified tokens dropped after a stop token
     accepted: torch.Tensor  # [B] accepted drafts that were emitted
     n_drafts: torch.Tensor  # [B]
+    kind: str | None = None  # what kind of drafting round it was, for drafters with kinds (``Drafter.kinds``)
 
 
 def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> RoundResult:
@@ -122,7 +123,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> Round
         seqs.rounds += 1
         seqs.drafted += n_drafts
         seqs.accepted += accepted
-    return RoundResult(finished, block, n, cut, accepted, n_drafts)
+    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind)
 
 
 def _room(parts: Parts, batch: Batch) -> int:
@@ -224,7 +225,7 @@ class Engine:
         own = drafter.sizes_own_drafts and not batch.seqs.sampling  # the drafter sizes its blocks from costs
         if rows is None:
             if own:
-                k, drafter.costs = policy.drafter_length(len(batch), k_max)
+                k, drafter.costs = policy.drafter_length(len(batch), k_max, drafter.kinds)
             else:
                 k = policy.length(len(batch), k_max, batch.seqs.sampling)
             result = speculative_round(self.parts, batch, timer, k)
@@ -238,7 +239,8 @@ class Engine:
             wants = rows is None and k and not own
             estimates = policy.estimates(batch.seqs, self.parts.k) if wants else None
             fin, width, new, values = _account(stats, batch, rows, result, estimates)  # the round's one host sync
-            policy.observe(len(result.emitted), k, result.block.shape[1], time.perf_counter() - start, values)
+            policy.observe(len(result.emitted), k, result.block.shape[1], time.perf_counter() - start, values,
+                           result.kind)
             if any(fin):
                 by_id = {o.request_id: o for o in new}
                 for f in self._remove(fin):

@@ -22,11 +22,12 @@ class FixedLength:
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
         return k_max
 
-    def drafter_length(self, rows: int, k_max: int) -> tuple[int, list | None]:
+    def drafter_length(self, rows: int, k_max: int, kinds=None) -> tuple[int, list | dict | None]:
         """For a drafter that sizes its own proposals (prompt lookup): the round's maximum, and what a round
-        verifying j = 0..k drafts costs (equal costs: offer every candidate, the classic behaviour)."""
+        verifying j = 0..k drafts costs (equal costs: offer every candidate, the classic behaviour). A drafter with
+        kinds of rounds (``kinds``) gets None: it drafts K its default way."""
         k = self.length(rows, k_max)
-        return k, [1.0] * (k + 1)
+        return k, None if kinds else [1.0] * (k + 1)
 
     def record(self, seqs, accepted, k: int) -> None:
         pass
@@ -34,7 +35,7 @@ class FixedLength:
     def estimates(self, seqs, k_max: int):
         return None
 
-    def observe(self, rows: int, k: int, width: int, seconds: float, values) -> None:
+    def observe(self, rows: int, k: int, width: int, seconds: float, values, kind=None) -> None:
         pass
 
 
@@ -90,9 +91,9 @@ class AdaptiveLength:
         self.interval, self.probed = probe_every, False  # rounds between probes (doubling while probes find nothing)
         self.seen = 0
         self.fill = 1.0  # tokens verified per token offered (prompt lookup often proposes fewer, or none)
-        # rows -> block width -> a drafting round's seconds over the plain step's at the time (the machine's speed
-        # drifts; a width seldom run keeps its cost relative to the step, not its seconds)
-        self.widths: dict[int, dict[int, float]] = {}
+        # rows -> (kind of round, block width) -> a drafting round's seconds over the plain step's at the time (the
+        # machine's speed drifts; a width seldom run keeps its cost relative to the step, not its seconds)
+        self.widths: dict[int, dict[tuple, float]] = {}
 
     # ---------------------------------------------------------------------------------------------- choose
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
@@ -119,15 +120,17 @@ class AdaptiveLength:
                 return 0
         return best
 
-    def drafter_length(self, rows: int, k_max: int) -> tuple[int, list | None]:
+    def drafter_length(self, rows: int, k_max: int, kinds=None) -> tuple[int, list | dict | None]:
         """For a drafter that sizes its own proposals from what it knows per row (prompt lookup's match lengths):
         K, and what a round verifying j = 0..K drafts per row costs, in plain steps: measured per block width
         (rounds of about this many rows, older rounds fading), else from the fitted line ``T0 + F + j * D``, else
         None (the drafter's own prior). A width's measured cost is the moving average of its rounds' seconds over
         the plain step's cost when each ran, so the machine's drifting speed does not skew widths run at different
-        times. None instead of the list before a plain step was measured. The plain-step
+        times; a width not run at this batch size yet takes the nearest size's. None instead of the list before a
+        plain step was measured. The plain-step
         measurements stay: first a round that drafts nothing, and again after ``2 * probe_every`` rounds that
-        drafted."""
+        drafted. A drafter whose rounds come in kinds that cost differently (``kinds``: the feature-reading head's
+        rounds that run the head and those that only copy) gets a list per kind, each width measured per kind."""
         t0, f, d = self.cost(rows)
         if t0 is None:
             return 0, None
@@ -135,9 +138,15 @@ class AdaptiveLength:
         if self.busy >= 2 * self.probe_every:
             self.busy = 0
             return 0, None
-        seen = _nearest(self.widths, rows) or {}
         line = [1.0 if j == 0 else None if d is None else 1.0 + (f + j * d) / t0 for j in range(k_max + 1)]
-        return k_max, [seen.get(j + 1, line[j]) for j in range(k_max + 1)]
+        costs = {kind: [self._width(rows, (kind, j + 1), line[j]) for j in range(k_max + 1)]
+                 for kind in (kinds or [None])}
+        return k_max, costs if kinds else costs[None]
+
+    def _width(self, rows: int, key: tuple, default):
+        """A width's measured cost (in plain steps) at ``rows`` rows, else at the nearest batch size that ran it."""
+        seen = {b: w[key] for b, w in self.widths.items() if key in w}
+        return seen[min(seen, key=lambda b: (abs(b - rows), -b))] if seen else default
 
     def cost(self, rows: int) -> tuple:
         """``(T0, F, D)`` for ``rows`` rows: a round drafting k costs ``T0`` seconds if k = 0, else
@@ -170,7 +179,7 @@ class AdaptiveLength:
         alpha = (hits + w * self.rate) / (hits + misses + w)
         return torch.cat([expected_tokens(alpha, k_max).mean(0), torch.stack([hits.sum(), misses.sum()])])
 
-    def observe(self, rows: int, k: int, width: int, seconds: float, values) -> None:
+    def observe(self, rows: int, k: int, width: int, seconds: float, values, kind=None) -> None:
         if values is not None:
             *expected, hits, misses = values
             self.expected = expected
@@ -187,7 +196,7 @@ class AdaptiveLength:
         else:
             self.fill += self.smoothing * (drafted / k - self.fill)
             if (t0 := self.t0.get(rows)) is not None:
-                _ema(self.widths.setdefault(rows, {}), width, seconds / t0, self.width_smoothing)
+                _ema(self.widths.setdefault(rows, {}), (kind, width), seconds / t0, self.width_smoothing)
                 self.lines.setdefault(rows, _Line(1 - self.smoothing)).add(drafted, seconds - t0)
 
 

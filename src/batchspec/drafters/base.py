@@ -20,6 +20,7 @@ class Proposal:
     n_drafts: torch.Tensor
     q: torch.Tensor | None = None
     match: torch.Tensor | None = None
+    kind: str | None = None  # for a drafter with ``kinds``: which kind of round this proposal is
 
     @classmethod
     def empty(cls, rows: int, device) -> "Proposal":
@@ -34,6 +35,9 @@ class Drafter:
     # whether ``propose`` picks its own width under greedy decoding from ``costs`` (a round verifying j = 0..k drafts,
     # in plain steps), which the engine sets from the policy before each round (``policy.drafter_length``)
     sizes_own_drafts = False
+    # rounds of different kinds that cost differently (the policy measures each width per kind and ``costs`` is then
+    # a dict kind -> list, or None for "draft K your default way"); None: one kind
+    kinds: tuple | None = None
 
     def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None):
         """The state of rows starting with ``prompts`` (None for drafters that keep no per-row state). A drafter

@@ -8,11 +8,19 @@ feature back in with the drafted token.
 
 Its cache holds one slot per *pair* (f_i, x_(i+1)), filed under position i and token x_i, so it obeys the same
 invariants as the target's: at rest it holds positions 0..processed-1 of the row's history. The verification forward
-returns the target's features (``TargetOutput.hidden``); the state keeps the last ``bound`` of them per row (the
-features of positions length-1-bound .. length-2), and a drafting round's first forward catches up on the pairs the
+returns the target's features (``TargetOutput.hidden``); the state keeps the last ``W`` of them per row (the
+features of positions length-1-W .. length-2), and a drafting round's first forward catches up on the pairs the
 head has not cached (right-aligned, rows missing fewer have hidden holes on the left), ending with the pair of the
 pending token, whose output gives the first draft. Pairs built from predicted features (the drafts') are hidden after
 verification: their true features replace them in the next round's catch-up.
+
+Copies (greedy): text that repeats (a passage being summarised, code being edited) is better drafted by prompt
+lookup than by any small head, and the two fail in different places. Each row's longest earlier match gives
+candidate copies; a row drafts them first when copies of its match length have been accepted more often than the
+head's first drafts, and the head drafts on after them, fed the copied tokens. Each round is sized like prompt
+lookup's (expected tokens over measured cost, per width): a "head" round runs the head, a "copy" round verifies only
+the copies and leaves the head alone (its features wait, and its next round catches up on them), and a round where
+neither pays is a plain step.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from ..kv import new_cache
 from ..runner import Runner
 from ..sampling import DRAFT, draw
 from .base import Drafter, Proposal
+from .lookup import PromptLookup, survival
 
 EXTRA = "eagle.safetensors"  # fc and token_map; the decoder layer, norm and head are a Llama checkpoint beside it
 
@@ -112,26 +121,24 @@ def head_unrolled(model, fc, embedding, next_tokens: torch.Tensor, feats: torch.
 
 
 class EagleState:
-    """Per row: the head's slots, ``processed`` ``[B]`` (pairs cached) and ``feats`` ``[B, bound, H]``, the target's
-    features of the last ``bound`` positions before the pending token (``bound``: a host-side bound on the pairs any
-    row has not cached)."""
+    """Per row: the head's slots, ``processed`` ``[B]`` (pairs cached) and ``feats`` ``[B, W, H]``, the target's
+    features of the last ``W`` positions before the pending token, right-aligned (``W`` covers every pair a row has
+    not cached; columns further left are holes)."""
 
     def __init__(self, slots: SlotState, processed: torch.Tensor, feats: torch.Tensor):
         self.slots, self.processed, self.feats = slots, processed, feats
 
     @property
     def feats(self) -> torch.Tensor:
-        if self.plain:  # join the rounds without drafting once, not once per round
-            self._feats, self.plain = torch.cat([self._feats, *self.plain], 1), []
+        if self.plain:  # join the rounds that did not run the head once, not once per round
+            self._feats, self.plain = _join(self._feats, self.plain), []
         return self._feats
 
     @feats.setter
     def feats(self, value: torch.Tensor) -> None:
-        self._feats, self.plain = value, []  # plain: one [B, 1, H] per round without drafting, not joined yet
-
-    @property
-    def bound(self) -> int:
-        return self._feats.shape[1] + len(self.plain)
+        # plain: per round that did not run the head, its features ``[B, n, H]`` and how many of them are real per
+        # row (None: all), not joined yet
+        self._feats, self.plain = value, []
 
     def select_rows(self, rows):
         self.slots.select_rows(rows)
@@ -143,18 +150,38 @@ class EagleState:
     def put(self, rows, part: "EagleState") -> None:
         self.slots.put(rows, part.slots)
         self.processed[rows] = part.processed
-        t = max(self.bound, part.bound)
-        self.feats = _left_pad(self.feats, t)
-        self.feats[rows] = _left_pad(part.feats, t)
+        mine, theirs = self.feats, part.feats
+        t = max(mine.shape[1], theirs.shape[1])
+        self.feats = _left_pad(mine, t)
+        self.feats[rows] = _left_pad(theirs, t)
 
     def merge(self, other: "EagleState") -> "EagleState":
-        t = max(self.bound, other.bound)
+        mine, theirs = self.feats, other.feats
+        t = max(mine.shape[1], theirs.shape[1])
         return EagleState(self.slots.merge(other.slots), torch.cat([self.processed, other.processed]),
-                          torch.cat([_left_pad(self.feats, t), _left_pad(other.feats, t)]))
+                          torch.cat([_left_pad(mine, t), _left_pad(theirs, t)]))
 
 
 def _left_pad(feats: torch.Tensor, t: int) -> torch.Tensor:
     return feats if feats.shape[1] == t else torch.nn.functional.pad(feats, (0, 0, t - feats.shape[1], 0))
+
+
+def _join(feats: torch.Tensor, rounds: list) -> torch.Tensor:
+    """``feats`` followed by each round's features, every row's real ones moved right (its holes to the left), as
+    wide as the row with the most."""
+    joined = torch.cat([feats, *(h for h, _ in rounds)], 1)
+    if all(n is None for _, n in rounds):
+        return joined
+    real = torch.cat([torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)] + [
+        torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if n is None
+        else torch.arange(h.shape[1], device=h.device)[None, :] < n[:, None] for h, n in rounds], 1)
+    width = int(real.sum(1).max())  # one host read when the head next runs after rounds that copied
+    order = real.to(torch.uint8).sort(dim=1, stable=True).indices[:, real.shape[1] - width:]
+    return joined.gather(1, order[..., None].expand(-1, -1, joined.shape[-1]))
+
+
+KINDS = ("copy", "head")  # rounds that draft copies only (the head does not run) / that run the head
+HEAD_STEP = 0.1  # a drafting step of the head, in plain steps, for widths not measured yet (measured: 0.08-0.11)
 
 
 class EagleDrafter(Drafter):
@@ -166,15 +193,22 @@ class EagleDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, model, fc: torch.nn.Linear, token_map: torch.Tensor, embedding: torch.nn.Embedding,
-                 graphs: str = "auto"):
+                 graphs: str = "auto", copy: bool = True):
+        """``copy``: under greedy decoding, a row whose text repeats (prompt lookup finds a match) drafts the tokens
+        that followed the match instead of the head's, while that match's first draft has been accepted more often
+        than the head's; the head drafts on from where the copied tokens end."""
         self.model, self.fc, self.embedding = model, fc, embedding
         self.token_map = token_map.to(model.device)
         self.vocab = embedding.num_embeddings
         self.runner = Runner(model, graphs)
+        self.copy = PromptLookup() if copy else None
+        # with copies, greedy rounds are sized here: each width of each kind of round priced by the policy
+        self.sizes_own_drafts, self.kinds, self.costs = copy, KINDS if copy else None, None
+        self.table = None  # [2, K]: the head's drafts accepted / offered per index (like the copies' tables)
 
     # ------------------------------------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, path, target, dtype=None, graphs: str = "auto") -> "EagleDrafter":
+    def load(cls, path, target, dtype=None, graphs: str = "auto", copy: bool = True) -> "EagleDrafter":
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
@@ -196,7 +230,7 @@ class EagleDrafter(Drafter):
         token_map = extra["token_map"].long()
         if int(token_map.max()) >= emb.num_embeddings:
             raise ValueError(f"draft head {os.fspath(path)!r} maps to token ids beyond the target's vocabulary")
-        return cls(model, fc, token_map, emb, graphs)
+        return cls(model, fc, token_map, emb, graphs, copy)
 
     @staticmethod
     def save(path, model, fc: torch.nn.Linear, token_map: torch.Tensor, card: dict | None = None) -> None:
@@ -237,16 +271,24 @@ class EagleDrafter(Drafter):
         return EagleState(state, processed, hidden[:, w - 1:].clone() if w else hidden.new_zeros((b, 1, hidden.shape[-1])))
 
     def propose(self, seqs, state: EagleState, k):
-        m = state.bound
         length = seqs.length
+        feats = state.feats
+        if self.copy is not None and not seqs.sampling:
+            copies, n_copies, match = self.copy.candidates(seqs, k)
+            kind, k, use = self._plan(copies, n_copies, match, k)
+            if not k:
+                return Proposal.empty(len(length), length.device)
+            if kind == "copy":  # the head does not run: its pairs wait for a round that runs it
+                return Proposal(copies[:, :k], n_copies.clamp(max=k), match=match, kind=kind)
+        m = feats.shape[1]
         at = (length - 1)[:, None] - m + torch.arange(m, device=length.device)[None, :]  # ends at length-2
         tok = seqs.history.gather(1, at.clamp(min=0))
         nxt = seqs.history.gather(1, (at + 1).clamp(min=0))
         out = state.slots.append(tok, at >= state.processed[:, None], logits_to_keep=1, hidden=True,
-                                 embeds=self._inputs(nxt, state.feats))
+                                 embeds=self._inputs(nxt, feats))
         state.processed = torch.maximum(state.processed, length - 1)
         u = seqs.uniforms(k, DRAFT) if seqs.sampling else None
-        drafts, qs = [], []
+        drafts, qs, first = [], [], None
         for i in range(k):
             if i:
                 slot = seqs.pending() if i == 1 else drafts[-2]  # the token at this pair's position
@@ -255,26 +297,98 @@ class EagleDrafter(Drafter):
             logits = out.logits[:, -1]
             if u is None:
                 drafts.append(self.token_map[logits.argmax(-1)])
+                if self.copy is not None:  # rows whose copies earned it draft them; the head drafts on after them
+                    if not i:
+                        first = torch.stack([match, n_copies, copies[:, 0], drafts[0], use.long()], 1)
+                    drafts[-1] = torch.where(use & (i < n_copies), copies[:, i], drafts[-1])
             else:  # the head's distribution spread over the whole vocabulary (zero outside the map)
                 full = logits.new_full((logits.shape[0], self.vocab), float("-inf"))
                 full[:, self.token_map] = logits
                 qs.append(seqs.warp(full[:, None])[:, 0])
                 drafts.append(draw(qs[-1], u[:, i]))
-        return Proposal(torch.stack(drafts, 1), torch.full_like(length, k), torch.stack(qs, 1) if qs else None)
+        return Proposal(torch.stack(drafts, 1), torch.full_like(length, k), torch.stack(qs, 1) if qs else None,
+                        match=first, kind="head" if first is not None else None)
+
+    def _plan(self, copies, n_copies, match, k: int):
+        """``(kind, width, rows that copy)`` for a greedy round of at most k drafts. A row copies first when its
+        match length's first copied draft is accepted more often than the head's first draft. Each kind of round
+        and width j is worth its expected tokens over its cost (``costs``, in plain steps): "copy" rounds verify
+        only the copies (rows without a match draft nothing; the head does not run), "head" rounds run the head for
+        j steps (it drafts on after the copies). Without costs (fixed length): a "head" round of k."""
+        dev = match.device
+        col = torch.arange(k, device=dev)[None, :]
+        copied = self.copy.survival(k, dev)[match] * (col < n_copies[:, None])  # [B, k] P(copies 1..j accepted)
+        head = self._head_survival(k, dev)  # [k]
+        use = (n_copies > 0) & (copied[:, 0] > head[0])
+        if self.costs is None:
+            return "head", k, use
+        last = copied.gather(1, (n_copies - 1).clamp(min=0)[:, None])
+        mixed = torch.where(col < n_copies[:, None], copied, last * head[(col - n_copies[:, None]).clamp(min=0)])
+        mixed = torch.where(use[:, None], mixed, head[None, :])
+        gain = torch.stack([copied.sum(0), mixed.sum(0)]).cumsum(1)  # [kind, j]: expected accepted drafts
+        tokens = len(match) + torch.nn.functional.pad(gain, (1, 0))
+        best = int((tokens / self._round_costs(k, dev)).flatten().argmax())  # the round's host read
+        return KINDS[best // (k + 1)], best % (k + 1), use
+
+    def _round_costs(self, k: int, device) -> torch.Tensor:
+        """``[kind, j]``: a round of each kind verifying j drafts, in plain steps: measured where given, else
+        ``1 + 0.2 j`` (+ ``HEAD_STEP`` per step the head runs); never falling with j."""
+        prior = {"copy": self.copy.default_cost, "head": self.copy.default_cost + HEAD_STEP}
+        rows = []
+        for kind in KINDS:
+            given = (self.costs.get(kind) or [])[: k + 1]
+            rows.append([1.0 + prior[kind] * j if j >= len(given) or given[j] is None else given[j]
+                         for j in range(k + 1)])
+        return torch.tensor(rows, dtype=torch.float64, device=device).cummax(1).values
+
+    def _head_survival(self, k: int, device) -> torch.Tensor:
+        if self.table is None or self.table.shape[1] < k or self.table.device != device:
+            old = self.table
+            self.table = torch.zeros((2, k), dtype=torch.float64, device=device)
+            if old is not None:
+                self.table[:, : old.shape[1]] = old.to(device)[:, :k]
+        return survival(self.table[0, :k], self.table[1, :k], 0.5)
+
+    def _learn(self, proposal: Proposal, accepted: torch.Tensor, target) -> None:
+        """Acceptance of copies (per match length and index) and of the head's drafts (per index). Both first
+        drafts are scored in every "head" round whichever was drafted (the target's first token is known); later
+        indices only where drafted."""
+        if proposal.kind == "copy":
+            self.copy.commit(None, proposal, accepted, target)
+            return
+        match, n_copies, copied, head, use = proposal.match.unbind(1)
+        token = target.logits[:, 0].argmax(-1)
+        k = proposal.drafts.shape[1]
+        use = use.bool()
+        n = torch.where(use, n_copies.clamp(max=k), 0)
+        self.copy.commit(None, Proposal(proposal.drafts, n, match=match), torch.minimum(accepted, n), target)
+        weak = (n_copies > 0) & ~use  # copies not drafted: their first one scored all the same
+        self.copy.offered[:, 0].index_add_(0, match, weak.double())
+        self.copy.hits[:, 0].index_add_(0, match, (weak & (copied == token)).double())
+        self._head_survival(k, accepted.device)
+        j = torch.arange(k, device=accepted.device)[None, :]
+        # the later drafts of rows the head drafted for from the start, each put to the test when those before it
+        # were accepted
+        own = ~use[:, None] & (j > 0) & (j <= accepted[:, None])
+        self.table[1, :k] += own.sum(0)
+        self.table[0, :k] += (own & (j < accepted[:, None])).sum(0)
+        self.table[1, 0] += len(token)
+        self.table[0, 0] += (head == token).sum()
 
     def commit(self, state: EagleState, proposal: Proposal, accepted, target) -> None:
         k = proposal.drafts.shape[1]
-        if not k:  # every row's one new feature, kept aside until the next drafting round needs them
-            state.plain.append(target.hidden.to(state._feats.dtype))
+        if proposal.match is not None:
+            self._learn(proposal, accepted, target)
+        if not k or proposal.kind == "copy":  # the head did not run: the new features wait for a round that runs it
+            state.plain.append((target.hidden.to(state._feats.dtype), accepted + 1 if k else None))
             return
         if k > 1:  # the drafts' pairs were built from predicted features
             state.slots.hide_tail(k - 1, torch.zeros_like(accepted))
-        t = state.bound
-        # features of positions length-1-new .. length'-2, where length' = length + accepted + 1
-        new = k + 1
-        feats = torch.cat([state.feats, target.hidden.to(state.feats.dtype)], 1)
-        index = (t + accepted)[:, None] - (new - 1) + torch.arange(new, device=accepted.device)[None, :]
-        state.feats = feats.gather(1, index.clamp(min=0)[..., None].expand(-1, -1, feats.shape[-1]))
+        # features of positions length-1-k .. length'-2, where length' = length + accepted + 1 (the head cached
+        # every pair before the pending token's)
+        feats = target.hidden.to(state._feats.dtype)
+        index = (accepted[:, None] + torch.arange(-k, 1, device=accepted.device)[None, :]).clamp(min=0)
+        state.feats = feats.gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))
 
     def states(self, state):
         return (state.slots,)

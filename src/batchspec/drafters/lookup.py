@@ -26,6 +26,18 @@ from .base import Drafter, Proposal
 PRIOR_RATE, PRIOR_WEIGHT = 0.8, 5.0  # an untried first draft starts at 0.8: worth trying
 
 
+def survival(hits: torch.Tensor, offered: torch.Tensor, first: float) -> torch.Tensor:
+    """``[..., k]`` P(drafts 1..j all accepted) from counts ``[..., k]`` of draft j accepted / offered (offered only
+    after drafts 1..j-1 were accepted): each index's rate from ``PRIOR_WEIGHT`` pseudo-counts at the rate before it
+    (the first at ``first``), the rates multiplied."""
+    rate = torch.full_like(offered[..., 0], first)
+    cols = []
+    for j in range(offered.shape[-1]):  # k is small: a handful of small operations
+        rate = (hits[..., j] + PRIOR_WEIGHT * rate) / (offered[..., j] + PRIOR_WEIGHT)
+        cols.append(rate)
+    return torch.stack(cols, -1).cumprod(-1) if cols else offered
+
+
 class PromptLookup(Drafter):
     name = "prompt-lookup"
     sizes_own_drafts = True  # the engine sets ``costs`` before each round (``policy.drafter_length``)
@@ -47,12 +59,7 @@ class PromptLookup(Drafter):
         (``PRIOR_WEIGHT`` pseudo-counts; the first from ``PRIOR_RATE``): an index rarely offered yet is taken to go
         on like the ones before, so a long match that was always right earns wider blocks before they are tried."""
         self._tables(k, device)
-        rate = torch.full_like(self.offered[:, 0], PRIOR_RATE)
-        cols = []
-        for j in range(k):  # k is small: a handful of [max_ngram + 1] operations
-            rate = (self.hits[:, j] + PRIOR_WEIGHT * rate) / (self.offered[:, j] + PRIOR_WEIGHT)
-            cols.append(rate)
-        return torch.stack(cols, 1).cumprod(1) if cols else self.offered[:, :0]
+        return survival(self.hits[:, :k], self.offered[:, :k], PRIOR_RATE)
 
     def _tables(self, k: int, device) -> None:
         """``offered`` / ``hits`` with at least k indices, on ``device`` (grown, keeping what was learned)."""
@@ -64,9 +71,23 @@ class PromptLookup(Drafter):
             self.offered, self.hits = (torch.nn.functional.pad(t, grow).to(device) for t in (self.offered, self.hits))
 
     def propose(self, seqs, state, k):
+        b, dev = len(seqs.length), seqs.length.device
+        drafts, n_drafts, match = self.candidates(seqs, k)
+        if not seqs.sampling and k:
+            offered = torch.arange(k, device=dev)[None, :] < n_drafts[:, None]
+            gain = (self.survival(k, dev)[match] * offered).sum(0)  # expected accepted tokens in each column
+            tokens = torch.cat([gain.new_full((1,), float(b)), b + gain.cumsum(0)])  # E(j), j = 0..k
+            n_drafts = torch.minimum(n_drafts, (tokens / self.round_costs(k, dev)).argmax())
+        # verify only as many slots as the longest proposal: rows without a match would waste the rest
+        w = int(n_drafts.max()) if b else 0
+        drafts = torch.where(torch.arange(w, device=dev)[None, :] < n_drafts[:, None], drafts[:, :w], 0)
+        return Proposal(drafts, n_drafts, match=match)  # deterministic: q is one-hot on the proposal
+
+    def candidates(self, seqs, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's candidates ``[B, k]`` (entries past its count are 0), their count ``[B]`` (0: no match) and
+        the match length ``[B]``."""
         hist, length = seqs.history, seqs.length
-        b, t = hist.shape
-        dev = hist.device
+        t, dev = hist.shape[1], hist.device
         n_max = self.max_ngram
         # every position i as the end of a window of the n_max tokens up to it (left-padded with -1), compared with
         # the row's last n_max tokens (-2 before its start): the run of matches back from i is the match length there
@@ -83,17 +104,9 @@ class PromptLookup(Drafter):
         latest = t - 1 - (run == match[:, None]).flip(1).int().argmax(1)  # the latest occurrence of that length
         start = latest + 1
         n_drafts = torch.where(found, (length - start).clamp(max=k), torch.zeros_like(start))
-        if not seqs.sampling and k:
-            offered = torch.arange(k, device=dev)[None, :] < n_drafts[:, None]
-            gain = (self.survival(k, dev)[match] * offered).sum(0)  # expected accepted tokens in each column
-            tokens = torch.cat([gain.new_full((1,), float(b)), b + gain.cumsum(0)])  # E(j), j = 0..k
-            n_drafts = torch.minimum(n_drafts, (tokens / self.round_costs(k, dev)).argmax())
-        # verify only as many slots as the longest proposal: rows without a match would waste the rest
-        w = int(n_drafts.max()) if b else 0
-        idx = (start[:, None] + torch.arange(w, device=dev)[None, :]).clamp(max=t - 1)
-        drafts = hist.gather(1, idx)
-        drafts = torch.where(torch.arange(w, device=dev)[None, :] < n_drafts[:, None], drafts, 0)
-        return Proposal(drafts, n_drafts, match=match)  # deterministic: q is one-hot on the proposal
+        col = torch.arange(k, device=dev)[None, :]
+        drafts = hist.gather(1, (start[:, None] + col).clamp(max=t - 1))
+        return torch.where(col < n_drafts[:, None], drafts, 0), n_drafts, match
 
     def round_costs(self, k: int, device) -> torch.Tensor:
         """``[k + 1]``: a round verifying j drafts, in plain steps: the measured ``costs`` where given, else
@@ -110,5 +123,7 @@ class PromptLookup(Drafter):
         j = torch.arange(w, device=accepted.device)[None, :]
         rows = proposal.match[:, None].expand(-1, w)
         cols = j.expand(rows.shape[0], -1)
-        self.offered.index_put_((rows, cols), (j < proposal.n_drafts[:, None]).double(), accumulate=True)
+        # draft j is put to the test only when drafts 1..j-1 were accepted (the survival multiplies these rates)
+        offered = (j < proposal.n_drafts[:, None]) & (j <= accepted[:, None])
+        self.offered.index_put_((rows, cols), offered.double(), accumulate=True)
         self.hits.index_put_((rows, cols), (j < accepted[:, None]).double(), accumulate=True)
