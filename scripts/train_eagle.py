@@ -406,10 +406,17 @@ def cmd_eval(args) -> None:
     from batchspec.prompts import encode
 
     torch.set_num_threads(args.threads)
-    llm = batchspec.LLM(TARGET, draft=args.draft, num_draft_tokens=args.k, batch_size=args.batch_size,
+    draft = args.draft
+    if args.no_copy:  # the head alone, without prompt lookup's copies
+        from batchspec.drafters import EagleDrafter
+        from batchspec.models import load_model, resolve
+
+        draft = EagleDrafter.load(resolve(args.draft, "draft"), load_model(TARGET, None, "cpu", "target"), copy=False)
+    llm = batchspec.LLM(TARGET, draft=draft, num_draft_tokens=args.k, batch_size=args.batch_size,
                         speculation="fixed", device="cpu")
     d = llm.drafter
-    res = {"draft": args.draft, "kind": d.name, "k": args.k, "max_tokens": args.max_tokens}
+    res = {"draft": args.draft, "kind": d.name, "copies": getattr(d, "copy", None) is not None, "k": args.k,
+           "max_tokens": args.max_tokens}
     if d.name == "eagle":
         res["draft_macs_per_token"] = macs_per_token([d.model, d.fc])  # fc, the layer and the restricted head
         res["head_tokens"] = len(d.token_map)
@@ -492,6 +499,7 @@ def main(argv=None) -> int:
     e.add_argument("--spec-bench", default=None, help="Spec-Bench question.jsonl: also the 8-prompt set")
     e.add_argument("--check-hf", type=int, default=0, metavar="N")
     e.add_argument("--json", default=None)
+    e.add_argument("--no-copy", action="store_true", help="a head drafts alone, without prompt lookup's copies")
     args = p.parse_args(argv)
     {"gen": cmd_gen, "train": cmd_train, "export": cmd_export, "eval": cmd_eval}[args.stage](args)
     return 0

@@ -176,6 +176,28 @@ def test_drafter_costs_are_relative_to_the_plain_step_of_their_time():
     assert costs[5] == pytest.approx(2.0) and costs[2] == pytest.approx(1.1)
 
 
+def test_stale_width_costs_are_measured_afresh():
+    """A width measured while the machine was slow (3x) and not chosen since is forgotten after ``stale`` rounds
+    (the fitted line prices it again, or the drafter's prior), and its next round replaces the old cost instead of
+    averaging with it. Per kind of round, for a drafter with kinds."""
+    p = AdaptiveLength(stale=10)
+    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
+    p.observe(1, 0, 1, 0.010, None)
+    p.observe(1, 5, 3, 0.030, None, "head")  # a slow minute
+    p.observe(1, 5, 2, 0.0105, None, "copy")
+    costs = p.drafter_length(1, 5, ("copy", "head"))[1]
+    assert costs["head"][2] == pytest.approx(3.0) and costs["copy"][1] == pytest.approx(1.05)
+    for _ in range(9):
+        p.observe(1, 0, 1, 0.010, None)
+    assert p.drafter_length(1, 5, ("copy", "head"))[1]["head"][2] == pytest.approx(3.0)  # 10 rounds on: still fresh
+    for _ in range(2):
+        p.observe(1, 0, 1, 0.010, None)
+    costs = p.drafter_length(1, 5, ("copy", "head"))[1]
+    assert costs["head"][2] is None and costs["copy"][1] is None and costs["line"][2] is not None  # forgotten
+    p.observe(1, 5, 3, 0.011, None, "head")
+    assert p.drafter_length(1, 5, ("copy", "head"))[1]["head"][2] == pytest.approx(1.1)  # afresh, not averaged
+
+
 def test_acceptance_estimates_come_from_the_rounds():
     """Running an engine fills the policy's per-row estimates; a draft equal to the target is estimated near 1, a
     random one near 0 (with fixed costs, the choices follow)."""

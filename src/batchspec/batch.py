@@ -133,7 +133,7 @@ class SlotState:
     def put(self, rows: torch.Tensor, part: "SlotState") -> None:
         """Write ``part`` (taken from ``rows`` and advanced) back, right-aligned; widens this state if needed."""
         width = max(self.width, part.width)
-        kv.put_rows(self.cache, rows, part.cache, width)
+        kv.put_rows(self.cache, rows, part.cache, width, len(self.valid))
         self._reserve(width)
         for name in self._FILL:
             buf = self._buf[name]

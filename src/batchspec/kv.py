@@ -228,14 +228,16 @@ def take_rows(cache: SlotCache, rows: torch.Tensor) -> SlotCache:
     return out
 
 
-def put_rows(cache: SlotCache, rows: torch.Tensor, part: SlotCache, width: int) -> None:
-    """Write ``part``'s rows back into ``rows`` of ``cache``, right-aligned in ``width`` slots (the cache grows on the
-    right to ``width`` if narrower; slots left of the written ones keep stale, finite values the mask must hide)."""
+def put_rows(cache: SlotCache, rows: torch.Tensor, part: SlotCache, width: int, batch: int) -> None:
+    """Write ``part``'s rows back into ``rows`` of ``cache`` (``batch`` rows), right-aligned in ``width`` slots (the
+    cache grows on the right to ``width`` if narrower; slots left of the written ones keep stale, finite values the
+    mask must hide)."""
     for dst, src in zip(cache.layers, part.layers):
         if not src.length:
             continue
-        if dst._k is None:
+        if dst._k is None:  # nothing cached yet (a draft head that has not run): zeroed buffers for every row
             dst.lazy_initialization(src.keys, src.values)
+            dst.fresh(src.keys, src.values, batch, 0)
         dst._ensure(src.keys, src.values, width)
         n = src.length
         dst._k[:, :, width - n : width].index_copy_(0, rows, src.keys)

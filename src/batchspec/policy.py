@@ -75,9 +75,10 @@ class AdaptiveLength:
 
     def __init__(self, prior_weight: float = 3.0, probe_every: int = 8, smoothing: float = 0.3,
                  initial_rate: float = 0.5, costs: tuple | None = None, decay: float = 0.7,
-                 width_smoothing: float = 0.1, rate_smoothing: float = 0.05):
+                 width_smoothing: float = 0.1, rate_smoothing: float = 0.05, stale: int = 200):
         """``costs``: ``(T0, D)`` or ``(T0, F, D)`` in seconds, used for every batch size instead of measured ones
-        (tests, or a machine whose costs are known)."""
+        (tests, or a machine whose costs are known). ``stale``: rounds after which a width's measured cost is
+        forgotten (the next round of that width measures it afresh)."""
         self.prior_weight, self.probe_every, self.smoothing = prior_weight, probe_every, smoothing
         self.width_smoothing = width_smoothing  # per-width costs: relative, so they may average longer
         self.costs = None if costs is None else (costs[0], 0.0, costs[1]) if len(costs) == 2 else tuple(costs)
@@ -94,6 +95,10 @@ class AdaptiveLength:
         # rows -> (kind of round, block width) -> a drafting round's seconds over the plain step's at the time (the
         # machine's speed drifts; a width seldom run keeps its cost relative to the step, not its seconds)
         self.widths: dict[int, dict[tuple, float]] = {}
+        # rows -> (kind, width) -> the round it was last measured in: a width measured in a slow minute (the machine
+        # drifts by ~30%, other processes come and go) and not chosen since would keep its cost for ever
+        self.measured: dict[int, dict[tuple, int]] = {}
+        self.stale = stale
 
     # ---------------------------------------------------------------------------------------------- choose
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
@@ -130,7 +135,8 @@ class AdaptiveLength:
         plain step was measured. The plain-step
         measurements stay: first a round that drafts nothing, and again after ``2 * probe_every`` rounds that
         drafted. A drafter whose rounds come in kinds that cost differently (``kinds``: the feature-reading head's
-        rounds that run the head and those that only copy) gets a list per kind, each width measured per kind."""
+        rounds that run the head and those that only copy) gets a dict: per kind, each width's measured cost or None,
+        and under ``"line"`` the fitted line's (its own fallbacks are the drafter's to choose)."""
         t0, f, d = self.cost(rows)
         if t0 is None:
             return 0, None
@@ -139,14 +145,19 @@ class AdaptiveLength:
             self.busy = 0
             return 0, None
         line = [1.0 if j == 0 else None if d is None else 1.0 + (f + j * d) / t0 for j in range(k_max + 1)]
-        costs = {kind: [self._width(rows, (kind, j + 1), line[j]) for j in range(k_max + 1)]
-                 for kind in (kinds or [None])}
-        return k_max, costs if kinds else costs[None]
+        if not kinds:
+            return k_max, [self._width(rows, (None, j + 1), line[j]) for j in range(k_max + 1)]
+        costs = {kind: [self._width(rows, (kind, j + 1), None) for j in range(k_max + 1)] for kind in kinds}
+        return k_max, {**costs, "line": line}
 
     def _width(self, rows: int, key: tuple, default):
-        """A width's measured cost (in plain steps) at ``rows`` rows, else at the nearest batch size that ran it."""
-        seen = {b: w[key] for b, w in self.widths.items() if key in w}
+        """A width's measured cost (in plain steps) at ``rows`` rows, else at the nearest batch size that ran it;
+        measurements older than ``stale`` rounds do not count."""
+        seen = {b: w[key] for b, w in self.widths.items() if key in w and self._fresh(b, key)}
         return seen[min(seen, key=lambda b: (abs(b - rows), -b))] if seen else default
+
+    def _fresh(self, rows: int, key: tuple) -> bool:
+        return self.seen - self.measured.get(rows, {}).get(key, self.seen) <= self.stale
 
     def cost(self, rows: int) -> tuple:
         """``(T0, F, D)`` for ``rows`` rows: a round drafting k costs ``T0`` seconds if k = 0, else
@@ -196,7 +207,11 @@ class AdaptiveLength:
         else:
             self.fill += self.smoothing * (drafted / k - self.fill)
             if (t0 := self.t0.get(rows)) is not None:
-                _ema(self.widths.setdefault(rows, {}), (kind, width), seconds / t0, self.width_smoothing)
+                key, widths = (kind, width), self.widths.setdefault(rows, {})
+                if not self._fresh(rows, key):  # measured long ago: start afresh
+                    del widths[key]
+                _ema(widths, key, seconds / t0, self.width_smoothing)
+                self.measured.setdefault(rows, {})[key] = self.seen
                 self.lines.setdefault(rows, _Line(1 - self.smoothing)).add(drafted, seconds - t0)
 
 
