@@ -131,20 +131,20 @@ class EagleState:
 
     @property
     def feats(self) -> torch.Tensor:
-        if self.plain:  # join the rounds that did not run the head once, not once per round
-            self._feats, self.plain = _join(self._feats, self.plain), []
+        if self.aside:  # join the rounds that did not run the head once, not once per round
+            self._feats, self.aside = _join(self._feats, self.aside), []
         return self._feats
 
     @feats.setter
     def feats(self, value: torch.Tensor) -> None:
-        # plain: per round that did not run the head, its features ``[B, n, H]`` and how many of them are real per
+        # aside: per round that did not run the head, its features ``[B, n, H]`` and how many of them are real per
         # row (None: all), not joined yet
-        self._feats, self.plain = value, []
+        self._feats, self.aside = value, []
 
     @property
     def waiting(self) -> int:
         """A bound on the pairs a row waits to have cached (the feature columns kept, not joined yet)."""
-        return self._feats.shape[1] + sum(h.shape[1] for h, _ in self.plain)
+        return self._feats.shape[1] + sum(h.shape[1] for h, _ in self.aside)
 
     def select_rows(self, rows):
         self.slots.select_rows(rows)
@@ -338,21 +338,14 @@ class EagleDrafter(Drafter):
         measured yet costs the copy round of its width plus ``HEAD_STEP`` per step the head runs; else the policy's
         fitted line (+ the head's steps), else ``1 + 0.2 j`` (+ the head's steps); never falling with j. After a
         ``long_wait`` a head round costs what catch-up rounds of its width measured, where they were measured."""
-        def at(values, j):
-            return values[j] if values is not None and j < len(values) else None
-
-        step = self.copy.default_cost
-        costs = []
-        for j in range(k + 1):
-            line = at(self.costs.get("line"), j)
-            copy = at(self.costs.get("copy"), j)
-            copy_fallback = line if line is not None else 1.0 + step * j
-            head = at(self.costs.get("catch-up"), j) if long_wait else None
-            head = head if head is not None else at(self.costs.get("head"), j)
-            if head is None:
-                head = (copy if copy is not None else copy_fallback) + HEAD_STEP * j
-            costs.append((copy if copy is not None else copy_fallback, head))
-        return torch.tensor(costs, dtype=torch.float64, device=device).T.cummax(1).values
+        given = {kind: list(self.costs.get(kind) or [])[: k + 1] for kind in ("line", *KINDS)}
+        given = {kind: values + [None] * (k + 1 - len(values)) for kind, values in given.items()}
+        prior = [1.0 + self.copy.default_cost * j if line is None else line for j, line in enumerate(given["line"])]
+        copy = [c if c is not None else p for c, p in zip(given["copy"], prior)]
+        head = given["catch-up"] if long_wait else [None] * (k + 1)
+        head = [h if h is not None else g if g is not None else c + HEAD_STEP * j
+                for j, (h, g, c) in enumerate(zip(head, given["head"], copy))]
+        return torch.tensor([copy, head], dtype=torch.float64, device=device).cummax(1).values
 
     def _head_survival(self, k: int, device) -> torch.Tensor:
         """``[k]`` P(the head's drafts 1..j all accepted): its first-draft rate (``PRIOR_WEIGHT`` pseudo-rounds at
@@ -360,10 +353,15 @@ class EagleDrafter(Drafter):
         accepted are about the first's (0.41 / 0.40 / 0.44 / 0.46 on the built-in prompts), and unlike them the
         first is scored in every round that runs the head, so a width seldom drafted is not priced from stale
         evidence."""
+        hits, scored = self._table(device)
+        rate = (hits + PRIOR_WEIGHT * 0.5) / (scored + PRIOR_WEIGHT)
+        return rate ** torch.arange(1, k + 1, device=device, dtype=torch.float64)
+
+    def _table(self, device) -> torch.Tensor:
+        """``[2]``: the head's first drafts accepted / scored."""
         if self.table is None or self.table.device != device:
             self.table = torch.zeros(2, dtype=torch.float64, device=device)
-        rate = (self.table[0] + PRIOR_WEIGHT * 0.5) / (self.table[1] + PRIOR_WEIGHT)
-        return rate ** torch.arange(1, k + 1, device=device, dtype=torch.float64)
+        return self.table
 
     def _learn(self, proposal: Proposal, accepted: torch.Tensor, target) -> None:
         """Acceptance of copies (per match length and index) and of the head's first drafts. Both first drafts are
@@ -375,20 +373,20 @@ class EagleDrafter(Drafter):
         match, n_copies, copied, head, use = proposal.match.unbind(1)
         token = target.logits[:, 0].argmax(-1)
         use = use.bool()
-        n = torch.where(use, n_copies.clamp(max=proposal.drafts.shape[1]), 0)
-        self.copy.commit(None, Proposal(proposal.drafts, n, match=match), torch.minimum(accepted, n), target)
         weak = (n_copies > 0) & ~use  # copies not drafted: their first one scored all the same
-        self.copy.offered[:, 0].index_add_(0, match, weak.double())
-        self.copy.hits[:, 0].index_add_(0, match, (weak & (copied == token)).double())
-        self._head_survival(1, accepted.device)
-        self.table += torch.stack([(head == token).sum(), torch.tensor(len(token), device=token.device)])
+        offered = torch.where(use, n_copies.clamp(max=proposal.drafts.shape[1]), weak.long())
+        right = torch.where(use, torch.minimum(accepted, offered), (weak & (copied == token)).long())
+        self.copy.commit(None, Proposal(proposal.drafts, offered, match=match), right, target)
+        table = self._table(token.device)
+        table[0] += (head == token).sum()
+        table[1] += len(token)
 
     def commit(self, state: EagleState, proposal: Proposal, accepted, target) -> None:
         k = proposal.drafts.shape[1]
         if proposal.match is not None:
             self._learn(proposal, accepted, target)
         if not k or proposal.kind == "copy":  # the head did not run: the new features wait for a round that runs it
-            state.plain.append((target.hidden.to(state._feats.dtype), accepted + 1 if k else None))
+            state.aside.append((target.hidden.to(state._feats.dtype), accepted + 1 if k else None))
             return
         if k > 1:  # the drafts' pairs were built from predicted features
             state.slots.hide_tail(k - 1, torch.zeros_like(accepted))
