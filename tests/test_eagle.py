@@ -8,6 +8,8 @@ import collections
 import itertools
 import json
 
+import math
+
 import pytest
 import torch
 
@@ -523,3 +525,13 @@ def test_round_costs_per_kind():
     copy, head = d._round_costs(3, torch.device("cpu")).tolist()
     assert copy == pytest.approx([1.0 + 0.2 * j for j in range(4)])
     assert head == pytest.approx([1.0 + (0.2 + HEAD_STEP) * j for j in range(4)])
+    # widths the policy has not let a kind explore yet (inf) stay out of reach; a head round's fallback still reads
+    # the copy round's prior, and a catch-up width not explored yet is priced as a head round
+    inf = math.inf
+    d.costs = {"copy": [1.0, 1.5, inf, inf], "head": [1.0, None, inf, inf], "catch-up": [1.0, inf, inf, inf],
+               "line": [1.0, None, None, None]}
+    copy, head = d._round_costs(3, torch.device("cpu")).tolist()
+    assert copy == [1.0, 1.5, inf, inf] and head == pytest.approx([1.0, 1.5 + HEAD_STEP, inf, inf])
+    assert d._round_costs(3, torch.device("cpu"), long_wait=True)[1].tolist() == head
+    d.costs["copy"] = [1.0, None, inf, inf]
+    assert d._round_costs(3, torch.device("cpu"))[1].tolist() == pytest.approx([1.0, 1.2 + HEAD_STEP, inf, inf])

@@ -27,6 +27,7 @@ neither pays is a plain step.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -337,14 +338,16 @@ class EagleDrafter(Drafter):
         """``[copy / head, j]``: a round verifying j drafts, in plain steps: measured where given; a head round not
         measured yet costs the copy round of its width plus ``HEAD_STEP`` per step the head runs; else the policy's
         fitted line (+ the head's steps), else ``1 + 0.2 j`` (+ the head's steps); never falling with j. After a
-        ``long_wait`` a head round costs what catch-up rounds of its width measured, where they were measured."""
+        ``long_wait`` a head round costs what catch-up rounds of its width measured, where they were measured. A
+        width the policy has not let a kind explore yet (``inf``) stays out of reach."""
         given = {kind: list(self.costs.get(kind) or [])[: k + 1] for kind in ("line", *KINDS)}
         given = {kind: values + [None] * (k + 1 - len(values)) for kind, values in given.items()}
         prior = [1.0 + self.copy.default_cost * j if line is None else line for j, line in enumerate(given["line"])]
-        copy = [c if c is not None else p for c, p in zip(given["copy"], prior)]
-        head = given["catch-up"] if long_wait else [None] * (k + 1)
-        head = [h if h is not None else g if g is not None else c + HEAD_STEP * j
-                for j, (h, g, c) in enumerate(zip(head, given["head"], copy))]
+        copy = [c if c is not None else p for c, p in zip(given["copy"], prior)]  # inf: not explored yet
+        known = [c if math.isfinite(c) else p for c, p in zip(copy, prior)]
+        catch_up = given["catch-up"] if long_wait else [None] * (k + 1)
+        head = [h if h is not None and math.isfinite(h) else g if g is not None else c + HEAD_STEP * j
+                for j, (h, g, c) in enumerate(zip(catch_up, given["head"], known))]
         return torch.tensor([copy, head], dtype=torch.float64, device=device).cummax(1).values
 
     def _head_survival(self, k: int, device) -> torch.Tensor:
