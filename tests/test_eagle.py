@@ -510,26 +510,26 @@ def test_unrolled_training_forward_is_chained_drafting():
 
 
 def test_round_costs_per_kind():
-    """A width not measured for head rounds costs the copy round of that width plus the head's steps; a width not
-    measured at all, the policy's fitted line (plus the head's steps); never falling with the width."""
+    """What the policy gives per kind (measured, or that kind's line); a head width it says nothing of costs the
+    copy round of that width plus the head's steps; a copy width it says nothing of, ``1 + 0.2 j``; never falling
+    with the width."""
     from batchspec.drafters.eagle import HEAD_STEP
 
     d = tiny.eagle()
-    d.costs = {"copy": [1.0, 1.1, None, 1.2], "head": [1.0, None, 1.9, None], "line": [1.0, 1.3, 1.6, 1.9]}
+    d.costs = {"copy": [1.0, 1.1, None, 1.2], "head": [1.0, None, 1.9, None]}
     copy, head = d._round_costs(3, torch.device("cpu")).tolist()
-    assert copy == pytest.approx([1.0, 1.1, 1.6, 1.6])  # measured, measured, the line, measured (never falling)
-    assert head == pytest.approx([1.0, 1.1 + HEAD_STEP, 1.9, 1.9])  # copy + head steps, measured, never falling
+    assert copy == pytest.approx([1.0, 1.1, 1.4, 1.4])  # given, given, the prior, given (never falling)
+    assert head == pytest.approx([1.0, 1.1 + HEAD_STEP, 1.9, 1.9])  # copy + head steps, given, never falling
     d.costs["catch-up"] = [1.0, 4.0, None, None]  # after a long wait: what catch-up rounds measured, where they did
     assert d._round_costs(3, torch.device("cpu"), long_wait=True)[1].tolist() == pytest.approx([1.0, 4.0, 4.0, 4.0])
-    d.costs = {"copy": None, "head": None, "line": [1.0, None, None, None]}  # nothing measured: the priors
+    d.costs = {"copy": None, "head": None}  # nothing measured: the priors
     copy, head = d._round_costs(3, torch.device("cpu")).tolist()
     assert copy == pytest.approx([1.0 + 0.2 * j for j in range(4)])
     assert head == pytest.approx([1.0 + (0.2 + HEAD_STEP) * j for j in range(4)])
     # widths the policy has not let a kind explore yet (inf) stay out of reach; a head round's fallback still reads
     # the copy round's prior, and a catch-up width not explored yet is priced as a head round
     inf = math.inf
-    d.costs = {"copy": [1.0, 1.5, inf, inf], "head": [1.0, None, inf, inf], "catch-up": [1.0, inf, inf, inf],
-               "line": [1.0, None, None, None]}
+    d.costs = {"copy": [1.0, 1.5, inf, inf], "head": [1.0, None, inf, inf], "catch-up": [1.0, inf, inf, inf]}
     copy, head = d._round_costs(3, torch.device("cpu")).tolist()
     assert copy == [1.0, 1.5, inf, inf] and head == pytest.approx([1.0, 1.5 + HEAD_STEP, inf, inf])
     assert d._round_costs(3, torch.device("cpu"), long_wait=True)[1].tolist() == head

@@ -185,6 +185,18 @@ def test_rounds_that_verify_nothing_are_plain_steps():
     assert p.drafter_length(1, 3) == (3, [1.0, None, math.inf, math.inf])
 
 
+def test_a_catch_up_round_does_not_price_the_other_kinds():
+    """A head catching up on a long prompt costs 3 plain steps once: its kind's line, not the head's or the copies'
+    (which, priced from it, would never be tried again)."""
+    p = AdaptiveLength()
+    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
+    p.observe(1, 0, 1, 0.010, None)
+    p.observe(1, 5, 2, 0.030, None, "catch-up")
+    costs = p.drafter_length(1, 5, ("copy", "head", "catch-up"))[1]
+    assert costs["catch-up"][1] == pytest.approx(3.0) and costs["catch-up"][2] == pytest.approx(5.0)
+    assert costs["head"][1] is None and costs["copy"][1] is None
+
+
 def test_drafter_costs_are_relative_to_the_plain_step_of_their_time():
     """The machine slows down 1.5x after width 6 was last run: width 6 keeps its cost relative to a plain step (2x),
     instead of looking cheap against the slower step."""
@@ -200,8 +212,8 @@ def test_drafter_costs_are_relative_to_the_plain_step_of_their_time():
 
 def test_stale_width_costs_are_measured_afresh():
     """A width measured while the machine was slow (3x) and not chosen since is forgotten after ``stale`` rounds
-    (the fitted line prices it again, or the drafter's prior), and its next round replaces the old cost instead of
-    averaging with it. Per kind of round, for a drafter with kinds."""
+    (with its kind's line), and its next round replaces the old cost instead of averaging with it. Per kind of round,
+    for a drafter with kinds: each kind's line prices only its own widths."""
     p = AdaptiveLength(stale=10)
     p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
     p.observe(1, 0, 1, 0.010, None)
@@ -209,14 +221,15 @@ def test_stale_width_costs_are_measured_afresh():
     p.observe(1, 5, 2, 0.0105, None, "copy")
     costs = p.drafter_length(1, 5, ("copy", "head"))[1]
     assert costs["head"][2] == pytest.approx(3.0) and costs["copy"][1] == pytest.approx(1.05)
+    assert costs["head"][1] == pytest.approx(2.0) and costs["head"][3] == pytest.approx(4.0)  # the head's line
+    assert costs["copy"][2] == pytest.approx(1.1) and costs["copy"][3] == math.inf  # the copies' line; not yet
     for _ in range(9):
         p.observe(1, 0, 1, 0.010, None)
     assert p.drafter_length(1, 5, ("copy", "head"))[1]["head"][2] == pytest.approx(3.0)  # 10 rounds on: still fresh
     for _ in range(2):
         p.observe(1, 0, 1, 0.010, None)
     costs = p.drafter_length(1, 5, ("copy", "head"))[1]
-    assert costs["head"][1] is None and costs["copy"][1] is None and costs["line"][2] is not None  # forgotten:
-    assert costs["head"][2] == math.inf  # explored again from narrow to wide
+    assert costs["head"][1] is None and costs["copy"][1] is None and costs["head"][2] == math.inf  # forgotten
     p.observe(1, 5, 3, 0.011, None, "head")
     assert p.drafter_length(1, 5, ("copy", "head"))[1]["head"][2] == pytest.approx(1.1)  # afresh, not averaged
 

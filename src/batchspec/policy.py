@@ -88,7 +88,8 @@ class AdaptiveLength:
         self.rate = initial_rate  # long-run acceptance rate of all rows (the prior for each row)
         self.rate_smoothing, self.drafting_rounds = rate_smoothing, 0
         self.t0: dict[int, float] = {}  # rows -> seconds of a round that drafts nothing
-        self.lines: dict[int, _Line] = {}  # rows -> extra seconds of a drafting round against the tokens drafted
+        # rows -> kind of round -> extra seconds of a drafting round against the tokens it verified
+        self.lines: dict[int, dict] = {}
         self.expected: list[float] | None = None  # mean tokens per row for k = 0..K, from the last round
         self.idle = self.busy = 0  # rounds in a row that drafted nothing / that drafted
         self.interval, self.probed = probe_every, False  # rounds between probes (doubling while probes find nothing)
@@ -138,30 +139,31 @@ class AdaptiveLength:
         instead of the list before a plain step was measured. The plain-step measurements stay: first a round that
         drafts nothing, and again after ``2 * probe_every`` rounds that drafted (and every round that verified
         nothing). A drafter whose rounds come in kinds that cost differently (``kinds``: the feature-reading head's
-        rounds that run the head and those that only copy) gets a dict: per kind, each width's measured cost or None,
-        and under ``"line"`` the fitted line's (its own fallbacks are the drafter's to choose)."""
-        t0, f, d = self.cost(rows)
-        if t0 is None:
+        rounds that run the head, those that only copy, those that catch up on a long wait) gets a dict: per kind, the
+        same from that kind's own rounds and line (a kind's line only prices its own widths: one catch-up round of a
+        head on a long prompt, 3 plain steps, would otherwise price every width of every kind out of reach for
+        good), None where neither says (its own fallbacks are the drafter's to choose)."""
+        if self.cost(rows)[0] is None:
             return 0, None
         self.busy += 1
         if self.busy >= 2 * self.probe_every:
             self.busy = 0
             return 0, None
-        line = [1.0 if j == 0 else None if d is None else 1.0 + (f + j * d) / t0 for j in range(k_max + 1)]
         if not kinds:
-            return k_max, self._explored(rows, None, line)
-        costs = {kind: self._explored(rows, kind, [None] * (k_max + 1)) for kind in kinds}
-        return k_max, {**costs, "line": line}
+            return k_max, self._explored(rows, None, k_max)
+        return k_max, {kind: self._explored(rows, kind, k_max) for kind in kinds}
 
-    def _explored(self, rows: int, kind, default: list) -> list:
-        """Each width's measured cost (``_width``), else ``default``; a width more than one draft wider than the
-        widest measured costs ``inf``. A kind of round is explored from narrow to wide, each width priced from the
+    def _explored(self, rows: int, kind, k_max: int) -> list:
+        """``[k_max + 1]``: each width's measured cost (``_width``), else from the kind's fitted line, else None; a
+        width more than one draft wider than the widest measured costs ``inf``. A kind of round is explored from narrow to wide, each width priced from the
         narrower ones' line before it is tried: a first wide round priced from a prior is a guess, and a dear one
         (verifying 5 drafts in 8 rows cost 4.4 plain steps on a 2-core CPU, where the prior said 2)."""
-        measured = [self._width(rows, (kind, j + 1), None) if j else None for j in range(len(default))]
+        t0, f, d = self.cost(rows, kind)
+        line = [1.0 if j == 0 else None if d is None else 1.0 + (f + j * d) / t0 for j in range(k_max + 1)]
+        measured = [self._width(rows, (kind, j + 1), None) if j else None for j in range(k_max + 1)]
         widest = max((j for j, c in enumerate(measured) if c is not None), default=0)
-        return [c if c is not None else d if j <= widest + 1 else math.inf
-                for j, (c, d) in enumerate(zip(measured, default))]
+        return [c if c is not None else fit if j <= widest + 1 else math.inf
+                for j, (c, fit) in enumerate(zip(measured, line))]
 
     def _width(self, rows: int, key: tuple, default):
         """A width's measured cost (in plain steps) at ``rows`` rows, else at the nearest batch size near enough
@@ -172,13 +174,16 @@ class AdaptiveLength:
     def _fresh(self, rows: int, key: tuple) -> bool:
         return self.seen - self.measured.get(rows, {}).get(key, self.seen) <= self.stale
 
-    def cost(self, rows: int) -> tuple:
+    def cost(self, rows: int, kind=None) -> tuple:
         """``(T0, F, D)`` for ``rows`` rows: a round drafting k costs ``T0`` seconds if k = 0, else
         ``T0 + F + k * D`` (``F``: what drafting costs at all, e.g. a draft model's catch-up forward or prompt
-        lookup's matching; ``D``: each drafted token, drafting and verifying it). Nones until measured."""
+        lookup's matching; ``D``: each drafted token, drafting and verifying it), from rounds of that ``kind``. Nones
+        until measured; a line not fed for ``stale`` rounds is forgotten like a width."""
         if self.costs is not None:
             return self.costs
-        t0, line = self.t0.get(rows), _nearest(self.lines, rows)
+        fresh = {b: kinds[kind] for b, kinds in self.lines.items()
+                 if kind in kinds and self.seen - kinds[kind].at <= self.stale}
+        t0, line = self.t0.get(rows), _nearest(fresh, rows)
         return (t0, *(line.solve() if line is not None else (None, None)))
 
     def tokens(self, k: int) -> float:
@@ -225,7 +230,9 @@ class AdaptiveLength:
                     del widths[key]
                 _ema(widths, key, seconds / t0, self.width_smoothing)
                 self.measured.setdefault(rows, {})[key] = self.seen
-                self.lines.setdefault(rows, _Line(1 - self.smoothing)).add(drafted, seconds - t0)
+                line = self.lines.setdefault(rows, {}).setdefault(kind, _Line(1 - self.smoothing))
+                line.add(drafted, seconds - t0)
+                line.at = self.seen
 
 
 class _Line:
@@ -233,6 +240,7 @@ class _Line:
 
     def __init__(self, keep: float):
         self.keep, self.sums = keep, [0.0] * 5  # weights, x, x^2, y, x*y
+        self.at = 0  # the round of its latest observation
 
     def add(self, x: float, y: float) -> None:
         self.sums = [self.keep * s + v for s, v in zip(self.sums, (1.0, x, x * x, y, x * y))]

@@ -335,14 +335,14 @@ class EagleDrafter(Drafter):
         return ("copy", "head")[best // (k + 1)], best % (k + 1), use
 
     def _round_costs(self, k: int, device, long_wait: bool = False) -> torch.Tensor:
-        """``[copy / head, j]``: a round verifying j drafts, in plain steps: measured where given; a head round not
-        measured yet costs the copy round of its width plus ``HEAD_STEP`` per step the head runs; else the policy's
-        fitted line (+ the head's steps), else ``1 + 0.2 j`` (+ the head's steps); never falling with j. After a
+        """``[copy / head, j]``: a round verifying j drafts, in plain steps: what the policy gives per kind (measured,
+        or its line through that kind's rounds); else, for a copy round ``1 + 0.2 j``, for a head round the copy
+        round of its width plus ``HEAD_STEP`` per step the head runs; never falling with j. After a
         ``long_wait`` a head round costs what catch-up rounds of its width measured, where they were measured. A
         width the policy has not let a kind explore yet (``inf``) stays out of reach."""
-        given = {kind: list(self.costs.get(kind) or [])[: k + 1] for kind in ("line", *KINDS)}
+        given = {kind: list(self.costs.get(kind) or [])[: k + 1] for kind in KINDS}
         given = {kind: values + [None] * (k + 1 - len(values)) for kind, values in given.items()}
-        prior = [1.0 + self.copy.default_cost * j if line is None else line for j, line in enumerate(given["line"])]
+        prior = [1.0 + self.copy.default_cost * j for j in range(k + 1)]
         copy = [c if c is not None else p for c, p in zip(given["copy"], prior)]  # inf: not explored yet
         known = [c if math.isfinite(c) else p for c, p in zip(copy, prior)]
         catch_up = given["catch-up"] if long_wait else [None] * (k + 1)
