@@ -191,6 +191,9 @@ def _join(feats: torch.Tensor, rounds: list) -> torch.Tensor:
 KINDS = ("copy", "head", "catch-up")
 HEAD_STEP = 0.1  # a drafting step of the head, in plain steps, for widths not measured yet (measured: 0.08-0.11)
 CATCH_UP = 32  # a head round catching up on more pairs than this per row is timed as a catch-up round
+# what a catch-up round costs per waiting pair (all rows), in plain steps, until one is measured (measured on a
+# 2-core CPU: ~0.003 at 1 row, where a plain step is cheap for its work, ~0.001 at 8 rows)
+CATCH_UP_PAIR = 0.0005
 
 
 class EagleDrafter(Drafter):
@@ -271,10 +274,10 @@ class EagleDrafter(Drafter):
 
     def propose(self, seqs, state: EagleState, k):
         length = seqs.length
-        long_wait = state.waiting > CATCH_UP
+        wait = state.waiting if state.waiting > CATCH_UP else 0
         if self.copy is not None and not seqs.sampling:
             copies, n_copies, match = self.copy.candidates(seqs, k)
-            kind, k, use = self._plan(copies, n_copies, match, k, long_wait)
+            kind, k, use = self._plan(copies, n_copies, match, k, wait * len(length))
             if not k:
                 return Proposal.empty(len(length), length.device)
             if kind == "copy":  # the head does not run: its pairs wait for a round that runs it
@@ -308,17 +311,18 @@ class EagleDrafter(Drafter):
                 drafts.append(draw(qs[-1], u[:, i]))
         # a round that caught up on a long wait (a prompt, many rounds without the head) is timed apart: its cost is
         # once per wait, not what a head round of its width costs
-        kind = None if first is None else "catch-up" if long_wait else "head"
+        kind = None if first is None else "catch-up" if wait else "head"
         return Proposal(torch.stack(drafts, 1), torch.full_like(length, k), torch.stack(qs, 1) if qs else None,
                         match=first, kind=kind)
 
-    def _plan(self, copies, n_copies, match, k: int, long_wait: bool = False):
+    def _plan(self, copies, n_copies, match, k: int, catch_up: int = 0):
         """``(kind, width, rows that copy)`` for a greedy round of at most k drafts. A row copies first when its
         match length's first copied draft is accepted more often than the head's first draft. Each kind of round
         and width j is worth its expected tokens over its cost (``costs``, in plain steps): "copy" rounds verify
         only the copies (rows without a match draft nothing; the head does not run), "head" rounds run the head for
-        j steps (it drafts on after the copies), priced as a "catch-up" round when the head has a ``long_wait`` to
-        catch up on. Without costs (fixed length): a "head" round of k."""
+        j steps (it drafts on after the copies), priced as a "catch-up" round when the head has a long wait to
+        catch up on (``catch_up``: the waiting pairs of all rows). Without costs (fixed length): a "head" round of
+        k."""
         dev = match.device
         col = torch.arange(k, device=dev)[None, :]
         copied = self.copy.survival(k, dev)[match] * (col < n_copies[:, None])  # [B, k] P(copies 1..j accepted)
@@ -331,23 +335,26 @@ class EagleDrafter(Drafter):
         mixed = torch.where(use[:, None], mixed, head[None, :])
         gain = torch.stack([copied.sum(0), mixed.sum(0)]).cumsum(1)  # [kind, j]: expected accepted drafts
         tokens = len(match) + torch.nn.functional.pad(gain, (1, 0))
-        best = int((tokens / self._round_costs(k, dev, long_wait)).flatten().argmax())  # the round's host read
+        best = int((tokens / self._round_costs(k, dev, catch_up)).flatten().argmax())  # the round's host read
         return ("copy", "head")[best // (k + 1)], best % (k + 1), use
 
-    def _round_costs(self, k: int, device, long_wait: bool = False) -> torch.Tensor:
+    def _round_costs(self, k: int, device, catch_up: int = 0) -> torch.Tensor:
         """``[copy / head, j]``: a round verifying j drafts, in plain steps: what the policy gives per kind (measured,
         or its line through that kind's rounds); else, for a copy round ``1 + 0.2 j``, for a head round the copy
-        round of its width plus ``HEAD_STEP`` per step the head runs; never falling with j. After a
-        ``long_wait`` a head round costs what catch-up rounds of its width measured, where they were measured. A
-        width the policy has not let a kind explore yet (``inf``) stays out of reach."""
+        round of its width plus ``HEAD_STEP`` per step the head runs; never falling with j. After a long wait
+        (``catch_up`` pairs waiting, all rows) a head round costs what catch-up rounds of its width measured, else a
+        head round plus ``CATCH_UP_PAIR`` per waiting pair: the head's first round over 8 long prompts (3,000 pairs)
+        cost 4 plain steps here, where a head round's price said 1.3. A width the policy has not let a kind explore
+        yet (``inf``) stays out of reach."""
         given = {kind: list(self.costs.get(kind) or [])[: k + 1] for kind in KINDS}
         given = {kind: values + [None] * (k + 1 - len(values)) for kind, values in given.items()}
         prior = [1.0 + self.copy.default_cost * j for j in range(k + 1)]
         copy = [c if c is not None else p for c, p in zip(given["copy"], prior)]  # inf: not explored yet
         known = [c if math.isfinite(c) else p for c, p in zip(copy, prior)]
-        catch_up = given["catch-up"] if long_wait else [None] * (k + 1)
-        head = [h if h is not None and math.isfinite(h) else g if g is not None else c + HEAD_STEP * j
-                for j, (h, g, c) in enumerate(zip(catch_up, given["head"], known))]
+        head = [g if g is not None else c + HEAD_STEP * j for j, (g, c) in enumerate(zip(given["head"], known))]
+        if catch_up:
+            head = [h if h is not None and math.isfinite(h) else g + CATCH_UP_PAIR * catch_up
+                    for h, g in zip(given["catch-up"], head)]
         return torch.tensor([copy, head], dtype=torch.float64, device=device).cummax(1).values
 
     def _head_survival(self, k: int, device) -> torch.Tensor:
