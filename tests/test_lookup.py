@@ -29,9 +29,10 @@ STRONG = [1, 2, 3, 4, 30, 31, 32, 33, 34, 35, 1, 2, 3, 4]
 def test_longest_match_and_its_continuation():
     p = _seqs([WEAK, STRONG]).__dict__
     d = PromptLookup()
-    # nothing learned yet: each index 0.8 likely given the one before; at the prior cost of 0.2 per column, the
-    # tokens per cost peak at 4 drafts (2 rows: E(4) / 1.8 = 3.73 against E(5) / 2 = 3.69)
-    assert d.propose(SimpleNamespace(**p), None, 5).n_drafts.tolist() == [4, 4]
+    # nothing learned yet: a first copy starts at n / (n + 2) (1/3 after the 1-token match, 2/3 after the 4-token
+    # one), each later index like the one before; at the prior cost of 0.2 per column the tokens per cost peak at 2
+    # drafts (E(2) / 1.4 = 2.54 against E(1) / 1.2 = 2.50 and E(3) / 1.6 = 2.43)
+    assert d.propose(SimpleNamespace(**p), None, 5).n_drafts.tolist() == [2, 2]
     d.costs = [1.0] * 6
     prop = d.propose(SimpleNamespace(**p), None, 5)
     assert prop.match.tolist() == [1, 4]
@@ -99,7 +100,9 @@ def test_batch_width_weighs_every_row():
 def test_latest_occurrence_gives_the_candidates():
     """The suffix 5 6 occurs twice before the end, followed by 7 8 the first time and 40 41 the second: the latest
     occurrence continues."""
-    prop = PromptLookup().propose(_seqs([[5, 6, 7, 8, 5, 6, 40, 41, 5, 6]]), None, 2)
+    d = PromptLookup()
+    d.costs = [1.0] * 3  # every candidate offered
+    prop = d.propose(_seqs([[5, 6, 7, 8, 5, 6, 40, 41, 5, 6]]), None, 2)
     assert prop.match.tolist() == [2] and prop.drafts.tolist() == [[40, 41]]
 
 

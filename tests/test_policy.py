@@ -147,7 +147,7 @@ def test_cost_model_converges_on_synthetic_timings():
 def test_drafter_costs_come_per_block_width():
     """For prompt lookup the policy reports what a round of each block width cost (relative to a plain step),
     measured where that width ran, from the fitted line where it did not; none before a plain step was timed."""
-    p = AdaptiveLength()
+    p = AdaptiveLength(explore=0.0)  # measured costs as they are
     assert p.drafter_length(1, 5) == (0, None)
     p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
     p.observe(1, 0, 1, 0.010, None)
@@ -188,7 +188,7 @@ def test_rounds_that_verify_nothing_are_plain_steps():
 def test_a_catch_up_round_does_not_price_the_other_kinds():
     """A head catching up on a long prompt costs 3 plain steps once: its kind's line, not the head's or the copies'
     (which, priced from it, would never be tried again)."""
-    p = AdaptiveLength()
+    p = AdaptiveLength(explore=0.0)  # measured costs as they are
     p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
     p.observe(1, 0, 1, 0.010, None)
     p.observe(1, 5, 2, 0.030, None, "catch-up")
@@ -197,10 +197,25 @@ def test_a_catch_up_round_does_not_price_the_other_kinds():
     assert costs["head"][1] is None and costs["copy"][1] is None
 
 
+def test_one_slow_round_does_not_price_a_width_out_of_reach():
+    """A width measured once at 1.55 plain steps (a round the machine slowed) is taken at 0.8x that until measured
+    again, the mean of its first rounds then replacing the slow one, the discount shrinking as 1/sqrt(rounds)."""
+    p = AdaptiveLength()
+    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
+    p.observe(1, 0, 1, 0.010, None)
+    p.observe(1, 5, 3, 0.0155, None, "head")
+    assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.55 * 0.8)
+    p.observe(1, 5, 3, 0.0125, None, "head")
+    assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.4 * (1 - 0.2 / math.sqrt(2)))
+    for _ in range(98):
+        p.observe(1, 5, 3, 0.0125, None, "head")
+    assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.25 * 0.98, rel=1e-3)
+
+
 def test_drafter_costs_are_relative_to_the_plain_step_of_their_time():
     """The machine slows down 1.5x after width 6 was last run: width 6 keeps its cost relative to a plain step (2x),
     instead of looking cheap against the slower step."""
-    p = AdaptiveLength(smoothing=1.0, width_smoothing=1.0)
+    p = AdaptiveLength(smoothing=1.0, width_smoothing=1.0, explore=0.0)
     p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
     p.observe(1, 0, 1, 0.010, None)
     p.observe(1, 5, 6, 0.020, None)
@@ -214,7 +229,7 @@ def test_stale_width_costs_are_measured_afresh():
     """A width measured while the machine was slow (3x) and not chosen since is forgotten after ``stale`` rounds
     (with its kind's line), and its next round replaces the old cost instead of averaging with it. Per kind of round,
     for a drafter with kinds: each kind's line prices only its own widths."""
-    p = AdaptiveLength(stale=10)
+    p = AdaptiveLength(stale=10, explore=0.0)
     p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
     p.observe(1, 0, 1, 0.010, None)
     p.observe(1, 5, 3, 0.030, None, "head")  # a slow minute

@@ -77,10 +77,13 @@ class AdaptiveLength:
 
     def __init__(self, prior_weight: float = 3.0, probe_every: int = 8, smoothing: float = 0.3,
                  initial_rate: float = 0.5, costs: tuple | None = None, decay: float = 0.7,
-                 width_smoothing: float = 0.1, rate_smoothing: float = 0.05, stale: int = 200):
+                 width_smoothing: float = 0.1, rate_smoothing: float = 0.05, stale: int = 200,
+                 explore: float = 0.2):
         """``costs``: ``(T0, D)`` or ``(T0, F, D)`` in seconds, used for every batch size instead of measured ones
         (tests, or a machine whose costs are known). ``stale``: rounds after which a width's measured cost is
-        forgotten (the next round of that width measures it afresh)."""
+        forgotten (the next round of that width measures it afresh). ``explore``: a width's cost measured n times
+        is taken as ``(1 - explore / sqrt(n))`` times its mean, so that one round slowed by the machine does not
+        price a width out of reach before it was measured again."""
         self.prior_weight, self.probe_every, self.smoothing = prior_weight, probe_every, smoothing
         self.width_smoothing = width_smoothing  # per-width costs: relative, so they may average longer
         self.costs = None if costs is None else (costs[0], 0.0, costs[1]) if len(costs) == 2 else tuple(costs)
@@ -101,7 +104,8 @@ class AdaptiveLength:
         # rows -> (kind, width) -> the round it was last measured in: a width measured in a slow minute (the machine
         # drifts by ~30%, other processes come and go) and not chosen since would keep its cost for ever
         self.measured: dict[int, dict[tuple, int]] = {}
-        self.stale = stale
+        self.stale, self.explore = stale, explore
+        self.samples: dict[int, dict[tuple, int]] = {}  # rows -> (kind, width) -> rounds in its cost
 
     # ---------------------------------------------------------------------------------------------- choose
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
@@ -168,7 +172,8 @@ class AdaptiveLength:
     def _width(self, rows: int, key: tuple, default):
         """A width's measured cost (in plain steps) at ``rows`` rows, else at the nearest batch size near enough
         (``_near``) that ran it; measurements older than ``stale`` rounds do not count."""
-        seen = {b: w[key] for b, w in self.widths.items() if key in w and self._fresh(b, key) and _near(b, rows)}
+        seen = {b: w[key] * (1 - self.explore / math.sqrt(self.samples[b][key])) for b, w in self.widths.items()
+                if key in w and self._fresh(b, key) and _near(b, rows)}
         return seen[min(seen, key=lambda b: (abs(b - rows), -b))] if seen else default
 
     def _fresh(self, rows: int, key: tuple) -> bool:
@@ -226,9 +231,13 @@ class AdaptiveLength:
             self.fill += self.smoothing * (drafted / k - self.fill)
             if (t0 := self.t0.get(rows)) is not None:
                 key, widths = (kind, width), self.widths.setdefault(rows, {})
+                samples = self.samples.setdefault(rows, {})
                 if not self._fresh(rows, key):  # measured long ago: start afresh
                     del widths[key]
-                _ema(widths, key, seconds / t0, self.width_smoothing)
+                    samples[key] = 0
+                n = samples[key] = samples.get(key, 0) + 1  # the mean of the first rounds, then a moving average
+                old = widths.get(key, 0.0)
+                widths[key] = old + max(1 / n, self.width_smoothing) * (seconds / t0 - old)
                 self.measured.setdefault(rows, {})[key] = self.seen
                 line = self.lines.setdefault(rows, {}).setdefault(kind, _Line(1 - self.smoothing))
                 line.add(drafted, seconds - t0)
