@@ -18,6 +18,7 @@ import argparse
 import collections
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -94,14 +95,13 @@ class Store:
         return None, 0, 0.0
 
 
-def lookup(hist: list[int], max_ngram: int = 8) -> tuple[list[int], int]:
-    """Prompt lookup's candidates: what followed the latest earlier occurrence of the longest matching suffix."""
-    for n in range(min(max_ngram, len(hist) - 1), 0, -1):
-        tail = hist[-n:]
-        for s in range(len(hist) - n - 1, -1, -1):
-            if hist[s:s + n] == tail:
-                return hist[s + n:], n
-    return [], 0
+def lookup(hist: list[int], k: int) -> tuple[list[int], int]:
+    """Prompt lookup's candidates (up to k) and match length, from the engine's own drafter."""
+    from batchspec.drafters import PromptLookup
+
+    seqs = SimpleNamespace(history=torch.tensor([hist]), length=torch.tensor([len(hist)]))
+    drafts, n_drafts, match = PromptLookup().candidates(seqs, k)
+    return drafts[0, : int(n_drafts[0])].tolist(), int(match[0])
 
 
 def replay(rule, refs: dict, heads: dict, k: int) -> dict:
@@ -131,9 +131,9 @@ def head_rule(copies_from: int | None = None, store: Store | None = None, unsure
         drafts, confidence = head
         out = []
         if copies_from is not None:
-            copies, n = lookup(hist)
+            copies, n = lookup(hist, k)
             if n >= copies_from:
-                out = copies[:k]
+                out = copies
         for d in range(len(out), k):
             if at + d >= drafts.shape[1]:
                 break
@@ -147,16 +147,16 @@ def head_rule(copies_from: int | None = None, store: Store | None = None, unsure
 
 
 def lookup_rule(hist, k, head, at, truth):
-    return lookup(hist)[0][:k]
+    return lookup(hist, k)[0]
 
 
 def store_rule(store: Store, copies_from: int | None = None):
     def rule(hist, k, head, at, truth):
         out = []
         if copies_from is not None:
-            copies, n = lookup(hist)
+            copies, n = lookup(hist, k)
             if n >= copies_from:
-                out = copies[:k]
+                out = copies
         while len(out) < k:
             token = store.next(hist + out)[0]
             if token is None:
@@ -172,7 +172,7 @@ def oracle_rule(store: Store | None):
         out = []
         for d in range(min(k, len(truth))):
             h = hist + out
-            options = [int(head[0][d, at + d])] + lookup(h)[0][:1] + ([store.next(h)[0]] if store else [])
+            options = [int(head[0][d, at + d])] + lookup(h, 1)[0] + ([store.next(h)[0]] if store else [])
             out.append(truth[d] if truth[d] in options else options[0])
             if out[-1] != truth[d]:
                 break

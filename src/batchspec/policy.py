@@ -98,14 +98,12 @@ class AdaptiveLength:
         self.interval, self.probed = probe_every, False  # rounds between probes (doubling while probes find nothing)
         self.seen = 0
         self.fill = 1.0  # tokens verified per token offered (prompt lookup often proposes fewer, or none)
-        # rows -> (kind of round, block width) -> a drafting round's seconds over the plain step's at the time (the
-        # machine's speed drifts; a width seldom run keeps its cost relative to the step, not its seconds)
-        self.widths: dict[int, dict[tuple, float]] = {}
-        # rows -> (kind, width) -> the round it was last measured in: a width measured in a slow minute (the machine
-        # drifts by ~30%, other processes come and go) and not chosen since would keep its cost for ever
-        self.measured: dict[int, dict[tuple, int]] = {}
+        # rows -> (kind of round, block width) -> its cost: a drafting round's seconds over the plain step's at the
+        # time (the machine's speed drifts; a width seldom run keeps its cost relative to the step, not its seconds);
+        # forgotten after ``stale`` rounds without one (a width measured in a slow minute, the machine drifting by
+        # ~30% and other processes coming and going, and not chosen since would keep its cost for ever)
+        self.widths: dict[int, dict[tuple, _Width]] = {}
         self.stale, self.explore = stale, explore
-        self.samples: dict[int, dict[tuple, int]] = {}  # rows -> (kind, width) -> rounds in its cost
 
     # ---------------------------------------------------------------------------------------------- choose
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
@@ -159,9 +157,10 @@ class AdaptiveLength:
 
     def _explored(self, rows: int, kind, k_max: int) -> list:
         """``[k_max + 1]``: each width's measured cost (``_width``), else from the kind's fitted line, else None; a
-        width more than one draft wider than the widest measured costs ``inf``. A kind of round is explored from narrow to wide, each width priced from the
-        narrower ones' line before it is tried: a first wide round priced from a prior is a guess, and a dear one
-        (verifying 5 drafts in 8 rows cost 4.4 plain steps on a 2-core CPU, where the prior said 2)."""
+        width more than one draft wider than the widest measured costs ``inf``. A kind of round is explored from
+        narrow to wide, each width priced from the narrower ones' line before it is tried: a first wide round priced
+        from a prior is a guess, and a dear one (verifying 5 drafts in 8 rows cost 4.4 plain steps on a 2-core CPU,
+        where the prior said 2)."""
         t0, f, d = self.cost(rows, kind)
         line = [1.0 if j == 0 else None if d is None else 1.0 + (f + j * d) / t0 for j in range(k_max + 1)]
         measured = [self._width(rows, (kind, j + 1), None) if j else None for j in range(k_max + 1)]
@@ -171,13 +170,14 @@ class AdaptiveLength:
 
     def _width(self, rows: int, key: tuple, default):
         """A width's measured cost (in plain steps) at ``rows`` rows, else at the nearest batch size near enough
-        (``_near``) that ran it; measurements older than ``stale`` rounds do not count."""
-        seen = {b: w[key] * (1 - self.explore / math.sqrt(self.samples[b][key])) for b, w in self.widths.items()
-                if key in w and self._fresh(b, key) and _near(b, rows)}
-        return seen[min(seen, key=lambda b: (abs(b - rows), -b))] if seen else default
+        (``_near``) that ran it, less the exploration discount of its few rounds; measurements older than ``stale``
+        rounds do not count."""
+        found = _nearest({b: w[key] for b, w in self.widths.items() if key in w and self._fresh(w[key])}, rows)
+        return default if found is None else found.cost * (1 - self.explore / math.sqrt(found.n))
 
-    def _fresh(self, rows: int, key: tuple) -> bool:
-        return self.seen - self.measured.get(rows, {}).get(key, self.seen) <= self.stale
+    def _fresh(self, entry) -> bool:
+        """A width's cost or a line, fed within the last ``stale`` rounds."""
+        return self.seen - entry.at <= self.stale
 
     def cost(self, rows: int, kind=None) -> tuple:
         """``(T0, F, D)`` for ``rows`` rows: a round drafting k costs ``T0`` seconds if k = 0, else
@@ -186,8 +186,7 @@ class AdaptiveLength:
         until measured; a line not fed for ``stale`` rounds is forgotten like a width."""
         if self.costs is not None:
             return self.costs
-        fresh = {b: kinds[kind] for b, kinds in self.lines.items()
-                 if kind in kinds and self.seen - kinds[kind].at <= self.stale}
+        fresh = {b: kinds[kind] for b, kinds in self.lines.items() if kind in kinds and self._fresh(kinds[kind])}
         t0, line = self.t0.get(rows), _nearest(fresh, rows)
         return (t0, *(line.solve() if line is not None else (None, None)))
 
@@ -230,18 +229,25 @@ class AdaptiveLength:
         else:
             self.fill += self.smoothing * (drafted / k - self.fill)
             if (t0 := self.t0.get(rows)) is not None:
-                key, widths = (kind, width), self.widths.setdefault(rows, {})
-                samples = self.samples.setdefault(rows, {})
-                if not self._fresh(rows, key):  # measured long ago: start afresh
-                    del widths[key]
-                    samples[key] = 0
-                n = samples[key] = samples.get(key, 0) + 1  # the mean of the first rounds, then a moving average
-                old = widths.get(key, 0.0)
-                widths[key] = old + max(1 / n, self.width_smoothing) * (seconds / t0 - old)
-                self.measured.setdefault(rows, {})[key] = self.seen
-                line = self.lines.setdefault(rows, {}).setdefault(kind, _Line(1 - self.smoothing))
-                line.add(drafted, seconds - t0)
-                line.at = self.seen
+                widths = self.widths.setdefault(rows, {})
+                cost = widths.get((kind, width))
+                if cost is None or not self._fresh(cost):  # never measured, or long ago: start afresh
+                    cost = widths[(kind, width)] = _Width()
+                cost.add(seconds / t0, self.width_smoothing, self.seen)
+                self.lines.setdefault(rows, {}).setdefault(kind, _Line(1 - self.smoothing)).add(
+                    drafted, seconds - t0, self.seen)
+
+
+class _Width:
+    """A block width's cost in plain steps: the mean of its first rounds, then a moving average (``smoothing``);
+    ``n`` rounds in it, the latest in round ``at``."""
+
+    def __init__(self):
+        self.cost, self.n, self.at = 0.0, 0, 0
+
+    def add(self, value: float, smoothing: float, at: int) -> None:
+        self.n, self.at = self.n + 1, at
+        self.cost += max(1 / self.n, smoothing) * (value - self.cost)
 
 
 class _Line:
@@ -251,8 +257,9 @@ class _Line:
         self.keep, self.sums = keep, [0.0] * 5  # weights, x, x^2, y, x*y
         self.at = 0  # the round of its latest observation
 
-    def add(self, x: float, y: float) -> None:
+    def add(self, x: float, y: float, at: int) -> None:
         self.sums = [self.keep * s + v for s, v in zip(self.sums, (1.0, x, x * x, y, x * y))]
+        self.at = at
 
     def solve(self) -> tuple[float, float]:
         n, sx, sxx, sy, sxy = self.sums

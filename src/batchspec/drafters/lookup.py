@@ -39,7 +39,7 @@ def survival(hits: torch.Tensor, offered: torch.Tensor, first) -> torch.Tensor:
     """``[..., k]`` P(drafts 1..j all accepted) from counts ``[..., k]`` of draft j accepted / offered (offered only
     after drafts 1..j-1 were accepted): each index's rate from ``PRIOR_WEIGHT`` pseudo-counts at the rate before it
     (the first at ``first``, a number or one per leading index), the rates multiplied."""
-    rate = torch.zeros_like(offered[..., 0]) + torch.as_tensor(first, dtype=offered.dtype, device=offered.device)
+    rate = torch.zeros_like(offered[..., 0]) + first
     cols = []
     for j in range(offered.shape[-1]):  # k is small: a handful of small operations
         rate = (hits[..., j] + PRIOR_WEIGHT * rate) / (offered[..., j] + PRIOR_WEIGHT)
@@ -59,6 +59,7 @@ class PromptLookup(Drafter):
         if not 0.0 <= default_cost < 1.0:
             raise ValueError(f"default_cost must be in [0, 1), got {default_cost}")
         self.max_ngram, self.min_ngram, self.default_cost = max_ngram, min_ngram, default_cost
+        self.first = prior_rate(max_ngram)  # [max_ngram + 1]: where an untried first copy starts
         self.costs: list | None = None  # [j]: a round verifying j drafts, in plain steps (None: not measured)
         self.offered = self.hits = None  # [max_ngram + 1, K]: drafts offered / accepted, per match length and index
 
@@ -68,7 +69,9 @@ class PromptLookup(Drafter):
         (``PRIOR_WEIGHT`` pseudo-counts; the first from ``prior_rate``): an index rarely offered yet is taken to go
         on like the ones before, so a long match that was always right earns wider blocks before they are tried."""
         self._tables(k, device)
-        return survival(self.hits[:, :k], self.offered[:, :k], prior_rate(self.max_ngram))
+        if self.first.device != self.offered.device:
+            self.first = self.first.to(self.offered.device)
+        return survival(self.hits[:, :k], self.offered[:, :k], self.first)
 
     def _tables(self, k: int, device) -> None:
         """``offered`` / ``hits`` with at least k indices, on ``device`` (grown, keeping what was learned)."""
