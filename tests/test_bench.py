@@ -11,11 +11,10 @@ from batchspec.cli import main
 def test_bench_rows_and_exact_match(tmp_path):
     t, d = tiny.target("llama"), tiny.draft("llama")
     prompts = tiny.prompts(6, seed=4)
-    rows = bench(t, d, prompts, engines=["plain", "slotmask", "eqspec", "slotmask-lookup"], batch_sizes=[1, 4],
-                 max_tokens=16, num_draft_tokens=3)
+    engines = ["plain", "slotmask:fixed", "eqspec", "slotmask-lookup"]
+    rows = bench(t, d, prompts, engines=engines, batch_sizes=[1, 4], max_tokens=16, num_draft_tokens=3, repeats=2)
     by = {(r.engine, r.batch_size): r for r in rows}
-    assert set(by) == {("hf", 1), ("hf", 4)} | {(e, b) for e in ("plain", "slotmask", "eqspec", "slotmask-lookup")
-                                                for b in (1, 4)}
+    assert set(by) == {("hf", 1), ("hf", 4)} | {(e, b) for e in engines for b in (1, 4)}
     for (eng, bs), r in by.items():
         assert r.exact_match == 1.0, (eng, bs)
         assert eng == "hf" or r.signature == "clean"
@@ -23,11 +22,23 @@ def test_bench_rows_and_exact_match(tmp_path):
         if eng != "hf":
             assert set(r.stages) >= {"prefill", "draft", "verify", "align"}
             assert 0 <= r.alignment_overhead < 1
-    assert by[("slotmask", 4)].mean_accepted_length > 1.0 and by[("plain", 4)].mean_accepted_length == 1.0
-    assert by[("slotmask", 4)].efficiency is not None
+            # two interleaved runs: each engine's speed over plain's in the same run, median within the range
+            assert r.repeats == 2 and r.vs_plain_range[0] <= r.vs_plain <= r.vs_plain_range[1]
+            assert eng != "plain" or r.vs_plain == 1.0
+        else:
+            assert r.vs_plain is None
+    assert by[("slotmask:fixed", 4)].mean_accepted_length > 1.0 and by[("plain", 4)].mean_accepted_length == 1.0
+    assert by[("slotmask:fixed", 4)].efficiency is not None
     md = to_markdown(rows)
     assert md.count("\n") == len(rows) + 2
     assert [p.exists() for p in plot(rows, tmp_path)] == [True, True]
+
+
+def test_bench_refuses_no_repeats():
+    import pytest
+
+    with pytest.raises(ValueError, match="repeats"):
+        bench(tiny.target("llama"), None, tiny.prompts(2), engines=["plain"], batch_sizes=[1], repeats=0)
 
 
 def test_bench_flags_a_faulty_engine():

@@ -6,7 +6,10 @@ Engines: ``plain`` (no drafter), ``slotmask`` / ``eqspec`` (the given draft), ``
 optionally suffixed ``:fixed`` / ``:adaptive`` (the speculation length policy; default ``--speculation``, fixed for
 faults) and ``@<scheduler>`` (e.g. ``slotmask:fixed@continuous``). Rows that are not exact get the audit's signature.
 Definitions:
-- tokens/s: generated tokens / wall seconds of ``generate`` (prefill included).
+- tokens/s: generated tokens / wall seconds of ``generate`` (prefill included); per batch size each engine is
+  warmed up on the prompts, then all run ``--repeats`` times interleaved, and a row is the median run.
+- x plain: the median (and range) over those repetitions of the engine's tokens/s over ``plain``'s in the same
+  repetition: the speed claim to read (the machine drifts; side by side, the drift falls on both).
 - alignment overhead: align seconds / decode seconds (draft + verify + align + schedule), as the paper defines it;
   for ``@exspec`` engines the copies between the window and the batch (schedule) count as alignment work too.
 - efficiency: achieved decode speedup over ``plain`` at the same batch size (generated tokens per decode second,
@@ -21,7 +24,9 @@ Definitions:
 
 from __future__ import annotations
 
+import copy
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,6 +54,9 @@ class BenchRow:
     efficiency: float | None = None
     grouping_rate: float | None = None
     signature: str | None = None  # "clean" when exact; else the audit's signature for this engine and batch size
+    repeats: int = 1  # timed runs (the row's figures are the median run's)
+    vs_plain: float | None = None  # median over repetitions of tokens/s over plain's in the same repetition
+    vs_plain_range: list | None = None  # [min, max] of those ratios
 
 
 def parse_engine(name: str, draft, speculation: str = "adaptive"):
@@ -94,8 +102,17 @@ def hf_generate(model, prompts, max_tokens, stops, batch_size):
 
 
 def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch_sizes=(1, 8), max_tokens=128,
-          num_draft_tokens=5, tokenizer=None, hf=True, progress=False, speculation="adaptive") -> list[BenchRow]:
+          num_draft_tokens=5, tokenizer=None, hf=True, progress=False, speculation="adaptive",
+          repeats=3) -> list[BenchRow]:
+    """One row per (engine, batch size). Per batch size every engine is built afresh and warmed up on the prompts
+    (kernels, buffers, and the adaptive policy's first costs), then the engines run ``repeats`` times, interleaved
+    (engine 1, 2, ..., 1, 2, ...), so the machine's drift falls on all alike: a row reports the median run
+    (tokens/s, stages, accepted length), the worst exact match, and, with ``plain`` among the engines, the median and
+    range over repetitions of its tokens/s over plain's in the same repetition (``vs_plain``). HF runs once."""
     import batchspec
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     from batchspec.api import shared_draft
 
     if not prompts:
@@ -108,7 +125,8 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
     if isinstance(draft, str) and any(s["draft"] is draft for s in specs.values()):
         draft = shared_draft(draft, model)  # load once, share between engines
         specs = {e: parse_engine(e, draft, speculation) for e in engines}
-    bar = _Bar(progress, (len(batch_sizes) + 1 if hf else 0) + len(engines) * len(batch_sizes))
+    bar = _Bar(progress, 1 + (sum(b != 1 for b in batch_sizes) if hf else 0) + repeats * len(batch_sizes))
+    params = batchspec.SamplingParams(max_tokens=max_tokens)
     rows, hf_tps, plain = [], {}, {}
     oracle, secs = hf_generate(model, ids, max_tokens, stops, 1)
     n_oracle = sum(map(len, oracle))
@@ -125,30 +143,43 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
             exact = sum(o == r for o, r in zip(outs, oracle)) / len(ids)
             rows.append(BenchRow("hf", bs, n, secs, hf_tps[bs], hf_tps[bs] / hf_tps[1], 1.0, exact_match=exact))
             bar.advance()
-    for name, spec in specs.items():
-        for bs in batch_sizes:
-            llm = batchspec.LLM(model, draft=spec["draft"], tokenizer=tokenizer, num_draft_tokens=num_draft_tokens,
-                                layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs,
-                                fault=spec.get("fault"), speculation=spec["speculation"],
-                                profile=True)  # exact stage seconds on CUDA too
-            llm.generate(ids[:1], batchspec.SamplingParams(max_tokens=2))  # warm-up
-            llm.reset_stats()
-            t0 = time.perf_counter()
-            outs = llm.generate(ids, batchspec.SamplingParams(max_tokens=max_tokens))
-            secs = time.perf_counter() - t0
-            s = llm.stats
+    for bs in batch_sizes:
+        llms = {name: batchspec.LLM(model, draft=spec["draft"], tokenizer=tokenizer, num_draft_tokens=num_draft_tokens,
+                                    layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs,
+                                    fault=spec.get("fault"), speculation=spec["speculation"],
+                                    profile=True)  # exact stage seconds on CUDA too
+                for name, spec in specs.items()}
+        for llm in llms.values():  # warm-up: kernels, buffers, and the adaptive policy's first costs
+            llm.generate(ids, params)
+        runs = {name: [] for name in llms}
+        for _ in range(repeats):  # interleaved: the machine's drift falls on every engine alike
+            for name, llm in llms.items():
+                llm.reset_stats()
+                t0 = time.perf_counter()
+                outs = llm.generate(ids, params)
+                secs = time.perf_counter() - t0
+                exact = sum(o.token_ids == r for o, r in zip(outs, oracle)) / len(ids)
+                runs[name].append((secs, copy.deepcopy(llm.stats), exact))
+            bar.advance()
+        for name, spec in specs.items():
+            rs = runs[name]
+            secs, s, _ = sorted(rs, key=lambda r: r[0])[len(rs) // 2]  # the median run (stages, accepted length)
             decode = s.draft + s.verify + s.align + s.schedule
             row = BenchRow(
                 name, bs, s.generated, secs, s.generated / secs,
                 speedup_vs_hf_bs1=s.generated / secs / hf_tps[1],
                 speedup_vs_hf_same_bs=(s.generated / secs / hf_tps[bs]) if bs in hf_tps else None,
                 mean_accepted_length=s.mean_accepted_length,
-                exact_match=sum(o.token_ids == r for o, r in zip(outs, oracle)) / len(ids),
+                exact_match=min(r[2] for r in rs),
                 stages={k: round(getattr(s, k), 4) for k in ("prefill", "draft", "verify", "align", "schedule")
                         if hasattr(s, k)},
                 alignment_overhead=(s.align + s.schedule) / decode if decode else None,
                 grouping_rate=getattr(s, "grouping_rate", None),
+                repeats=repeats,
             )
+            if "plain" in runs:  # per repetition: this engine's tokens/s over plain's in the same repetition
+                ratios = [p[0] / r[0] * r[1].generated / p[1].generated for p, r in zip(runs["plain"], rs)]
+                row.vs_plain, row.vs_plain_range = statistics.median(ratios), [min(ratios), max(ratios)]
             if row.exact_match < 1.0:
                 row.signature = _signature(model, spec, ids, bs, max_tokens, num_draft_tokens)
             else:
@@ -159,7 +190,6 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
                 ideal = s.mean_accepted_length * plain[bs][1] / ((s.verify + s.draft) / s.row_rounds)
                 row.efficiency = (s.generated / decode / plain[bs][0]) / ideal
             rows.append(row)
-            bar.advance()
     bar.close()
     return rows
 
@@ -176,18 +206,25 @@ def _signature(model, spec, ids, bs, max_tokens, k) -> str:
 
 
 def to_markdown(rows: list[BenchRow]) -> str:
-    head = ("| engine | batch | tok/s | x HF bs1 | x HF same bs | mean acc. len | exact match | signature | "
-            "align overhead | efficiency | grouping rate |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| engine | batch | tok/s | x plain (range) | x HF bs1 | x HF same bs | mean acc. len | exact match | "
+            "signature | align overhead | efficiency | grouping rate |")
+    lines = [head, "|" + "---|" * 12]
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
         lines.append(
-            f"| {r.engine} | {r.batch_size} | {r.tokens_per_second:.1f} | {f(r.speedup_vs_hf_bs1, '.2f')} | "
+            f"| {r.engine} | {r.batch_size} | {r.tokens_per_second:.1f} | {_ratio(r)} | {f(r.speedup_vs_hf_bs1, '.2f')} | "
             f"{f(r.speedup_vs_hf_same_bs, '.2f')} | {f(r.mean_accepted_length, '.2f')} | {f(r.exact_match, '.0%')} | "
             f"{r.signature or '-'} | "
             f"{f(r.alignment_overhead, '.1%')} | {f(r.efficiency, '.0%')} | {f(r.grouping_rate, '.0%')} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _ratio(r: BenchRow) -> str:
+    if r.vs_plain is None:
+        return "-"
+    lo, hi = r.vs_plain_range
+    return f"{r.vs_plain:.2f}" if r.repeats < 2 else f"{r.vs_plain:.2f} ({lo:.2f}–{hi:.2f})"
 
 
 def plot(rows: list[BenchRow], out_dir: Path) -> list[Path]:
@@ -246,6 +283,8 @@ def add_arguments(parser, model_args):
     parser.add_argument("--limit", type=positive_int, default=None, help="benchmark only the first N prompts")
     parser.add_argument("--truncate", type=positive_int, default=None, metavar="N",
                         help="an identical-length set: keep prompts of at least N tokens, cut to their first N")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed runs per engine and batch size, interleaved after a warm-up run (default 3)")
     parser.add_argument("--out", default="out/bench")
     parser.set_defaults(func=run, max_tokens=128)
 
@@ -272,7 +311,8 @@ def run(args) -> int:
             raise ValueError(f"no prompt has {args.truncate} tokens or more to truncate to")
     prompts = prompts[: args.limit]
     rows = bench(llm.target, draft, prompts, engines, sizes, args.max_tokens, args.num_draft_tokens,
-                 llm.tokenizer, hf=not args.no_hf, progress=True, speculation=args.speculation)
+                 llm.tokenizer, hf=not args.no_hf, progress=True, speculation=args.speculation,
+                 repeats=args.repeats)
     (out / "bench.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     md = to_markdown(rows)
     (out / "bench.md").write_text(md)
