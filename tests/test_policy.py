@@ -199,17 +199,17 @@ def test_a_catch_up_round_does_not_price_the_other_kinds():
 
 def test_one_slow_round_does_not_price_a_width_out_of_reach():
     """A width measured once at 1.55 plain steps (a round the machine slowed) is taken at 0.8x that until measured
-    again, the mean of its first rounds then replacing the slow one, the discount shrinking as 1/sqrt(rounds)."""
+    again, the mean of its first rounds then replacing the slow one, the discount shrinking as 1/rounds."""
     p = AdaptiveLength()
     p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
     p.observe(1, 0, 1, 0.010, None)
     p.observe(1, 5, 3, 0.0155, None, "head")
     assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.55 * 0.8)
     p.observe(1, 5, 3, 0.0125, None, "head")
-    assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.4 * (1 - 0.2 / math.sqrt(2)))
+    assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.4 * (1 - 0.2 / 2))
     for _ in range(98):
         p.observe(1, 5, 3, 0.0125, None, "head")
-    assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.25 * 0.98, rel=1e-3)
+    assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.25 * 0.998, rel=1e-3)
 
 
 def test_drafter_costs_are_relative_to_the_plain_step_of_their_time():

@@ -82,8 +82,9 @@ class AdaptiveLength:
         """``costs``: ``(T0, D)`` or ``(T0, F, D)`` in seconds, used for every batch size instead of measured ones
         (tests, or a machine whose costs are known). ``stale``: rounds after which a width's measured cost is
         forgotten (the next round of that width measures it afresh). ``explore``: a width's cost measured n times
-        is taken as ``(1 - explore / sqrt(n))`` times its mean, so that one round slowed by the machine does not
-        price a width out of reach before it was measured again."""
+        is taken as ``(1 - explore / n)`` times its mean, so that one round slowed by the machine does not price a
+        width out of reach before it was measured again; the discount fades as rounds come in (over 1/sqrt(n) it
+        kept widths that break even at 8 rows a few percent too cheap for good, and they were drafted at a loss)."""
         self.prior_weight, self.probe_every, self.smoothing = prior_weight, probe_every, smoothing
         self.width_smoothing = width_smoothing  # per-width costs: relative, so they may average longer
         self.costs = None if costs is None else (costs[0], 0.0, costs[1]) if len(costs) == 2 else tuple(costs)
@@ -173,7 +174,7 @@ class AdaptiveLength:
         (``_near``) that ran it, less the exploration discount of its few rounds; measurements older than ``stale``
         rounds do not count."""
         found = _nearest({b: w[key] for b, w in self.widths.items() if key in w and self._fresh(w[key])}, rows)
-        return default if found is None else found.cost * (1 - self.explore / math.sqrt(found.n))
+        return default if found is None else found.cost * (1 - self.explore / found.n)
 
     def _fresh(self, entry) -> bool:
         """A width's cost or a line, fed within the last ``stale`` rounds."""
