@@ -85,7 +85,7 @@ needs_kernel = pytest.mark.skipif(kernels._load() is None, reason="no C compiler
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, kernels.MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, kernels.MAX_ROWS])
 @pytest.mark.parametrize("n", [1, 2, 7, 64])
 @pytest.mark.parametrize("k", [40, 13])
 def test_skinny_kernel_matches_matmul(m, n, k):
@@ -104,7 +104,8 @@ def test_skinny_kernel_matches_matmul(m, n, k):
 @pytest.mark.parametrize("k", [40, 13])
 def test_skinny_kernel_rows_do_not_depend_on_their_neighbours(n, k):
     """A row's outputs have the same bits whether it runs alone or in any place of a block of 2..9 rows (blocks of
-    4, 3, 2 and 1 rows sum in one order): a verification block gives the logits a decode step gives."""
+    4, 3, 2 and 1 rows and one block of 5-8 sum in one order): a verification block gives the logits a decode step
+    gives."""
     g = torch.Generator().manual_seed(n * 10 + k)
     x, w = torch.randn(9, k, generator=g), torch.randn(n, k, generator=g)
     alone = torch.cat([kernels.skinny_linear(x[i : i + 1], w) for i in range(9)])

@@ -8,10 +8,13 @@
  *
  * Rows of x go in blocks of 4 (then one block of the 1-3 left), each against a few weight rows at a time with every
  * sum in a register: 4 rows x 2 weight rows, 3 x 4, 2 x 4, 1 x 2 (at most 12 accumulators, so the x rows or the
- * weight rows of a step stay in registers too). Weight rows go to the threads in chunks of 12, so a chunk stays in
- * L1 while each block of x rows passes over it. Before, 2 and 3 rows ran as 2 and 3 single rows, each against 2
- * weight rows: on the model's weights, with memory fast, 3 rows then cost ~30% more than 1 and ~10% more than 4.
- * Now 3 rows cost 10-25% less than before, 5-6 rows 5-15% less, 1, 2, 4 and 8 about the same. With memory slow
+ * weight rows of a step stay in registers too). 5 to 8 rows go in one block (5 x 2, 6 x 2, 7 x 1, 8 x 1), so each
+ * weight is read once: as a block of 4 and one of 1-4, the second pass over each chunk cost ~0.2-0.45 of a one-row
+ * pass (a 5-token verification 1.18-1.47 plain steps of the model at batch 1, 8 tokens 1.42-2.04; in one block
+ * 1.03-1.10 and 1.20-1.22, measured with memory slow). Weight rows go to the threads in chunks of 12, so a chunk
+ * stays in L1 while each block of x rows passes over it. Before, 2 and 3 rows ran as 2 and 3 single rows, each
+ * against 2 weight rows: on the model's weights, with memory fast, 3 rows then cost ~30% more than 1 and ~10% more
+ * than 4. Now 3 rows cost 10-25% less than before, 1, 2 and 4 about the same. With memory slow
  * (this machine's bandwidth varies by ~30% over minutes) most widths wait on the weights alike. */
 #include <immintrin.h>
 
@@ -61,8 +64,13 @@ BLOCK(rows4, 4, 2)
 BLOCK(rows3, 3, 4)
 BLOCK(rows2, 2, 4)
 BLOCK(rows1, 1, 2)
+BLOCK(rows5, 5, 2)
+BLOCK(rows6, 6, 2)
+BLOCK(rows7, 7, 1)
+BLOCK(rows8, 8, 1)
 
-/* the rows of x in blocks of 4, then the 1-3 left, against weight rows n0 .. n1 - 1 (direct calls: inlined) */
+/* the rows of x (5-8: one block; else blocks of 4, then the 1-3 left) against weight rows n0 .. n1 - 1 (direct
+ * calls: inlined) */
 #define PASS(F, C, X, Y)                                                                                     \
     for (long n = n0; n < n1; n += C) F(X, w + n * K, Y, N, K, n, n1 - n < C ? (int)(n1 - n) : C)
 
@@ -73,6 +81,13 @@ void skinny_linear(const float *x, const float *w, float *y, long M, long N, lon
     #pragma omp parallel for schedule(static)
     for (long n0 = 0; n0 < N; n0 += CHUNK) {
         long n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
+        if (M > 4 && M <= 8) {
+            if (M == 5) PASS(rows5, 2, x, y);
+            if (M == 6) PASS(rows6, 2, x, y);
+            if (M == 7) PASS(rows7, 1, x, y);
+            if (M == 8) PASS(rows8, 1, x, y);
+            continue;
+        }
         for (long m = 0; m < m4; m += 4) PASS(rows4, 2, x + m * K, y + m * N);
         if (rest == 3) PASS(rows3, 4, xr, yr);
         if (rest == 2) PASS(rows2, 4, xr, yr);
