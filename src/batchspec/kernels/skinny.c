@@ -6,16 +6,16 @@
  * logits do not depend on how many tokens share its forward (a verification block gives the bits a decode step
  * gives).
  *
- * Rows of x go in blocks of 4 (then one block of the 1-3 left), each against a few weight rows at a time with every
- * sum in a register: 4 rows x 2 weight rows, 3 x 4, 2 x 4, 1 x 2 (at most 12 accumulators, so the x rows or the
- * weight rows of a step stay in registers too). 5 to 8 rows go in one block (5 x 2, 6 x 2, 7 x 1, 8 x 1), so each
- * weight is read once: as a block of 4 and one of 1-4, the second pass over each chunk cost ~0.2-0.45 of a one-row
- * pass (a 5-token verification 1.18-1.47 plain steps of the model at batch 1, 8 tokens 1.42-2.04; in one block
- * 1.03-1.10 and 1.20-1.22, measured with memory slow). Weight rows go to the threads in chunks of 12, so a chunk
- * stays in L1 while each block of x rows passes over it. Before, 2 and 3 rows ran as 2 and 3 single rows, each
- * against 2 weight rows: on the model's weights, with memory fast, 3 rows then cost ~30% more than 1 and ~10% more
- * than 4. Now 3 rows cost 10-25% less than before, 1, 2 and 4 about the same. With memory slow
- * (this machine's bandwidth varies by ~30% over minutes) most widths wait on the weights alike. */
+ * Rows of x go in blocks of 8, then one block of the 1-7 left, each against a few weight rows at a time with every
+ * sum in a register: 8 x 1 weight row, 7 x 1, 6 x 2, 5 x 2, 4 x 2, 3 x 4, 2 x 4, 1 x 2 (at most 12 accumulators, so
+ * the x rows or the weight rows of a step stay in registers too). Weight rows go to the threads in chunks of 12, so a
+ * chunk stays in L1 while each block of x rows passes over it. Blocks were of 4 rows before: 5-8 rows then passed
+ * twice over each chunk, and the second pass cost ~0.2-0.45 of a one-row pass from memory (the model at batch 1, a
+ * 700-token context, memory slow: a 5-token verification 1.18-1.19 plain steps, 8 tokens 1.42-1.60; in one block
+ * 1.03-1.10 and 1.20-1.22); 8 rows (a decode step at batch 8) took 24 ms where two blocks of 4 took 28-29.5, and
+ * 9-64 rows of the model's matrices 0.88-0.92 of the time. Before that, 2 and 3 rows ran as 2 and
+ * 3 single rows, each against 2 weight rows: 3 rows then cost ~30% more than 1 and ~10% more than 4. With memory
+ * slow (this machine's bandwidth varies by ~30% over minutes) most widths wait on the weights alike. */
 #include <immintrin.h>
 
 /* Weights are prefetched this many floats ahead of the rows being read: the hardware prefetcher alone left the
@@ -69,28 +69,26 @@ BLOCK(rows6, 6, 2)
 BLOCK(rows7, 7, 1)
 BLOCK(rows8, 8, 1)
 
-/* the rows of x (5-8: one block; else blocks of 4, then the 1-3 left) against weight rows n0 .. n1 - 1 (direct
- * calls: inlined) */
+/* one block of rows of x against weight rows n0 .. n1 - 1 (direct calls: inlined) */
 #define PASS(F, C, X, Y)                                                                                     \
     for (long n = n0; n < n1; n += C) F(X, w + n * K, Y, N, K, n, n1 - n < C ? (int)(n1 - n) : C)
 
 void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K) {
-    long rest = M % 4, m4 = M - rest;
-    const float *xr = x + m4 * K;
-    float *yr = y + m4 * N;
+    long m8 = M - M % 8, rest = M - m8;
+    const float *xr = x + m8 * K;
+    float *yr = y + m8 * N;
     #pragma omp parallel for schedule(static)
     for (long n0 = 0; n0 < N; n0 += CHUNK) {
         long n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-        if (M > 4 && M <= 8) {
-            if (M == 5) PASS(rows5, 2, x, y);
-            if (M == 6) PASS(rows6, 2, x, y);
-            if (M == 7) PASS(rows7, 1, x, y);
-            if (M == 8) PASS(rows8, 1, x, y);
-            continue;
+        for (long m = 0; m < m8; m += 8) PASS(rows8, 1, x + m * K, y + m * N);
+        switch (rest) {
+            case 7: PASS(rows7, 1, xr, yr); break;
+            case 6: PASS(rows6, 2, xr, yr); break;
+            case 5: PASS(rows5, 2, xr, yr); break;
+            case 4: PASS(rows4, 2, xr, yr); break;
+            case 3: PASS(rows3, 4, xr, yr); break;
+            case 2: PASS(rows2, 4, xr, yr); break;
+            case 1: PASS(rows1, 2, xr, yr); break;
         }
-        for (long m = 0; m < m4; m += 4) PASS(rows4, 2, x + m * K, y + m * N);
-        if (rest == 3) PASS(rows3, 4, xr, yr);
-        if (rest == 2) PASS(rows2, 4, xr, yr);
-        if (rest == 1) PASS(rows1, 2, xr, yr);
     }
 }
