@@ -513,30 +513,36 @@ def test_round_costs_per_kind():
     """What the policy gives per kind (measured, or that kind's line); a head width it says nothing of costs the
     copy round of that width plus the head's steps; a copy width it says nothing of, ``1 + 0.2 j``; never falling
     with the width."""
-    from batchspec.drafters.eagle import CATCH_UP_PAIR, HEAD_STEP
+    from batchspec.drafters.eagle import CATCH_UP_PAIR, CATCH_UP_SHARED, HEAD_STEP
 
     d = tiny.eagle()
     d.costs = {"copy": [1.0, 1.1, None, 1.2], "head": [1.0, None, 1.9, None]}
     copy, head = d._round_costs(3, torch.device("cpu")).tolist()
     assert copy == pytest.approx([1.0, 1.1, 1.4, 1.4])  # given, given, the prior, given (never falling)
     assert head == pytest.approx([1.0, 1.1 + HEAD_STEP, 1.9, 1.9])  # copy + head steps, given, never falling
-    d.costs["catch-up"] = [1.0, 4.0, None, None]  # after a long wait: what catch-up rounds measured, where they did
-    assert d._round_costs(3, torch.device("cpu"), catch_up=200)[1].tolist() == pytest.approx([1.0, 4.0, 4.0, 4.0])
-    d.costs["catch-up"] = None  # none measured: a head round plus each waiting pair's share
+    # after a long wait: a head round plus each waiting pair's cost as measured (whatever one catch-up round of a
+    # width cost once: its wait's cost, not this one's), else CATCH_UP_PAIR, shared by CATCH_UP_SHARED rounds
+    d.costs["catch-up"], d.costs["work"] = [1.0, 4.0, None, None], {"catch-up": 0.004 * CATCH_UP_SHARED}
+    assert d._round_costs(3, torch.device("cpu"), catch_up=200)[1].tolist() == pytest.approx(
+        [1.8, 1.1 + HEAD_STEP + 0.8, 2.7, 2.7])
+    assert d._round_costs(3, torch.device("cpu"), catch_up=20)[1].tolist() == pytest.approx(
+        [1.08, 1.1 + HEAD_STEP + 0.08, 1.98, 1.98])  # a short wait is cheap, whatever a long one cost
+    d.costs["work"] = {"catch-up": None}  # none measured
+    c = 2000 * CATCH_UP_PAIR / CATCH_UP_SHARED
     assert d._round_costs(3, torch.device("cpu"), catch_up=2000)[1].tolist() == pytest.approx(
-        [1.0 + 2000 * CATCH_UP_PAIR, 1.1 + HEAD_STEP + 2000 * CATCH_UP_PAIR, 1.9 + 2000 * CATCH_UP_PAIR,
-         1.9 + 2000 * CATCH_UP_PAIR])
+        [1.0 + c, 1.1 + HEAD_STEP + c, 1.9 + c, 1.9 + c])
     d.costs = {"copy": None, "head": None}  # nothing measured: the priors
     copy, head = d._round_costs(3, torch.device("cpu")).tolist()
     assert copy == pytest.approx([1.0 + 0.2 * j for j in range(4)])
     assert head == pytest.approx([1.0 + (0.2 + HEAD_STEP) * j for j in range(4)])
     # widths the policy has not let a kind explore yet (inf) stay out of reach; a head round's fallback still reads
-    # the copy round's prior, and a catch-up width not explored yet is priced as a head round
+    # the copy round's prior, and a catch-up round is a head round of its width plus its pairs
     inf = math.inf
     d.costs = {"copy": [1.0, 1.5, inf, inf], "head": [1.0, None, inf, inf], "catch-up": [1.0, inf, inf, inf]}
     copy, head = d._round_costs(3, torch.device("cpu")).tolist()
     assert copy == [1.0, 1.5, inf, inf] and head == pytest.approx([1.0, 1.5 + HEAD_STEP, inf, inf])
     assert d._round_costs(3, torch.device("cpu"), catch_up=40)[1].tolist() == [
-        1.0, pytest.approx(1.5 + HEAD_STEP + 40 * CATCH_UP_PAIR), inf, inf]
+        pytest.approx(1.0 + 40 * CATCH_UP_PAIR / CATCH_UP_SHARED),
+        pytest.approx(1.5 + HEAD_STEP + 40 * CATCH_UP_PAIR / CATCH_UP_SHARED), inf, inf]
     d.costs["copy"] = [1.0, None, inf, inf]
     assert d._round_costs(3, torch.device("cpu"))[1].tolist() == pytest.approx([1.0, 1.2 + HEAD_STEP, inf, inf])

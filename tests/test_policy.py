@@ -197,6 +197,27 @@ def test_a_catch_up_round_does_not_price_the_other_kinds():
     assert costs["head"][1] is None and costs["copy"][1] is None
 
 
+def test_a_catch_up_round_is_priced_per_pair_over_a_head_round():
+    """A round that caches 100 waiting pairs on top of a head round of width 3 (1.2 plain steps) and took 2.2 costs
+    0.01 a pair: what a later catch-up costs scales with its own wait, not with that round's."""
+    p = AdaptiveLength(explore=0.0)
+    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
+    p.observe(1, 0, 1, 0.010, None)
+    kinds = ("copy", "head", "catch-up")
+    assert p.drafter_length(1, 5, kinds)[1]["work"] == {kind: None for kind in kinds}
+    p.observe(1, 5, 3, 0.012, None, "head")
+    p.observe(1, 5, 3, 0.022, None, "catch-up", work=100, base="head")
+    assert p.drafter_length(1, 5, kinds)[1]["work"]["catch-up"] == pytest.approx(0.01)
+    p.observe(1, 5, 3, 0.0125, None, "catch-up", work=10, base="head")  # a short wait: 0.005 a pair
+    assert p.drafter_length(1, 5, kinds)[1]["work"]["catch-up"] == pytest.approx(0.0075)
+    # without a head round of that width or a head line, nothing to measure against
+    q = AdaptiveLength(explore=0.0)
+    q.observe(1, 0, 1, 9.0, None)
+    q.observe(1, 0, 1, 0.010, None)
+    q.observe(1, 5, 3, 0.022, None, "catch-up", work=100, base="head")
+    assert q.drafter_length(1, 5, kinds)[1]["work"]["catch-up"] is None
+
+
 def test_one_slow_round_does_not_price_a_width_out_of_reach():
     """A width measured once at 1.55 plain steps (a round the machine slowed) is taken at 0.8x that until measured
     again, the mean of its first rounds then replacing the slow one, the discount shrinking as 1/rounds."""

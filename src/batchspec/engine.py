@@ -95,6 +95,8 @@ class RoundResult:
     accepted: torch.Tensor  # [B] accepted drafts that were emitted
     n_drafts: torch.Tensor  # [B]
     kind: str | None = None  # what kind of drafting round it was, for drafters with kinds (``Drafter.kinds``)
+    work: int = 0  # extra work over a round of kind ``base`` of its width (``Proposal.work``)
+    base: str | None = None
 
 
 def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> RoundResult:
@@ -123,7 +125,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> Round
         seqs.rounds += 1
         seqs.drafted += n_drafts
         seqs.accepted += accepted
-    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind)
+    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind, proposal.work, proposal.base)
 
 
 def _room(parts: Parts, batch: Batch) -> int:
@@ -240,7 +242,7 @@ class Engine:
             estimates = policy.estimates(batch.seqs, self.parts.k) if wants else None
             fin, width, new, values = _account(stats, batch, rows, result, estimates)  # the round's one host sync
             policy.observe(len(result.emitted), k, result.block.shape[1], time.perf_counter() - start, values,
-                           result.kind)
+                           result.kind, result.work, result.base)
             if any(fin):
                 by_id = {o.request_id: o for o in new}
                 for f in self._remove(fin):

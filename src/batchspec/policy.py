@@ -37,7 +37,7 @@ class FixedLength:
     def estimates(self, seqs, k_max: int):
         return None
 
-    def observe(self, rows: int, k: int, width: int, seconds: float, values, kind=None) -> None:
+    def observe(self, rows: int, k: int, width: int, seconds: float, values, kind=None, work=0, base=None) -> None:
         pass
 
 
@@ -104,6 +104,9 @@ class AdaptiveLength:
         # forgotten after ``stale`` rounds without one (a width measured in a slow minute, the machine drifting by
         # ~30% and other processes coming and going, and not chosen since would keep its cost for ever)
         self.widths: dict[int, dict[tuple, _Width]] = {}
+        # rows -> kind of round -> the cost of one unit of its extra work (a head's catch-up: each pair it caches) over a
+        # round of its base kind and width, in plain steps (``observe``'s ``work`` and ``base``)
+        self.work: dict[int, dict] = {}
         self.stale, self.explore = stale, explore
 
     # ---------------------------------------------------------------------------------------------- choose
@@ -145,7 +148,8 @@ class AdaptiveLength:
         rounds that run the head, those that only copy, those that catch up on a long wait) gets a dict: per kind, the
         same from that kind's own rounds and line (a kind's line only prices its own widths: one catch-up round of a
         head on a long prompt, 3 plain steps, would otherwise price every width of every kind out of reach for
-        good), None where neither says (its own fallbacks are the drafter's to choose)."""
+        good), None where neither says (its own fallbacks are the drafter's to choose); and under ``"work"``, per
+        kind, what one unit of a round's extra work costs (``observe``), or None."""
         if self.cost(rows)[0] is None:
             return 0, None
         self.busy += 1
@@ -154,7 +158,9 @@ class AdaptiveLength:
             return 0, None
         if not kinds:
             return k_max, self._explored(rows, None, k_max)
-        return k_max, {kind: self._explored(rows, kind, k_max) for kind in kinds}
+        costs = {kind: self._explored(rows, kind, k_max) for kind in kinds}
+        costs["work"] = {kind: self._per_unit(rows, kind) for kind in kinds}
+        return k_max, costs
 
     def _explored(self, rows: int, kind, k_max: int) -> list:
         """``[k_max + 1]``: each width's measured cost (``_width``), else from the kind's fitted line, else None; a
@@ -175,6 +181,20 @@ class AdaptiveLength:
         rounds do not count."""
         found = _nearest({b: w[key] for b, w in self.widths.items() if key in w and self._fresh(w[key])}, rows)
         return default if found is None else found.cost * (1 - self.explore / found.n)
+
+    def _per_unit(self, rows: int, kind):
+        """A kind's measured cost per unit of work at ``rows`` rows (or the nearest size near enough), or None."""
+        found = _nearest({b: w[kind] for b, w in self.work.items() if kind in w and self._fresh(w[kind])}, rows)
+        return None if found is None else found.cost
+
+    def _base_cost(self, rows: int, kind, width: int):
+        """What a round of ``kind`` and ``width`` costs in plain steps (measured, else that kind's line), or None."""
+        found = _nearest({b: w[(kind, width)] for b, w in self.widths.items()
+                          if (kind, width) in w and self._fresh(w[(kind, width)])}, rows)
+        if found is not None:
+            return found.cost
+        t0, f, d = self.cost(rows, kind)
+        return None if d is None else 1.0 + (f + (width - 1) * d) / t0
 
     def _fresh(self, entry) -> bool:
         """A width's cost or a line, fed within the last ``stale`` rounds."""
@@ -213,7 +233,9 @@ class AdaptiveLength:
         alpha = (hits + w * self.rate) / (hits + misses + w)
         return torch.cat([expected_tokens(alpha, k_max).mean(0), torch.stack([hits.sum(), misses.sum()])])
 
-    def observe(self, rows: int, k: int, width: int, seconds: float, values, kind=None) -> None:
+    def observe(self, rows: int, k: int, width: int, seconds: float, values, kind=None, work=0, base=None) -> None:
+        """``work``: units of extra work the round did on top of a round of kind ``base`` and its width (a head's
+        catch-up: the pairs it cached); its cost per unit is learned against that base round's cost."""
         if values is not None:
             *expected, hits, misses = values
             self.expected = expected
@@ -235,6 +257,11 @@ class AdaptiveLength:
                 if cost is None or not self._fresh(cost):  # never measured, or long ago: start afresh
                     cost = widths[(kind, width)] = _Width()
                 cost.add(seconds / t0, self.width_smoothing, self.seen)
+                if work and base is not None and (ref := self._base_cost(rows, base, width)) is not None:
+                    unit = self.work.setdefault(rows, {}).get(kind)
+                    if unit is None or not self._fresh(unit):
+                        unit = self.work[rows][kind] = _Width()
+                    unit.add(max(seconds / t0 - ref, 0.0) / work, self.width_smoothing, self.seen)
                 self.lines.setdefault(rows, {}).setdefault(kind, _Line(1 - self.smoothing)).add(
                     drafted, seconds - t0, self.seen)
 

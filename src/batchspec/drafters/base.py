@@ -21,6 +21,10 @@ class Proposal:
     q: torch.Tensor | None = None
     match: torch.Tensor | None = None
     kind: str | None = None  # for a drafter with ``kinds``: which kind of round this proposal is
+    # extra work the round does on top of a round of kind ``base`` of its width (the head's catch-up: the pairs it
+    # caches), for the policy to price per unit of work
+    work: int = 0
+    base: str | None = None
 
     @classmethod
     def empty(cls, rows: int, device) -> "Proposal":
@@ -36,7 +40,8 @@ class Drafter:
     # in plain steps), which the engine sets from the policy before each round (``policy.drafter_length``)
     sizes_own_drafts = False
     # rounds of different kinds that cost differently (the policy measures each width per kind and ``costs`` is then
-    # a dict kind -> list, or None for "draft K your default way"); None: one kind
+    # a dict kind -> list, or None for "draft K your default way"); None: one kind. With kinds, ``costs["work"]``
+    # is a dict kind -> measured cost of one unit of a round's ``work`` (``Proposal.work``) in plain steps, or None
     kinds: tuple | None = None
 
     def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None):

@@ -191,9 +191,13 @@ def _join(feats: torch.Tensor, rounds: list) -> torch.Tensor:
 KINDS = ("copy", "head", "catch-up")
 HEAD_STEP = 0.1  # a drafting step of the head, in plain steps, for widths not measured yet (measured: 0.08-0.11)
 CATCH_UP = 32  # a head round catching up on more pairs than this per row is timed as a catch-up round
-# what a catch-up round costs per waiting pair (all rows), in plain steps, until one is measured (measured on a
-# 2-core CPU: ~0.003 at 1 row, where a plain step is cheap for its work, ~0.001 at 8 rows)
+# what a catch-up round costs per waiting pair (all rows) over a head round of its width, in plain steps, until the
+# policy measured it (on a 2-core CPU: ~0.003 at 1 row, where a plain step is cheap for its work, ~0.001 at 8 rows)
 CATCH_UP_PAIR = 0.0005
+# a catch-up is paid once for the head rounds it makes possible (its cost is shared by this many rounds): priced whole
+# against one round, it loses to a plain or copy round, the wait grows by a pair a row every round the head does not
+# run, and the head never runs again
+CATCH_UP_SHARED = 8
 
 
 class EagleDrafter(Drafter):
@@ -313,7 +317,8 @@ class EagleDrafter(Drafter):
         # once per wait, not what a head round of its width costs
         kind = None if first is None else "catch-up" if wait else "head"
         return Proposal(torch.stack(drafts, 1), torch.full_like(length, k), torch.stack(qs, 1) if qs else None,
-                        match=first, kind=kind)
+                        match=first, kind=kind, work=wait * len(length) if kind == "catch-up" else 0,
+                        base="head" if kind == "catch-up" else None)
 
     def _plan(self, copies, n_copies, match, k: int, catch_up: int = 0):
         """``(kind, width, rows that copy)`` for a greedy round of at most k drafts. A row copies first when its
@@ -342,19 +347,23 @@ class EagleDrafter(Drafter):
         """``[copy / head, j]``: a round verifying j drafts, in plain steps: what the policy gives per kind (measured,
         or its line through that kind's rounds); else, for a copy round ``1 + 0.2 j``, for a head round the copy
         round of its width plus ``HEAD_STEP`` per step the head runs; never falling with j. After a long wait
-        (``catch_up`` pairs waiting, all rows) a head round costs what catch-up rounds of its width measured, else a
-        head round plus ``CATCH_UP_PAIR`` per waiting pair: the head's first round over 8 long prompts (3,000 pairs)
-        cost 4 plain steps here, where a head round's price said 1.3. A width the policy has not let a kind explore
-        yet (``inf``) stays out of reach."""
-        given = {kind: list(self.costs.get(kind) or [])[: k + 1] for kind in KINDS}
+        (``catch_up`` pairs waiting, all rows) a head round costs a head round of its width plus each waiting pair's
+        cost, as the policy measured it from catch-up rounds (``costs["work"]["catch-up"]``), else
+        ``CATCH_UP_PAIR``, shared by ``CATCH_UP_SHARED`` rounds. Priced by pairs, not by what a catch-up round of
+        that width cost once (its wait's cost), and shared, not charged to one round: priced whole, a catch-up lost
+        to a plain round, the wait grew every round, and the head stayed out for hundreds of rounds (on the main
+        job's prompts at batch 1 the head's mean accepted length fell from ~1.55 to 1.05–1.3 for one to five runs
+        in a row, in three of four engines; shared, 1.46–1.65 in every run). A width the policy has not let a kind explore yet (``inf``) stays out of
+        reach."""
+        given = {kind: list(self.costs.get(kind) or [])[: k + 1] for kind in ("copy", "head")}
         given = {kind: values + [None] * (k + 1 - len(values)) for kind, values in given.items()}
         prior = [1.0 + self.copy.default_cost * j for j in range(k + 1)]
         copy = [c if c is not None else p for c, p in zip(given["copy"], prior)]  # inf: not explored yet
         known = [c if math.isfinite(c) else p for c, p in zip(copy, prior)]
         head = [g if g is not None else c + HEAD_STEP * j for j, (g, c) in enumerate(zip(given["head"], known))]
         if catch_up:
-            head = [h if h is not None and math.isfinite(h) else g + CATCH_UP_PAIR * catch_up
-                    for h, g in zip(given["catch-up"], head)]
+            pair = (self.costs.get("work") or {}).get("catch-up")
+            head = [h + (CATCH_UP_PAIR if pair is None else pair) * catch_up / CATCH_UP_SHARED for h in head]
         return torch.tensor([copy, head], dtype=torch.float64, device=device).cummax(1).values
 
     def _head_survival(self, k: int, device) -> torch.Tensor:
