@@ -110,13 +110,12 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
     (tokens/s, stages, accepted length), the worst exact match, and, with ``plain`` among the engines, the median and
     range over repetitions of its tokens/s over plain's in the same repetition (``vs_plain``). HF runs once."""
     import batchspec
-
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
     from batchspec.api import shared_draft
 
     if not prompts:
         raise ValueError("no prompts to benchmark")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     llm0 = batchspec.LLM(target, tokenizer=tokenizer)
     model = llm0.target
     ids = llm0._encode(prompts)

@@ -179,22 +179,32 @@ class AdaptiveLength:
         """A width's measured cost (in plain steps) at ``rows`` rows, else at the nearest batch size near enough
         (``_near``) that ran it, less the exploration discount of its few rounds; measurements older than ``stale``
         rounds do not count."""
-        found = _nearest({b: w[key] for b, w in self.widths.items() if key in w and self._fresh(w[key])}, rows)
+        found = self._found(self.widths, key, rows)
         return default if found is None else found.cost * (1 - self.explore / found.n)
 
     def _per_unit(self, rows: int, kind):
         """A kind's measured cost per unit of work at ``rows`` rows (or the nearest size near enough), or None."""
-        found = _nearest({b: w[kind] for b, w in self.work.items() if kind in w and self._fresh(w[kind])}, rows)
+        found = self._found(self.work, kind, rows)
         return None if found is None else found.cost
 
     def _base_cost(self, rows: int, kind, width: int):
         """What a round of ``kind`` and ``width`` costs in plain steps (measured, else that kind's line), or None."""
-        found = _nearest({b: w[(kind, width)] for b, w in self.widths.items()
-                          if (kind, width) in w and self._fresh(w[(kind, width)])}, rows)
+        found = self._found(self.widths, (kind, width), rows)
         if found is not None:
             return found.cost
         t0, f, d = self.cost(rows, kind)
         return None if d is None else 1.0 + (f + (width - 1) * d) / t0
+
+    def _found(self, table: dict, key, rows: int):
+        """``table[b][key]`` for the batch size b nearest ``rows`` (``_near``) whose entry is fresh, or None."""
+        return _nearest({b: t[key] for b, t in table.items() if key in t and self._fresh(t[key])}, rows)
+
+    def _add(self, table: dict, rows: int, key, value: float) -> None:
+        """Feed ``value`` to ``table[rows][key]``, started afresh when it was never fed or is stale."""
+        entry = table.setdefault(rows, {}).get(key)
+        if entry is None or not self._fresh(entry):
+            entry = table[rows][key] = _Width()
+        entry.add(value, self.width_smoothing, self.seen)
 
     def _fresh(self, entry) -> bool:
         """A width's cost or a line, fed within the last ``stale`` rounds."""
@@ -252,16 +262,9 @@ class AdaptiveLength:
         else:
             self.fill += self.smoothing * (drafted / k - self.fill)
             if (t0 := self.t0.get(rows)) is not None:
-                widths = self.widths.setdefault(rows, {})
-                cost = widths.get((kind, width))
-                if cost is None or not self._fresh(cost):  # never measured, or long ago: start afresh
-                    cost = widths[(kind, width)] = _Width()
-                cost.add(seconds / t0, self.width_smoothing, self.seen)
+                self._add(self.widths, rows, (kind, width), seconds / t0)
                 if work and base is not None and (ref := self._base_cost(rows, base, width)) is not None:
-                    unit = self.work.setdefault(rows, {}).get(kind)
-                    if unit is None or not self._fresh(unit):
-                        unit = self.work[rows][kind] = _Width()
-                    unit.add(max(seconds / t0 - ref, 0.0) / work, self.width_smoothing, self.seen)
+                    self._add(self.work, rows, kind, max(seconds / t0 - ref, 0.0) / work)
                 self.lines.setdefault(rows, {}).setdefault(kind, _Line(1 - self.smoothing)).add(
                     drafted, seconds - t0, self.seen)
 

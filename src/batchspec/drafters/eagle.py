@@ -278,10 +278,10 @@ class EagleDrafter(Drafter):
 
     def propose(self, seqs, state: EagleState, k):
         length = seqs.length
-        wait = state.waiting if state.waiting > CATCH_UP else 0
+        pairs = state.waiting * len(length) if state.waiting > CATCH_UP else 0  # a long wait to catch up on
         if self.copy is not None and not seqs.sampling:
             copies, n_copies, match = self.copy.candidates(seqs, k)
-            kind, k, use = self._plan(copies, n_copies, match, k, wait * len(length))
+            kind, k, use = self._plan(copies, n_copies, match, k, pairs)
             if not k:
                 return Proposal.empty(len(length), length.device)
             if kind == "copy":  # the head does not run: its pairs wait for a round that runs it
@@ -314,11 +314,11 @@ class EagleDrafter(Drafter):
                 qs.append(seqs.warp(full[:, None])[:, 0])
                 drafts.append(draw(qs[-1], u[:, i]))
         # a round that caught up on a long wait (a prompt, many rounds without the head) is timed apart: its cost is
-        # once per wait, not what a head round of its width costs
-        kind = None if first is None else "catch-up" if wait else "head"
+        # once per wait, not what a head round of its width costs: a head round plus the pairs it caches
+        catch_up = first is not None and pairs > 0
+        kind = None if first is None else "catch-up" if catch_up else "head"
         return Proposal(torch.stack(drafts, 1), torch.full_like(length, k), torch.stack(qs, 1) if qs else None,
-                        match=first, kind=kind, work=wait * len(length) if kind == "catch-up" else 0,
-                        base="head" if kind == "catch-up" else None)
+                        match=first, kind=kind, work=pairs if catch_up else 0, base="head" if catch_up else None)
 
     def _plan(self, copies, n_copies, match, k: int, catch_up: int = 0):
         """``(kind, width, rows that copy)`` for a greedy round of at most k drafts. A row copies first when its
@@ -353,8 +353,8 @@ class EagleDrafter(Drafter):
         that width cost once (its wait's cost), and shared, not charged to one round: priced whole, a catch-up lost
         to a plain round, the wait grew every round, and the head stayed out for hundreds of rounds (on the main
         job's prompts at batch 1 the head's mean accepted length fell from ~1.55 to 1.05–1.3 for one to five runs
-        in a row, in three of four engines; shared, 1.46–1.65 in every run). A width the policy has not let a kind explore yet (``inf``) stays out of
-        reach."""
+        in a row, in three of four engines; shared, 1.46–1.65 in every run). A width the policy has not let a kind
+        explore yet (``inf``) stays out of reach."""
         given = {kind: list(self.costs.get(kind) or [])[: k + 1] for kind in ("copy", "head")}
         given = {kind: values + [None] * (k + 1 - len(values)) for kind, values in given.items()}
         prior = [1.0 + self.copy.default_cost * j for j in range(k + 1)]
