@@ -107,11 +107,32 @@ def test_skinny_kernel_rows_do_not_depend_on_their_neighbours(n, k):
     8, then one of the 1-7 left, every block summing in one order): a verification block gives the logits a decode
     step gives."""
     g = torch.Generator().manual_seed(n * 10 + k)
-    x, w = torch.randn(17, k, generator=g), torch.randn(n, k, generator=g)
-    alone = torch.cat([kernels.skinny_linear(x[i : i + 1], w) for i in range(17)])
-    for m in range(2, 18):
+    x, w = torch.randn(25, k, generator=g), torch.randn(n, k, generator=g)
+    alone = torch.cat([kernels.skinny_linear(x[i : i + 1], w) for i in range(25)])
+    for m in range(2, 26):
         assert torch.equal(kernels.skinny_linear(x[:m], w), alone[:m]), m
-        assert torch.equal(kernels.skinny_linear(x[17 - m :], w), alone[17 - m :]), m
+        assert torch.equal(kernels.skinny_linear(x[25 - m :], w), alone[25 - m :]), m
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 5, 13, 30])
+@pytest.mark.parametrize("k", [40, 13, 576])
+def test_skinny_kernel_avx512_blocks_give_the_avx2_bits(n, k):
+    """Blocks of 8 rows run with AVX-512 where the CPU has it (two rows per register, in the AVX2 kernel's order
+    of sums): the same bits as the AVX2 blocks."""
+    lib = kernels._load()
+    if not lib.skinny_avx512(1):
+        pytest.skip("this CPU has no AVX-512")
+    g = torch.Generator().manual_seed(n * 10 + k)
+    x, w = torch.randn(21, k, generator=g), torch.randn(n, k, generator=g)
+    try:
+        wide = [kernels.skinny_linear(x[:m], w) for m in (8, 16, 21)]
+        lib.skinny_avx512(0)
+        narrow = [kernels.skinny_linear(x[:m], w) for m in (8, 16, 21)]
+    finally:
+        lib.skinny_avx512(1)
+    for a, b in zip(wide, narrow):
+        assert torch.equal(a, b)
 
 
 def test_skinny_kernel_declines_what_it_does_not_cover(monkeypatch):
