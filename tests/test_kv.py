@@ -1,5 +1,6 @@
 """The model runner's CPU fast paths: few-row linear layers and attention split into runs of rows, the C kernels."""
 
+import inspect
 import pytest
 import torch
 
@@ -251,6 +252,72 @@ def test_fused_llama_layer_matches_the_model(monkeypatch, q, arch):
         torch.testing.assert_close(a.keys[vis], b.keys[vis], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.values[vis], b.values[vis], rtol=1e-5, atol=1e-5)
     assert got.width == ref.width
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["tiny", "odd"])
+def test_fused_llama_packs_rows_with_fewer_real_tokens(monkeypatch, arch):
+    """With ``counts``, only each row's first counts[b] new tokens are computed (as one packed set of rows): their
+    logits and cached keys/values equal the model's own forward over the whole rectangle; the padding slots are
+    hidden, their logits 0."""
+    from batchspec.kernels import llama as fused
+
+    t = {"tiny": lambda: tiny.target(dtype=torch.float32), "odd": lambda: _llama(36, 16, 2, 76)}[arch]()
+    ids = torch.tensor([[5, 6, 7, 8]] * 5)
+    counts = torch.tensor([1, 4, 2, 1, 3])
+    real = torch.arange(4)[None, :] < counts[:, None]
+    with monkeypatch.context() as m:
+        m.setattr(fused, "forward", lambda *a, **k: None)
+        ref = _ragged_state(t, 3)
+        want = ref.append(ids, counts=counts)
+    got = _ragged_state(t, 3)
+    lib = kernels._load()
+    rows = []
+    layer = lib.llama_layer
+
+    class Spy:  # the rows the C layer was given: the packed ones only
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def llama_layer(self, *a):
+            rows.append(a[7][9])
+            return layer(*a)
+
+    monkeypatch.setattr(fused, "_load", lambda: Spy())
+    out = got.append(ids, counts=counts)
+    assert rows and set(rows) == {int(counts.sum())}  # 11 rows computed, not 20
+    torch.testing.assert_close(out.logits[real], want.logits[real], rtol=1e-4, atol=1e-4)
+    assert (out.logits[~real] == 0).all()
+    assert torch.equal(got.valid, ref.valid) and not got.valid[:, -4:][~real].any()
+    for a, b in zip(got.cache.layers, ref.cache.layers):
+        vis = got.valid[:, None, :, None].expand_as(a.keys)
+        torch.testing.assert_close(a.keys[vis], b.keys[vis], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values[vis], b.values[vis], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_engine_with_packed_verification_stays_exact(monkeypatch):
+    """Prompt lookup on an fp32 Llama: rows propose different numbers of drafts, so verification blocks are packed
+    (only real tokens computed); the output equals the oracle, with the invariants checked each round."""
+    from batchspec.kernels import llama as fused
+
+    t = tiny.target(dtype=torch.float32)
+    packed = []
+    real = fused.forward
+
+    def spy(*a, **k):
+        args = inspect.signature(real).bind(*a, **k).arguments
+        counts, q = args.get("counts"), args["input_ids"].shape[1]
+        if counts is not None and int(counts.sum()) < counts.numel() * q:
+            packed.append(True)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fused, "forward", spy)
+    prompts = tiny.prompts(8, seed=4)
+    llm = tiny.fixed_llm(t, draft="prompt-lookup", num_draft_tokens=4, batch_size=4, check_invariants=True)
+    outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=24))
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 24) for p in prompts]
+    assert packed and llm.stats.accepted > 0 and llm.stats.ragged_rounds > 0
 
 
 def test_fused_llama_declines_what_it_does_not_cover(monkeypatch):

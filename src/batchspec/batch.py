@@ -90,19 +90,23 @@ class SlotState:
         return self.count()[:, None] + torch.cumsum(new_valid, 1) - new_valid.long()
 
     def append(self, input_ids: torch.Tensor, new_valid: torch.Tensor | None = None, logits_to_keep: int = 0,
-               hidden: bool = False, embeds: torch.Tensor | None = None):
+               hidden: bool = False, embeds: torch.Tensor | None = None, counts: torch.Tensor | None = None):
         """Run the model on ``input_ids`` ``[B, q]`` written into ``q`` new slots per row; returns a
         ``TargetOutput`` (logits, and the final hidden states when ``hidden``). ``embeds``: the input vectors, when
-        they are not the ids' embeddings (``Runner.forward``)."""
+        they are not the ids' embeddings (``Runner.forward``). ``counts`` ``[B]``: only the first ``counts[b]`` new
+        tokens of row b are real; the slots after them are padding, hidden at once, and their outputs unspecified
+        (a runner that ``packs`` does not compute them)."""
         if new_valid is None:
             new_valid = torch.ones_like(input_ids, dtype=torch.bool)
+        if counts is not None:
+            new_valid = new_valid & (torch.arange(input_ids.shape[1], device=counts.device)[None, :] < counts[:, None])
         q, w = input_ids.shape[1], self.width
         pos = self.new_positions(new_valid)
         self._reserve(w + q)
         for name, t in (("valid", new_valid), ("tokens", input_ids), ("positions", pos)):
             self._buf[name][:, w : w + q] = t
         self.width = w + q
-        return self.runner.forward(self.cache, input_ids, pos, self.valid, logits_to_keep, hidden, embeds)
+        return self.runner.forward(self.cache, input_ids, pos, self.valid, logits_to_keep, hidden, embeds, counts)
 
     def hide_tail(self, q: int, keep: torch.Tensor) -> None:
         """Of the last ``q`` slots, keep the first ``keep[b]`` of each row visible and hide the rest (rejected)."""

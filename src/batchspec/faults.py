@@ -41,9 +41,9 @@ class UnmaskedPadding(SlotState):
     def count(self):
         return (self.valid & (self.tokens >= 0)).sum(1)
 
-    def append(self, input_ids, new_valid=None, logits_to_keep=0, hidden=False, embeds=None):
+    def append(self, input_ids, new_valid=None, logits_to_keep=0, hidden=False, embeds=None, counts=None):
         self.valid = self.valid | (self.tokens < 0)
-        return super().append(input_ids, new_valid, logits_to_keep, hidden, embeds)
+        return super().append(input_ids, new_valid, logits_to_keep, hidden, embeds, counts)
 
 
 class RealignOffByOne(SlotState):

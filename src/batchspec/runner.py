@@ -175,6 +175,12 @@ class Runner:
         return self._copy
 
     @property
+    def packs(self) -> bool:
+        """Whether a forward with ``counts`` costs what its real tokens cost (the C layer computes only those), rather
+        than what its whole rectangle costs."""
+        return self.static is None and fused_llama.plan(self.model) is not None
+
+    @property
     def static(self) -> graphs.StaticRunner | None:
         """The static-shape step runner, where this runner's mode and model call for one."""
         if self.graphs == "off" or (self.graphs == "auto" and self.device.type != "cuda"):
@@ -184,14 +190,16 @@ class Runner:
         return self._static or None
 
     def forward(self, cache: kv.SlotCache, input_ids, position_ids, visible=None, logits_to_keep=0,
-                hidden=False, embeds=None) -> TargetOutput:
+                hidden=False, embeds=None, counts=None) -> TargetOutput:
         """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``.
 
         ``visible`` ``[B, S+q]`` says which slots attention may see; ``None`` means a fresh cache and unpadded rows
         (causal attention, which skips the masked half of the work). ``logits_to_keep`` > 0 keeps the last that
         many positions; ``hidden`` also returns the final hidden states at those positions (``"all"``: at every
         position). ``embeds`` ``[B, q, H]``, when given, are the input vectors in place of the token embeddings
-        (``input_ids`` then only name the slots)."""
+        (``input_ids`` then only name the slots). ``counts`` ``[B]``: row b's new tokens past its first ``counts[b]``
+        are padding (hidden from attention by ``visible``): their outputs are unspecified, and the C layer does not
+        compute them (``packs``)."""
         static = self.static
         if static is not None and embeds is None and hidden != "all":
             out = static.forward(cache, input_ids, position_ids, visible, logits_to_keep, hidden)
@@ -199,7 +207,7 @@ class Runner:
                 return TargetOutput(*out)
         everything = visible if visible is not None else torch.ones_like(input_ids, dtype=torch.bool)
         out = fused_llama.forward(self.model, cache, input_ids, position_ids, everything, logits_to_keep, hidden,
-                                  embeds)
+                                  embeds, counts)
         if out is not None:  # the C layer only reads the model
             return TargetOutput(*out)
         model = self.modules

@@ -146,7 +146,7 @@ static void softmax_values(float *pn, float m, long T, const float *V, long vst,
  * weighted sum of values. p: scratch [q * G * T]. */
 static void attend(const float *qb, const float *K, const float *V, float *out, const unsigned char *vis, long S,
                    long q, long nh, long G, long g, long D, float scale, float *p) {
-    long T = S + q, nq = q * G;
+    long T = S + q, nq = q * G;  /* vis: at least S + q slots */
     for (long n = 0; n < nq; n++) {
         long i = n / G;
         const float *qv = qb + (i * nh + g * G + n % G) * D;
@@ -169,13 +169,15 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
     }
 }
 
-/* w: input norm, Wq, Wk, Wv, Wo, post-attention norm, Wgate, Wup, Wdown. x: [B*q, H], updated in place.
- * cos, sin: [B*q, D]. kc, vc: [B, nkv, cap, D] caches; slots S..S+q-1 are written. vis: [B, S+q].
- * dims: B, q, S, cap, H, nh, nkv, D, I. Returns 0, or -1 when scratch memory could not be had. */
+/* w: input norm, Wq, Wk, Wv, Wo, post-attention norm, Wgate, Wup, Wdown. x: [R, H], updated in place: R = B*q
+ * rows b * q + i, or, packed, the first count[b] new tokens of each row in order (``first`` [B + 1]: row b's are rows
+ * first[b] .. first[b + 1] - 1; the other new slots are padding, not computed, and their cache slots not written).
+ * cos, sin: [R, D]. kc, vc: [B, nkv, cap, D] caches; slots S..S+q-1 are written. vis: [B, S+q].
+ * dims: B, q, S, cap, H, nh, nkv, D, I, R. Returns 0, or -1 when scratch memory could not be had. */
 int llama_layer(float *x, const float *const *w, const float *cos, const float *sin, float *kc, float *vc,
-                const unsigned char *vis, const long *dims, float eps, float scale) {
+                const unsigned char *vis, const long *dims, float eps, float scale, const long *first) {
     long B = dims[0], q = dims[1], S = dims[2], cap = dims[3], H = dims[4], nh = dims[5], nkv = dims[6], D = dims[7],
-         I = dims[8], R = B * q, G = nh / nkv, T = S + q;
+         I = dims[8], R = first ? first[B] : B * q, G = nh / nkv, T = S + q;
     float *h = malloc(sizeof(float) * R * (H + nh * D * 2 + nkv * D * 2 + I * 2));
     if (!h) return -1;
     float *qb = h + R * H, *att = qb + R * nh * D, *kb = att + R * nh * D, *vb = kb + R * nkv * D,
@@ -185,8 +187,10 @@ int llama_layer(float *x, const float *const *w, const float *cos, const float *
     skinny_linear(h, w[1], qb, R, nh * D, H);
     skinny_linear(h, w[2], kb, R, nkv * D, H);
     skinny_linear(h, w[3], vb, R, nkv * D, H);
-    for (long r = 0; r < R; r++) {
-        long b = r / q, i = r % q;
+    for (long r = 0, b = 0; r < R; r++) {
+        while (first && r >= first[b + 1]) b++;
+        long i = first ? r - first[b] : r % q;
+        if (!first) b = r / q;
         const float *cs = cos + r * D, *sn = sin + r * D;
         for (long n = 0; n < nh; n++) rope(qb + (r * nh + n) * D, cs, sn, D);
         for (long g = 0; g < nkv; g++) {
@@ -209,9 +213,9 @@ int llama_layer(float *x, const float *const *w, const float *cos, const float *
         for (long b = 0; b < B; b++)
             for (long g = 0; g < nkv; g++) {
                 if (!p) continue;
-                long base = (b * nkv + g) * cap * D;
-                attend(qb + b * q * nh * D, kc + base, vc + base, att + b * q * nh * D, vis + b * T, S, q, nh, G,
-                       g, D, scale, p);
+                long base = (b * nkv + g) * cap * D, r0 = first ? first[b] : b * q, n = first ? first[b + 1] - r0 : q;
+                attend(qb + r0 * nh * D, kc + base, vc + base, att + r0 * nh * D, vis + b * T, S, n, nh, G, g, D,
+                       scale, p);
             }
         free(p);
     }

@@ -85,11 +85,17 @@ def plan(model) -> _Plan | None:
     return p
 
 
-def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hidden=False, embeds=None):
+def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hidden=False, embeds=None, counts=None):
     """``(logits, hidden states or None)`` of one forward over a slot cache (see ``Runner.forward``), or None where
-    this path does not apply. Reads the model's modules and weights; writes only the cache."""
+    this path does not apply. Reads the model's modules and weights; writes only the cache. ``counts`` ``[B]``: only
+    the first ``counts[b]`` new tokens of row b are computed (packed: the others are padding, their cache slots are
+    not written and their logits are 0); only for all-position logits without hidden states."""
     b, q = input_ids.shape
-    if b * q > MAX_ROWS or input_ids.device.type != "cpu":
+    packed = counts is not None and not hidden and logits_to_keep in (0, q) and embeds is None
+    rows = int(counts.sum()) if packed else b * q
+    if packed and rows == b * q:
+        packed = False
+    if rows > MAX_ROWS or input_ids.device.type != "cpu":
         return None
     p = plan(model)
     if p is None:
@@ -99,17 +105,28 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     cos, sin = inner.rotary_emb(x, position_ids)
     x = x.reshape(b * q, p.hidden).contiguous() if embeds is None else embeds.reshape(b * q, p.hidden).clone()
     cos, sin = cos.reshape(b * q, -1).contiguous(), sin.reshape(b * q, -1).contiguous()
+    first = ptr = None
+    if packed:  # the real tokens, in row order: one gather
+        mine = (torch.arange(q)[None, :] < counts[:, None]).flatten()
+        real, pad = mine.nonzero().squeeze(1), (~mine).nonzero().squeeze(1)
+        x, cos, sin = x[real], cos[real], sin[real]
+        first = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long().contiguous()
+        ptr = first.data_ptr()
     vis = visible.to(torch.uint8).contiguous()
     start = cache.layers[0].length
     like = x.new_empty((b, p.kv_heads, q, p.head_dim))
-    dims = (ctypes.c_long * 9)(b, q, start, 0, p.hidden, p.heads, p.kv_heads, p.head_dim, p.inter)
+    dims = (ctypes.c_long * 10)(b, q, start, 0, p.hidden, p.heads, p.kv_heads, p.head_dim, p.inter, rows)
     for layer, weights in zip(cache.layers, p.pointers):
         keys, values = layer.reserve(like, like, start + q)  # contiguous buffers with room for q more slots
         dims[3] = keys.shape[-2]
         if lib.llama_layer(x.data_ptr(), weights, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-                           values.data_ptr(), vis.data_ptr(), dims, p.eps, p.scale):
+                           values.data_ptr(), vis.data_ptr(), dims, p.eps, p.scale, ptr):
             raise MemoryError("batchspec's layer kernel could not allocate its scratch memory")
         layer.advance(start + q)
+    if packed:
+        logits = _head(model, inner.norm(x))
+        out = logits.new_empty((b * q, logits.shape[-1])).index_fill_(0, pad, 0.0)
+        return out.index_copy_(0, real, logits).view(b, q, -1), None
     normed = inner.norm(x.view(b, q, p.hidden)) if hidden == "all" else None  # every position's states
     states = x.view(b, q, p.hidden) if normed is None else normed
     if logits_to_keep:
@@ -117,10 +134,12 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     if normed is None:
         states = inner.norm(states)
     n = states.shape[1]
-    flat = states.reshape(b * n, p.hidden)
-    logits = skinny_linear(flat, model.lm_head.weight)
-    if logits is None:
-        logits = model.lm_head(flat)
+    logits = _head(model, states.reshape(b * n, p.hidden))
     if normed is not None:
         states = normed
     return logits.view(b, n, -1), (states if hidden else None)
+
+
+def _head(model, flat):
+    logits = skinny_linear(flat, model.lm_head.weight)
+    return model.lm_head(flat) if logits is None else logits
