@@ -315,9 +315,12 @@ def test_engine_with_packed_verification_stays_exact(monkeypatch):
     monkeypatch.setattr(fused, "forward", spy)
     prompts = tiny.prompts(8, seed=4)
     llm = tiny.fixed_llm(t, draft="prompt-lookup", num_draft_tokens=4, batch_size=4, check_invariants=True)
+    sized, propose = [], llm.drafter.propose
+    llm.drafter.propose = lambda *a: sized.append(llm.drafter.per_token) or propose(*a)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=24))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 24) for p in prompts]
     assert packed and llm.stats.accepted > 0 and llm.stats.ragged_rounds > 0
+    assert any(sized)  # rows were sized one by one (batches of more than one row, whose runner packs)
 
 
 def test_fused_llama_declines_what_it_does_not_cover(monkeypatch):

@@ -97,6 +97,28 @@ def test_batch_width_weighs_every_row():
     assert d.propose(_seqs([STRONG] + [WEAK] * 3), None, 5).n_drafts.tolist() == [5] * 4
 
 
+def test_rows_sized_one_by_one_where_verification_packs():
+    """Per-token costs (the runner computes only each row's real tokens): the strong row drafts all five, the weak
+    rows none, where one width for the batch would have made every row verify five; with equal costs every
+    candidate is offered, as with one width."""
+    d = PromptLookup()
+    strong, weak = _seqs([STRONG]), _seqs([WEAK])
+    d.costs = [1.0] * 6
+    for _ in range(30):
+        d.commit(None, d.propose(strong, None, 5), torch.tensor([5]), None)
+        d.commit(None, d.propose(weak, None, 5), torch.tensor([0]), None)
+    batch = _seqs([WEAK, STRONG, WEAK, WEAK])
+    d.costs = [1 + 0.2 * j for j in range(6)]  # per column of the batch's rectangle
+    assert d.propose(batch, None, 5).n_drafts.tolist() == [5] * 4
+    d.per_token, d.costs = True, [1 + 0.1 * m for m in range(21)]  # per draft verified, in all
+    prop = d.propose(batch, None, 5)
+    assert prop.n_drafts.tolist() == [0, 5, 0, 0] and prop.drafts.shape[1] == 5
+    d.costs = [1 + 0.1 * m for m in range(4)]  # the runner packs at most 3 drafts
+    assert d.propose(batch, None, 5).n_drafts.tolist() == [0, 3, 0, 0]
+    d.costs = [1.0] * 21  # fixed: every candidate
+    assert d.propose(batch, None, 5).n_drafts.tolist() == [5] * 4
+
+
 def test_latest_occurrence_gives_the_candidates():
     """The suffix 5 6 occurs twice before the end, followed by 7 8 the first time and 40 41 the second: the latest
     occurrence continues."""

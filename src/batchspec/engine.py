@@ -227,14 +227,22 @@ class Engine:
         k_max = _room(self.parts, batch)
         drafter = self.parts.drafter
         own = drafter.sizes_own_drafts and not batch.seqs.sampling  # the drafter sizes its blocks from costs
+        per_token, units = False, 0  # per_token: the round's costs are per verified draft, not per block width
         if rows is None:
             if own:
-                k, drafter.costs = policy.drafter_length(len(batch), k_max, drafter.kinds)
+                # where verification packs each row's real tokens, the drafter sizes each row against per-token costs
+                # (at most ``units`` drafts in all, within what the runner packs)
+                pack = batch.target.runner.packed_rows - len(batch) if drafter.packs_rows else 0
+                per_token = pack >= k_max > 0 and len(batch) > 1
+                units = min(k_max * len(batch), pack) if per_token else k_max
+                step = len(batch) if per_token else 1
+                go, drafter.costs = policy.drafter_length(len(batch), units, drafter.kinds, step)
+                drafter.per_token, k = per_token, k_max if go else 0
             else:
                 k = policy.length(len(batch), k_max, batch.seqs.sampling)
             result = speculative_round(self.parts, batch, timer, k)
         else:  # rounds drawn from a window keep every row's draft state in step: fixed length
-            k = k_max
+            k, drafter.per_token = k_max, False
             result = self._round_from_window(rows, k)
         stats.lengths[k] = stats.lengths.get(k, 0) + 1
         with timer("align"):
@@ -242,9 +250,11 @@ class Engine:
             # drafting leaves them, so it skips the work and the read)
             wants = rows is None and k and not own
             estimates = policy.estimates(batch.seqs, self.parts.k) if wants else None
-            fin, width, new, values = _account(stats, batch, rows, result, estimates)  # the round's one host sync
-            policy.observe(len(result.emitted), k, result.block.shape[1], time.perf_counter() - start, values,
-                           result.kind, result.work, result.base)
+            fin, width, new, values, drafted = _account(stats, batch, rows, result, estimates)  # the one host sync
+            # a packed round is priced by the drafts it verified in all, a rectangle by its width
+            size, offered = (drafted + 1, units) if per_token else (result.block.shape[1], k)
+            policy.observe(len(result.emitted), offered, size, time.perf_counter() - start, values, result.kind,
+                           result.work, result.base)
             if any(fin):
                 by_id = {o.request_id: o for o in new}
                 for f in self._remove(fin):
@@ -318,7 +328,7 @@ class Engine:
 def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult, extra=None):
     """Update global counters and read what the host needs, in one host read: (finished flags of every running row,
     widest remaining row, a ``StepOutput`` with the new tokens of each row of the round's batch, the values of
-    ``extra`` (a 1D tensor, or None)). Updates ``batch.lengths``."""
+    ``extra`` (a 1D tensor, or None), the drafts verified). Updates ``batch.lengths``."""
     seqs = batch.seqs
     width = (seqs.length - 1).masked_fill(r.finished, 0).max()
     acc = r.accepted.masked_fill(r.n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
@@ -347,7 +357,7 @@ def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult,
     stats.rounds += 1
     stats.verify_calls += 1
     stats.row_rounds += b
-    return fin, width, new, values
+    return fin, width, new, values, drafted
 
 
 def _refill_from_tail(fin: list) -> list[int]:

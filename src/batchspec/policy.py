@@ -24,7 +24,7 @@ class FixedLength:
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
         return k_max
 
-    def drafter_length(self, rows: int, k_max: int, kinds=None) -> tuple[int, list | dict | None]:
+    def drafter_length(self, rows: int, k_max: int, kinds=None, step: int = 1) -> tuple[int, list | dict | None]:
         """For a drafter that sizes its own proposals (prompt lookup): the round's maximum, and what a round
         verifying j = 0..k drafts costs (equal costs: offer every candidate, the classic behaviour). A drafter with
         kinds of rounds (``kinds``) gets None: it drafts K its default way."""
@@ -134,17 +134,19 @@ class AdaptiveLength:
                 return 0
         return best
 
-    def drafter_length(self, rows: int, k_max: int, kinds=None) -> tuple[int, list | dict | None]:
+    def drafter_length(self, rows: int, k_max: int, kinds=None, step: int = 1) -> tuple[int, list | dict | None]:
         """For a drafter that sizes its own proposals from what it knows per row (prompt lookup's match lengths):
         K, and what a round verifying j = 0..K drafts per row costs, in plain steps: measured per block width
         (rounds of about this many rows, older rounds fading), else from the fitted line ``T0 + F + j * D``, else
-        None (the drafter's own prior); a width more than one draft wider than the widest measured, ``inf`` (not
-        tried before the narrower ones priced it). A width's measured cost is the moving average of its rounds'
+        None (the drafter's own prior); a width more than ``step`` drafts wider than the widest measured, ``inf``
+        (not tried before the narrower ones priced it). A width's measured cost is the moving average of its rounds'
         seconds over the plain step's cost when each ran, so the machine's drifting speed does not skew widths run at
         different times; a width not run at this batch size yet takes the nearest size's within a third. None
         instead of the list before a plain step was measured. The plain-step measurements stay: first a round that
         drafts nothing, and again after ``2 * probe_every`` rounds that drafted (and every round that verified
-        nothing). A drafter whose rounds come in kinds that cost differently (``kinds``: the feature-reading head's
+        nothing). ``step``: how much wider than the widest measured a round may be priced from the line (1: one draft
+        more per row; a drafter sizing each row of a packed round, whose "width" is 1 + the drafts verified in all:
+        the rows, one draft more each). A drafter whose rounds come in kinds that cost differently (``kinds``: the feature-reading head's
         rounds that run the head, those that only copy, those that catch up on a long wait) gets a dict: per kind, the
         same from that kind's own rounds and line (a kind's line only prices its own widths: one catch-up round of a
         head on a long prompt, 3 plain steps, would otherwise price every width of every kind out of reach for
@@ -157,14 +159,14 @@ class AdaptiveLength:
             self.busy = 0
             return 0, None
         if not kinds:
-            return k_max, self._explored(rows, None, k_max)
-        costs = {kind: self._explored(rows, kind, k_max) for kind in kinds}
+            return k_max, self._explored(rows, None, k_max, step)
+        costs = {kind: self._explored(rows, kind, k_max, step) for kind in kinds}
         costs["work"] = {kind: self._per_unit(rows, kind) for kind in kinds}
         return k_max, costs
 
-    def _explored(self, rows: int, kind, k_max: int) -> list:
+    def _explored(self, rows: int, kind, k_max: int, step: int = 1) -> list:
         """``[k_max + 1]``: each width's measured cost (``_width``), else from the kind's fitted line, else None; a
-        width more than one draft wider than the widest measured costs ``inf``. A kind of round is explored from
+        width more than ``step`` drafts wider than the widest measured costs ``inf``. A kind of round is explored from
         narrow to wide, each width priced from the narrower ones' line before it is tried: a first wide round priced
         from a prior is a guess, and a dear one (verifying 5 drafts in 8 rows cost 4.4 plain steps on a 2-core CPU,
         where the prior said 2)."""
@@ -172,7 +174,7 @@ class AdaptiveLength:
         line = [1.0 if j == 0 else None if d is None else 1.0 + (f + j * d) / t0 for j in range(k_max + 1)]
         measured = [self._width(rows, (kind, j + 1), None) if j else None for j in range(k_max + 1)]
         widest = max((j for j, c in enumerate(measured) if c is not None), default=0)
-        return [c if c is not None else fit if j <= widest + 1 else math.inf
+        return [c if c is not None else fit if j <= widest + step else math.inf
                 for j, (c, fit) in enumerate(zip(measured, line))]
 
     def _width(self, rows: int, key: tuple, default):

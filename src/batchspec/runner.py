@@ -175,10 +175,10 @@ class Runner:
         return self._copy
 
     @property
-    def packs(self) -> bool:
-        """Whether a forward with ``counts`` costs what its real tokens cost (the C layer computes only those), rather
-        than what its whole rectangle costs."""
-        return self.static is None and fused_llama.plan(self.model) is not None
+    def packed_rows(self) -> int:
+        """How many rows (real new tokens) a forward with ``counts`` may have and still cost only those, as the C
+        layer computes only them; 0 where forwards cost their whole rectangle."""
+        return fused_llama.MAX_ROWS if self.static is None and fused_llama.plan(self.model) is not None else 0
 
     @property
     def static(self) -> graphs.StaticRunner | None:

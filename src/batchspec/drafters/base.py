@@ -39,6 +39,11 @@ class Drafter:
     # whether ``propose`` picks its own width under greedy decoding from ``costs`` (a round verifying j = 0..k drafts,
     # in plain steps), which the engine sets from the policy before each round (``policy.drafter_length``)
     sizes_own_drafts = False
+    # whether the drafter may size each row on its own against per-token costs: where the target's runner packs
+    # (``Runner.packed_rows``) the engine sets ``per_token``, and ``costs[m]`` is then a round verifying m drafts in all
+    # (each row's slots past its own drafts are not computed), not a block of width m + 1
+    packs_rows = False
+    per_token = False
     # rounds of different kinds that cost differently (the policy measures each width per kind and ``costs`` is then
     # a dict kind -> list, or None for "draft K your default way"); None: one kind. With kinds, ``costs["work"]``
     # is a dict kind -> measured cost of one unit of a round's ``work`` (``Proposal.work``) in plain steps, or None

@@ -17,6 +17,12 @@ on a wide batch every column costs much. ``speculation="fixed"`` gives equal cos
 classic behaviour. With sampling every row proposes up to k, so that a seed's tokens never depend on what ran
 before. The block is as wide as the longest proposal in the batch (one host read per round), so a round where
 nothing was worth drafting costs one plain decoding step.
+
+Where the target's runner packs a verification (only each row's real tokens are computed: the fp32 Llama C layer),
+a row drafting little costs little beside one drafting much, so rows are sized one by one (``per_token``, set by
+the engine): ``costs[m]`` is then a round verifying m drafts in all, and the round verifies the m likeliest drafts of
+the whole batch (each row's first ones), the m with the most ``E(m) / costs[m]``. On a batch whose forward is bound
+by arithmetic (8 rows on a 2-core CPU), a width shared by every row paid for drafts of rows that had no good match.
 """
 
 import torch
@@ -50,6 +56,7 @@ def survival(hits: torch.Tensor, offered: torch.Tensor, first) -> torch.Tensor:
 class PromptLookup(Drafter):
     name = "prompt-lookup"
     sizes_own_drafts = True  # the engine sets ``costs`` before each round (``policy.drafter_length``)
+    packs_rows = True
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1, default_cost: float = 0.2):
         """``default_cost``: what one more verified token costs, in plain decoding steps, for block widths the
@@ -87,9 +94,18 @@ class PromptLookup(Drafter):
         drafts, n_drafts, match = self.candidates(seqs, k)
         if not seqs.sampling and k:
             offered = torch.arange(k, device=dev)[None, :] < n_drafts[:, None]
-            gain = (self.survival(k, dev)[match] * offered).sum(0)  # expected accepted tokens in each column
-            tokens = torch.cat([gain.new_full((1,), float(b)), b + gain.cumsum(0)])  # E(j), j = 0..k
-            n_drafts = torch.minimum(n_drafts, (tokens / self.round_costs(k, dev)).argmax())
+            chance = self.survival(k, dev)[match] * offered  # [B, k]: P(draft j of row b is accepted)
+            if self.per_token:  # each row sized on its own: the m likeliest drafts of the batch, m = 0..B*k
+                top = chance.flatten().sort(descending=True, stable=True)
+                tokens = torch.cat([chance.new_full((1,), float(b)), b + top.values.cumsum(0)])  # E(m)
+                most = min(b * k, len(self.costs) - 1) if self.costs else b * k  # what the runner packs
+                m = (tokens[: most + 1] / self.round_costs(most, dev)).argmax()
+                rank = torch.empty_like(top.indices).scatter_(0, top.indices, torch.arange(b * k, device=dev))
+                n_drafts = (rank < m).view(b, k).sum(1)  # a row's chances fall with j: its first ones
+            else:  # one width for the batch: E(j), j = 0..k, from the expected accepted tokens in each column
+                gain = chance.sum(0)
+                tokens = torch.cat([gain.new_full((1,), float(b)), b + gain.cumsum(0)])
+                n_drafts = torch.minimum(n_drafts, (tokens / self.round_costs(k, dev)).argmax())
         # verify only as many slots as the longest proposal: rows without a match would waste the rest
         w = int(n_drafts.max()) if b else 0
         drafts = torch.where(torch.arange(w, device=dev)[None, :] < n_drafts[:, None], drafts[:, :w], 0)
