@@ -99,7 +99,7 @@ class PromptLookup(Drafter):
                 top = chance.flatten().sort(descending=True, stable=True)
                 tokens = torch.cat([chance.new_full((1,), float(b)), b + top.values.cumsum(0)])  # E(m)
                 most = min(b * k, len(self.costs) - 1) if self.costs else b * k  # what the runner packs
-                m = (tokens[: most + 1] / self.round_costs(most, dev)).argmax()
+                m = (tokens[: most + 1] / self.round_costs(most, dev, b)).argmax()
                 rank = torch.empty_like(top.indices).scatter_(0, top.indices, torch.arange(b * k, device=dev))
                 n_drafts = (rank < m).view(b, k).sum(1)  # a row's chances fall with j: its first ones
             else:  # one width for the batch: E(j), j = 0..k, from the expected accepted tokens in each column
@@ -136,11 +136,14 @@ class PromptLookup(Drafter):
         drafts = hist.gather(1, (start[:, None] + col).clamp(max=t - 1))
         return torch.where(col < n_drafts[:, None], drafts, 0), n_drafts, match
 
-    def round_costs(self, k: int, device) -> torch.Tensor:
+    def round_costs(self, k: int, device, rows: int = 1) -> torch.Tensor:
         """``[k + 1]``: a round verifying j drafts, in plain steps: the measured ``costs`` where given, else
-        ``1 + default_cost * j``; never falling with j (a wider block does at least the narrower one's work)."""
+        ``1 + default_cost * j / rows`` (``rows``: over how many rows a round's j drafts are spread, where each row is
+        sized on its own: a column of the batch costs the same prior either way); never falling with j (a wider block
+        does at least the narrower one's work)."""
         given = (self.costs or [])[: k + 1]
-        costs = [1.0 + self.default_cost * j if j >= len(given) or given[j] is None else given[j] for j in range(k + 1)]
+        prior = self.default_cost / rows
+        costs = [1.0 + prior * j if j >= len(given) or given[j] is None else given[j] for j in range(k + 1)]
         return torch.tensor(costs, dtype=torch.float64, device=device).cummax(0).values
 
     def commit(self, state, proposal: Proposal, accepted, target) -> None:
