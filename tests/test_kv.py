@@ -323,6 +323,29 @@ def test_engine_with_packed_verification_stays_exact(monkeypatch):
     assert any(sized)  # rows were sized one by one (batches of more than one row, whose runner packs)
 
 
+@needs_kernel
+@pytest.mark.parametrize("q", [1, 3, 4])
+def test_fused_llama_avx512_gives_the_avx2_bits(q):
+    """Where the CPU has AVX-512, the linear blocks of 8 rows and attention's weighted sums of values (6 or 3 queries
+    at once) use it in the AVX2 kernels' order of sums: a forward's logits and cache have the same bits either way."""
+    lib = kernels._load()
+    if not lib.skinny_avx512(1):
+        pytest.skip("this CPU has no AVX-512")
+    t = _llama(128, 128, 2, 256)  # heads of 128 dimensions: the weighted sums run 64 at a time
+    ids = torch.tensor([[5, 6, 7, 8][:q]] * 5)
+    try:
+        outs = []
+        for on in (1, 0):
+            lib.skinny_avx512(on)
+            st = _ragged_state(t, 3)
+            outs.append((st.append(ids).logits, [layer.keys.clone() for layer in st.cache.layers]))
+    finally:
+        lib.skinny_avx512(1)
+    (a, ka), (b, kb) = outs
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(ka, kb))
+
+
 def test_fused_llama_declines_what_it_does_not_cover(monkeypatch):
     from batchspec.kernels import llama as fused
 

@@ -3,7 +3,7 @@
  *   x += attention(q, cache, visible) Wo^T;  x += (silu(rmsnorm(x) Wg^T) * (rmsnorm(x) Wu^T)) Wd^T
  * Rows are b * q + i (row b of the batch, new token i). Query i of row b sees slot s when s <= S + i and
  * visible[b][s], and always its own slot S + i: the same rule as batchspec's attention mask. Each key/value head is
- * read once for all the query heads it serves, and slots no query may see are skipped, not read.
+ * read once for all the query heads it serves, and the slots left of a row's first visible one are not read.
  * Elementwise steps follow Hugging Face's Llama in order of operations; sums run in another order, like any change of
  * batch size. */
 #include <immintrin.h>
@@ -12,6 +12,9 @@
 #include <string.h>
 
 void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K);
+void skinny_rows(const float *x, const float *xi, const float *w, float *y, long M, long N, long K, long n0, long n1);
+int skinny_interleave(const float *x, float *xi, long M, long K);
+int skinny_avx512(int on);
 
 static void rmsnorm(const float *x, const float *w, float *out, long R, long H, float eps) {
     for (long r = 0; r < R; r++) {
@@ -52,43 +55,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(hidden, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-/* Eight sums of eight lanes each, as one vector: [sum(d[0]), ..., sum(d[7])]. */
-static inline __m256 sum8(const __m256 *d) {
-    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
-    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-/* May query i (slot S + i) see slot s? */
-static inline int seen(const unsigned char *vis, long S, long i, long s) {
-    return s <= S + i && (vis[s] || s == S + i);
-}
-
-/* Scores of query qv against the eight keys at K (rows kst apart), as one vector; only the first w keys are read.
- * (Named accumulators: an array here ends up in memory, and every sum then waits on a store.) */
-static inline __m256 scores8(const float *qv, const float *K, long kst, long D, long w) {
-    __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0, d4 = d0, d5 = d0, d6 = d0, d7 = d0;
-    if (w == 8) {
-        for (long k = 0; k < D; k += 8) {
-            __m256 qk = _mm256_loadu_ps(qv + k);
-            d0 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + k), d0);
-            d1 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + kst + k), d1);
-            d2 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 2 * kst + k), d2);
-            d3 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 3 * kst + k), d3);
-            d4 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 4 * kst + k), d4);
-            d5 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 5 * kst + k), d5);
-            d6 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 6 * kst + k), d6);
-            d7 = _mm256_fmadd_ps(qk, _mm256_loadu_ps(K + 7 * kst + k), d7);
-        }
-        __m256 d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};
-        return sum8(d);
-    }
-    __m256 d[8] = {d0, d1, d2, d3, d4, d5, d6, d7};  /* the last, partial block: zeros past w */
-    for (long u = 0; u < w; u++)
-        for (long k = 0; k < D; k += 8) d[u] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + k), _mm256_loadu_ps(K + u * kst + k), d[u]);
-    return sum8(d);
-}
-
 /* o[:64] = sum_t pn[t] V[t, :64] * inv, the sums in eight named registers */
 static void values64(const float *pn, long T, const float *V, long vst, __m256 inv, float *o) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -115,8 +81,8 @@ static void values64(const float *pn, long T, const float *V, long vst, __m256 i
     _mm256_storeu_ps(o + 56, _mm256_mul_ps(a7, inv));
 }
 
-/* Softmax of the T scores pn (-inf: hidden, max m) times the values at V (rows vst apart), written to o [D]. */
-static void softmax_values(float *pn, float m, long T, const float *V, long vst, long D, float *o) {
+/* The T scores pn (-inf: hidden, max m) made e^(score - m) in place; returns their sum. */
+static float softmax(float *pn, float m, long T) {
     long s = 0;
     float sum = 0.0f, lanes[8];
     __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
@@ -131,41 +97,93 @@ static void softmax_values(float *pn, float m, long T, const float *V, long vst,
         pn[s] = pn[s] == -INFINITY ? 0.0f : expf(pn[s] - m);
         sum += pn[s];
     }
-    __m256 inv = _mm256_set1_ps(1.0f / sum);
+    return sum;
+}
+
+/* o [D] = inv * sum_t pn[t] V[t] (rows of V vst apart) */
+static void values(const float *pn, long T, const float *V, long vst, long D, float inv, float *o) {
+    __m256 vinv = _mm256_set1_ps(inv);
     long d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) values64(pn, T, V + d0, vst, inv, o + d0);
+    for (; d0 + 64 <= D; d0 += 64) values64(pn, T, V + d0, vst, vinv, o + d0);
     for (; d0 < D; d0 += 8) {  /* what is left, 8 dimensions at a time */
         __m256 a = _mm256_setzero_ps();
         for (long t = 0; t < T; t++) a = _mm256_fmadd_ps(_mm256_set1_ps(pn[t]), _mm256_loadu_ps(V + t * vst + d0), a);
-        _mm256_storeu_ps(o + d0, _mm256_mul_ps(a, inv));
+        _mm256_storeu_ps(o + d0, _mm256_mul_ps(a, vinv));
     }
 }
 
-/* Attention of the G query heads of key/value head g, for the q new tokens of row b (queries n = i * G + j).
- * Scores come eight slots at a time (blocks no query may see are skipped unread); then softmax and each query's
- * weighted sum of values. p: scratch [q * G * T]. */
+/* ``values`` for C queries at once (weights p, rows T apart; D a multiple of 64), with AVX-512: each value row read
+ * once for the C queries, 16 dimensions per register. Every output sums over t in the same order with the same
+ * operations as ``values64`` (a slot no query of the C may see is skipped; for one that only some may see, the
+ * others add 0 x a finite value: their sums keep their bits), so the bits are the same. */
+#define VALUES_Z(NAME, C)                                                                                     \
+    __attribute__((target("avx512f"))) static void NAME(const float *p, long T, const float *V, long vst,     \
+                                                        long D, const float *inv, float *const *o) {          \
+        for (long d0 = 0; d0 < D; d0 += 64) {                                                                \
+            __m512 a[C][4];                                                                                   \
+            for (int j = 0; j < C; j++)                                                                       \
+                for (int u = 0; u < 4; u++) a[j][u] = _mm512_setzero_ps();                                    \
+            for (long t = 0; t < T; t++) {                                                                    \
+                int any = 0;                                                                                  \
+                for (int j = 0; j < C; j++) any |= p[j * T + t] != 0.0f;                                      \
+                if (!any) continue;                                                                           \
+                const float *v = V + t * vst + d0;                                                            \
+                __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),   \
+                       v3 = _mm512_loadu_ps(v + 48);                                                          \
+                for (int j = 0; j < C; j++) {                                                                 \
+                    __m512 w = _mm512_set1_ps(p[j * T + t]);                                                  \
+                    a[j][0] = _mm512_fmadd_ps(w, v0, a[j][0]);                                                \
+                    a[j][1] = _mm512_fmadd_ps(w, v1, a[j][1]);                                                \
+                    a[j][2] = _mm512_fmadd_ps(w, v2, a[j][2]);                                                \
+                    a[j][3] = _mm512_fmadd_ps(w, v3, a[j][3]);                                                \
+                }                                                                                             \
+            }                                                                                                 \
+            for (int j = 0; j < C; j++)                                                                       \
+                for (int u = 0; u < 4; u++)                                                                   \
+                    _mm512_storeu_ps(o[j] + d0 + 16 * u, _mm512_mul_ps(a[j][u], _mm512_set1_ps(inv[j])));     \
+        }                                                                                                     \
+    }
+
+VALUES_Z(values6z, 6)
+VALUES_Z(values3z, 3)
+
+/* May query i (slot S + i) see slot s? */
+static inline int seen(const unsigned char *vis, long S, long i, long s) {
+    return s <= S + i && (vis[s] || s == S + i);
+}
+
+/* Attention of the G query heads of key/value head g, for the q new tokens of row b (queries n = i * G + j), over
+ * slots lo .. S + q - 1 (lo: the row's first visible slot; a hole after it is scored, then hidden). The scores of all
+ * the queries against those keys are one skinny product (``skinny.c``: each key read once per block of queries, and
+ * every score summed in one order whatever the number of queries, so a token's attention has the same bits in a
+ * verification block as in a decode step); then each query's visibility, softmax and weighted sum of values.
+ * Scratch: p [q * G * (S + q)], Q and xi [q * G * D]. */
 static void attend(const float *qb, const float *K, const float *V, float *out, const unsigned char *vis, long S,
-                   long q, long nh, long G, long g, long D, float scale, float *p) {
-    long T = S + q, nq = q * G;  /* vis: at least S + q slots */
-    for (long n = 0; n < nq; n++) {
-        long i = n / G;
-        const float *qv = qb + (i * nh + g * G + n % G) * D;
-        float *pn = p + n * T, m = -INFINITY;
-        for (long s0 = 0; s0 < T; s0 += 8) {
-            long w = T - s0 < 8 ? T - s0 : 8, any = 0;
-            for (long u = 0; u < w; u++) any |= seen(vis, S, i, s0 + u);
-            if (!any) {
-                for (long u = 0; u < w; u++) pn[s0 + u] = -INFINITY;
-                continue;
+                   long q, long nh, long G, long g, long D, float scale, long lo, float *p, float *Q, float *xi) {
+    long T = S + q, nq = q * G, N = T - lo;
+    for (long n = 0; n < nq; n++) memcpy(Q + n * D, qb + ((n / G) * nh + g * G + n % G) * D, D * sizeof(float));
+    skinny_rows(Q, skinny_interleave(Q, xi, nq, D) ? xi : NULL, K + lo * D, p, nq, N, D, 0, N);
+    float inv[6], *o[6];
+    int wide = D % 64 == 0 && skinny_avx512(-1);
+    for (long n0 = 0, c; n0 < nq; n0 += c) {  /* queries in groups of 6, then 3, then one by one */
+        c = !wide ? 1 : nq - n0 >= 6 ? 6 : nq - n0 >= 3 ? 3 : 1;
+        for (long j = 0; j < c; j++) {
+            long n = n0 + j, i = n / G;
+            float *pn = p + n * N, m = -INFINITY;
+            for (long s = lo; s < T; s++) {
+                float v = seen(vis, S, i, s) ? pn[s - lo] * scale : -INFINITY;
+                pn[s - lo] = v;
+                m = v > m ? v : m;
             }
-            float sc[8];
-            _mm256_storeu_ps(sc, scores8(qv, K + s0 * D, D, D, w));
-            for (long u = 0; u < w; u++) {
-                pn[s0 + u] = seen(vis, S, i, s0 + u) ? sc[u] * scale : -INFINITY;
-                m = pn[s0 + u] > m ? pn[s0 + u] : m;
-            }
+            inv[j] = 1.0f / softmax(pn, m, N);
+            o[j] = out + (i * nh + g * G + n % G) * D;
         }
-        softmax_values(pn, m, T, V, D, D, out + (i * nh + g * G + n % G) * D);
+        if (c == 6)
+            values6z(p + n0 * N, N, V + lo * D, D, D, inv, o);
+        else if (c == 3)
+            values3z(p + n0 * N, N, V + lo * D, D, D, inv, o);
+        else
+            values(p + n0 * N, N, V + lo * D, D, D, inv[0], o[0]);
     }
 }
 
@@ -204,7 +222,7 @@ int llama_layer(float *x, const float *const *w, const float *cos, const float *
     int failed = 0;
     #pragma omp parallel
     {
-        float *p = malloc(sizeof(float) * q * G * T);
+        float *p = malloc(sizeof(float) * q * G * (T + 2 * D)), *Q = p + q * G * T, *xi = Q + q * G * D;
         if (!p) {
             #pragma omp atomic write
             failed = 1;
@@ -214,8 +232,10 @@ int llama_layer(float *x, const float *const *w, const float *cos, const float *
             for (long g = 0; g < nkv; g++) {
                 if (!p) continue;
                 long base = (b * nkv + g) * cap * D, r0 = first ? first[b] : b * q, n = first ? first[b + 1] - r0 : q;
+                const unsigned char *seen_from = memchr(vis + b * T, 1, S);
+                long lo = seen_from ? seen_from - (vis + b * T) : S;
                 attend(qb + r0 * nh * D, kc + base, vc + base, att + r0 * nh * D, vis + b * T, S, n, nh, G, g, D,
-                       scale, p);
+                       scale, lo, p, Q, xi);
             }
         free(p);
     }

@@ -113,47 +113,63 @@ static int has_avx512(void) {
     return use_avx512;
 }
 
-/* Turn the AVX-512 blocks off (0) or back on where the CPU has them (1); returns whether they are used. For tests:
- * both paths give the same bits. */
+/* Turn the AVX-512 blocks off (0) or back on where the CPU has them (1), or only ask (-1); returns whether they are
+ * used. For tests: both paths give the same bits. */
 int skinny_avx512(int on) {
-    use_avx512 = -1;
-    use_avx512 = on && has_avx512();
-    return use_avx512;
+    if (on >= 0) {
+        use_avx512 = -1;
+        use_avx512 = on && has_avx512();
+    }
+    return has_avx512();
 }
 
 /* one block of rows of x against weight rows n0 .. n1 - 1 (direct calls: inlined) */
 #define PASS(F, C, X, Y)                                                                                     \
     for (long n = n0; n < n1; n += C) F(X, w + n * K, Y, N, K, n, n1 - n < C ? (int)(n1 - n) : C)
 
-void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K) {
+/* Rows 2p, 2p+1 of x's first M - M % 8 rows interleaved for the AVX-512 blocks into xi (that many rows x K floats);
+ * returns 0 (xi unused) where those blocks do not run. */
+int skinny_interleave(const float *x, float *xi, long M, long K) {
+    long m8 = M - M % 8, K8 = K / 8;
+    if (!m8 || !has_avx512()) return 0;
+    for (long m = 0; m < m8; m += 2)
+        for (long k8 = 0; k8 < K8; k8++)
+            for (long h = 0; h < 2; h++)
+                memcpy(xi + ((m / 2) * K8 + k8) * 16 + h * 8, x + (m + h) * K + k8 * 8, 8 * sizeof(float));
+    return 1;
+}
+
+/* y[:, n0:n1] = x @ w[n0:n1]^T on the calling thread (xi: from ``skinny_interleave``, or NULL) */
+void skinny_rows(const float *x, const float *xi, const float *w, float *y, long M, long N, long K, long n0, long n1) {
     long m8 = M - M % 8, rest = M - m8, K8 = K / 8;
     const float *xr = x + m8 * K;
     float *yr = y + m8 * N;
-    float *xi = m8 && has_avx512() ? malloc(sizeof(float) * m8 * K8 * 8) : NULL;  /* NULL: the AVX2 blocks */
-    if (xi)
-        for (long m = 0; m < m8; m += 2)
-            for (long k8 = 0; k8 < K8; k8++)
-                for (long h = 0; h < 2; h++)
-                    memcpy(xi + ((m / 2) * K8 + k8) * 16 + h * 8, x + (m + h) * K + k8 * 8, 8 * sizeof(float));
-    #pragma omp parallel for schedule(static)
-    for (long n0 = 0; n0 < N; n0 += CHUNK) {
-        long n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-        for (long m = 0; m < m8; m += 8) {
-            if (xi)
-                for (long n = n0; n < n1; n += ZC)
-                    rows8z(xi + (m / 2) * K8 * 16, x + m * K, w + n * K, y + m * N, N, K, n, n1 - n < ZC ? (int)(n1 - n) : ZC);
-            else
-                PASS(rows8, 1, x + m * K, y + m * N);
-        }
-        switch (rest) {
-            case 7: PASS(rows7, 1, xr, yr); break;
-            case 6: PASS(rows6, 2, xr, yr); break;
-            case 5: PASS(rows5, 2, xr, yr); break;
-            case 4: PASS(rows4, 2, xr, yr); break;
-            case 3: PASS(rows3, 4, xr, yr); break;
-            case 2: PASS(rows2, 4, xr, yr); break;
-            case 1: PASS(rows1, 2, xr, yr); break;
-        }
+    for (long m = 0; m < m8; m += 8) {
+        if (xi)
+            for (long n = n0; n < n1; n += ZC)
+                rows8z(xi + (m / 2) * K8 * 16, x + m * K, w + n * K, y + m * N, N, K, n, n1 - n < ZC ? (int)(n1 - n) : ZC);
+        else
+            PASS(rows8, 1, x + m * K, y + m * N);
     }
+    switch (rest) {
+        case 7: PASS(rows7, 1, xr, yr); break;
+        case 6: PASS(rows6, 2, xr, yr); break;
+        case 5: PASS(rows5, 2, xr, yr); break;
+        case 4: PASS(rows4, 2, xr, yr); break;
+        case 3: PASS(rows3, 4, xr, yr); break;
+        case 2: PASS(rows2, 4, xr, yr); break;
+        case 1: PASS(rows1, 2, xr, yr); break;
+    }
+}
+
+void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K) {
+    long m8 = M - M % 8;
+    float *xi = m8 ? malloc(sizeof(float) * m8 * K) : NULL;
+    if (xi && !skinny_interleave(x, xi, M, K)) {
+        free(xi);
+        xi = NULL;  /* the AVX2 blocks */
+    }
+    #pragma omp parallel for schedule(static)
+    for (long n0 = 0; n0 < N; n0 += CHUNK) skinny_rows(x, xi, w, y, M, N, K, n0, n0 + CHUNK < N ? n0 + CHUNK : N);
     free(xi);
 }
