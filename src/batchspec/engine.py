@@ -107,9 +107,10 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> Round
         drafts, n_drafts = proposal.drafts, proposal.n_drafts
         k = drafts.shape[1]  # this round's block: a drafter may propose fewer for every row
     with timer("verify"):
-        # a row's slots past its own drafts are padding: hidden at once, and not computed where the runner packs
-        out = target.append(torch.cat([seqs.pending()[:, None], drafts], 1), hidden=drafter.needs_hidden,
-                            counts=n_drafts + 1)
+        # a row's slots past its own drafts are padding: hidden at once, and not computed where the runner packs (a
+        # drafter reading the target's features gets every position's, as before)
+        counts = None if drafter.needs_hidden else n_drafts + 1
+        out = target.append(torch.cat([seqs.pending()[:, None], drafts], 1), hidden=drafter.needs_hidden, counts=counts)
         if seqs.sampling:
             u_accept, u_target = seqs.uniforms(k, ACCEPT), seqs.uniforms(k + 1, TARGET)
             accepted, bonus = parts.sample(seqs.warp(out.logits), proposal.q, drafts, n_drafts, u_accept, u_target)
@@ -235,9 +236,10 @@ class Engine:
                 pack = batch.target.runner.packed_rows - len(batch) if drafter.packs_rows else 0
                 per_token = pack >= k_max > 0 and len(batch) > 1
                 units = min(k_max * len(batch), pack) if per_token else k_max
-                step = len(batch) if per_token else 1
-                go, drafter.costs = policy.drafter_length(len(batch), units, drafter.kinds, step)
-                drafter.per_token, k = per_token, k_max if go else 0
+                sized = (len(batch), units, drafter.kinds)
+                go, drafter.costs = policy.drafter_length(*sized, step=len(batch)) if per_token else \
+                    policy.drafter_length(*sized)
+                drafter.per_token, k = per_token, min(go, k_max)  # a policy may offer fewer than all
             else:
                 k = policy.length(len(batch), k_max, batch.seqs.sampling)
             result = speculative_round(self.parts, batch, timer, k)
