@@ -228,18 +228,10 @@ class Engine:
         k_max = _room(self.parts, batch)
         drafter = self.parts.drafter
         own = drafter.sizes_own_drafts and not batch.seqs.sampling  # the drafter sizes its blocks from costs
-        per_token, units = False, 0  # per_token: the round's costs are per verified draft, not per block width
+        units = None  # a round a drafter sized row by row: the most drafts it could verify in all
         if rows is None:
             if own:
-                # where verification packs each row's real tokens, the drafter sizes each row against per-token costs
-                # (at most ``units`` drafts in all, within what the runner packs)
-                pack = batch.target.runner.packed_rows - len(batch) if drafter.packs_rows else 0
-                per_token = pack >= k_max > 0 and len(batch) > 1
-                units = min(k_max * len(batch), pack) if per_token else k_max
-                sized = (len(batch), units, drafter.kinds)
-                go, drafter.costs = policy.drafter_length(*sized, step=len(batch)) if per_token else \
-                    policy.drafter_length(*sized)
-                drafter.per_token, k = per_token, min(go, k_max)  # a policy may offer fewer than all
+                k, units = self._self_sized(batch, k_max)
             else:
                 k = policy.length(len(batch), k_max, batch.seqs.sampling)
             result = speculative_round(self.parts, batch, timer, k)
@@ -253,8 +245,8 @@ class Engine:
             wants = rows is None and k and not own
             estimates = policy.estimates(batch.seqs, self.parts.k) if wants else None
             fin, width, new, values, drafted = _account(stats, batch, rows, result, estimates)  # the one host sync
-            # a packed round is priced by the drafts it verified in all, a rectangle by its width
-            size, offered = (drafted + 1, units) if per_token else (result.block.shape[1], k)
+            # a round sized row by row is priced by the drafts it verified in all, a rectangle by its width
+            size, offered = (drafted + 1, units) if units else (result.block.shape[1], k)
             policy.observe(len(result.emitted), offered, size, time.perf_counter() - start, values, result.kind,
                            result.work, result.base)
             if any(fin):
@@ -269,6 +261,21 @@ class Engine:
         if self.check and self.batch is not None:
             check_round(self.parts.drafter, self.batch, self.rounds)
         return outs + new
+
+    def _self_sized(self, batch: Batch, k_max: int) -> tuple[int, int | None]:
+        """For a drafter that sizes its own rounds: the round's k, and the policy's costs set on the drafter. Where
+        the target's runner packs verification (each row's real tokens only), a batch of several rows is sized row
+        by row against per-draft costs (``Drafter.per_token``): the second value is then the most drafts the round
+        may verify in all (within what the runner packs), else None."""
+        drafter, policy, rows = self.parts.drafter, self.parts.policy, len(batch)
+        pack = batch.target.runner.packed_rows - rows if drafter.packs_rows else 0
+        drafter.per_token = pack >= k_max > 0 and rows > 1
+        if not drafter.per_token:
+            go, drafter.costs = policy.drafter_length(rows, k_max, drafter.kinds)
+            return go, None
+        units = min(k_max * rows, pack)
+        go, drafter.costs = policy.drafter_length(rows, units, drafter.kinds, step=rows)
+        return min(go, k_max), units  # a policy may offer fewer than all
 
     def _slot_states(self):
         return (self.batch.target, *self.parts.drafter.states(self.batch.draft))

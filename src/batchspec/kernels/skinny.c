@@ -147,7 +147,8 @@ void skinny_rows(const float *x, const float *xi, const float *w, float *y, long
     for (long m = 0; m < m8; m += 8) {
         if (xi)
             for (long n = n0; n < n1; n += ZC)
-                rows8z(xi + (m / 2) * K8 * 16, x + m * K, w + n * K, y + m * N, N, K, n, n1 - n < ZC ? (int)(n1 - n) : ZC);
+                rows8z(xi + (m / 2) * K8 * 16, x + m * K, w + n * K, y + m * N, N, K, n,
+                       n1 - n < ZC ? (int)(n1 - n) : ZC);
         else
             PASS(rows8, 1, x + m * K, y + m * N);
     }
