@@ -174,6 +174,23 @@ def test_drafter_costs_come_per_block_width():
     assert FixedLength().drafter_length(1, 4) == (4, [1.0] * 5)  # fixed: equal costs, every candidate offered
 
 
+def test_rounds_sized_row_by_row_are_priced_from_the_line():
+    """Rounds a drafter sized row by row (``step`` = rows: costs per drafts verified in all) are priced from the line
+    through all of them, a size run once not at its own round's cost less the exploration discount; the sizes
+    measured still bound how far beyond them a round may go (one draft a row)."""
+    p = AdaptiveLength()
+    p.observe(8, 0, 1, 9.0, None)  # one-time costs: not learned
+    p.observe(8, 0, 1, 0.020, None)
+    p.observe(8, 40, 6 + 1, 0.0306, None)  # size 6 ran once, slowly: 1.53 plain steps where the line says 1.3
+    for _ in range(10):
+        for m in (4, 8):  # 1 ms per draft verified
+            p.observe(8, 40, m + 1, 0.020 + 0.001 * m, None)
+    costs = p.drafter_length(8, 40, step=8)[1]
+    assert costs[6] == pytest.approx(1.3, rel=0.05) and costs[16] == pytest.approx(1.8, rel=0.05)
+    assert costs[17:] == [math.inf] * 24  # more than a draft a row beyond the widest measured (8)
+    assert p.drafter_length(8, 40)[1][6] == pytest.approx(1.53 * 0.8)  # a width's own rounds, with step 1
+
+
 def test_rounds_that_verify_nothing_are_plain_steps():
     """A drafter that sized its round to nothing ran a plain step: it times the plain step (the slow first round at a
     batch size fades) and fits no drafting line (which, fed only such rounds, would price every width as free)."""
