@@ -5,6 +5,7 @@ sampling keeps the target's distribution although the head scores only part of t
 trip; injected faults still show; the target's prefill returns its final hidden states."""
 
 import collections
+import inspect
 import itertools
 import json
 
@@ -24,6 +25,7 @@ from batchspec.runner import Runner
 from batchspec.schedulers import ExSpec
 from test_engine_exact import MAX_TOKENS, PROMPTS, _stop_token  # 13 prompts of 1..60 tokens, incl. 1 and 2
 from test_lookup import _reference
+from test_kv import needs_kernel
 from test_policy import Scripted
 
 JOIN_PROMPTS = tiny.prompts(13, seed=9) + [[4]]
@@ -38,9 +40,9 @@ def _llm(k, bs, layout="slotmask", draft=None, **kw):
     return llm
 
 
-def _oracle(prompts, max_tokens, stop_ids=()):
+def _oracle(prompts, max_tokens, stop_ids=(), dtype=torch.float64):
     m = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    return [tiny.oracle(tiny.target(), p, n, stop_ids=stop_ids) for p, n in zip(prompts, m)]
+    return [tiny.oracle(tiny.target(dtype=dtype), p, n, stop_ids=stop_ids) for p, n in zip(prompts, m)]
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +127,11 @@ def test_one_and_two_token_prompts(layout, prompts, bs, k):
 # ------------------------------------------------------------------------------------------------ the drafts
 
 
-def _head_drafts(drafter, history: list[int], k: int, forced=()) -> list[int]:
+def _head_drafts(drafter, history: list[int], k: int, forced=(), dtype=torch.float64) -> list[int]:
     """The head's greedy drafts after ``history`` (its last token pending), computed from scratch: the target's
     features of every position but the last, then the head fed its own predicted features (``head_forward``); the
     first ``len(forced)`` drafts are those tokens instead of the head's (copies), the head drafting on after them."""
-    t = tiny.target()
+    t = tiny.target(dtype=dtype)
     ids = torch.tensor([history])
     feats = t(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
     nxt, out = ids[:, 1:], []
@@ -149,7 +151,7 @@ class KindScript(Scripted):
         super().__init__()
         self.kinds = itertools.cycle(cycle)
 
-    def drafter_length(self, rows, k_max, kinds=None):
+    def drafter_length(self, rows, k_max, kinds=None, step=1):
         cheap = next(self.kinds)
         if cheap is None:
             return 0, None
@@ -157,13 +159,13 @@ class KindScript(Scripted):
         return k_max, {kind: [1.0] + [1.0 if kind in cheap else 9.0] * k_max for kind in kinds}
 
 
-def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None):
+def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None, dtype=torch.float64):
     """Requests in two waves (the second joins a batch that has run rounds without drafting) under a length script
     with runs of k = 0, every round's drafts recorded; returns (row-rounds checked, those whose drafts differ from
     ``_head_drafts``, states joined or written back with fewer features kept than the batch, row-rounds whose
     drafts began with copies, rounds per kind). With ``copy``, every row with a match drafts its copies first (the
-    rates say so); in a "copy" round rows draft their copies only."""
-    drafter = tiny.eagle(copy=copy)
+    rates say so); in a "copy" round rows draft their copies only. ``dtype``: the target's and the head's."""
+    drafter = tiny.eagle(copy=copy, dtype=dtype)
     if copy:
         monkeypatch.setattr(drafter.copy, "survival", lambda k, device: torch.ones((9, k), dtype=torch.float64))
     rounds, propose, commit = [], drafter.propose, drafter.commit
@@ -190,7 +192,7 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None)
     drafter.propose = spy
     if corrupt is not None:
         drafter.commit = bad_commit
-    llm = batchspec.LLM(tiny.target(), draft=drafter, num_draft_tokens=3, batch_size=3, scheduler=scheduler,
+    llm = batchspec.LLM(tiny.target(dtype=dtype), draft=drafter, num_draft_tokens=3, batch_size=3, scheduler=scheduler,
                         check_invariants=True, speculation=policy or Scripted((0, 3, 0, 0, 0, 2, 1, 3, 0, 3)))
     order = [1, 7, 0, 2, 3, 4, 5, 6]
     prompts, max_tokens = [JOIN_PROMPTS[i] for i in order], [JOIN_MAX[i] for i in order]
@@ -203,7 +205,7 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None)
         engine.add_request(r)
     while engine.has_work():
         got.update({o.request_id: o.finished.token_ids for o in engine.step() if o.finished})
-    assert [got[i] for i in range(len(prompts))] == _oracle(prompts, max_tokens)  # drafts never change the output
+    assert [got[i] for i in range(len(prompts))] == _oracle(prompts, max_tokens, dtype=dtype)  # drafts change nothing
     s = llm.stats
     assert s.lengths.get(0, 0) > 3 and s.joined_running > 0 and 0 < s.accepted < s.drafted
     checked = wrong = copied = 0
@@ -218,8 +220,8 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None)
                     wrong += d[:c] != forced
                 elif n >= 2:  # (a one-token row has no pair yet: its first draft comes from no feature)
                     checked += 1
-                    copied += bool(forced) and forced != _head_drafts(drafter, h[:n], len(forced))
-                    wrong += d != _head_drafts(drafter, h[:n], len(d), forced)
+                    copied += bool(forced) and forced != _head_drafts(drafter, h[:n], len(forced), dtype=dtype)
+                    wrong += d != _head_drafts(drafter, h[:n], len(d), forced, dtype=dtype)
     return checked, wrong, narrower, copied, kinds
 
 
@@ -260,6 +262,60 @@ def test_copy_rounds_leave_the_head_in_step(monkeypatch):
     assert checked > 25 and wrong == 0, (checked, wrong)
     assert kinds["copy"] > 5 and kinds["head"] + kinds["catch-up"] > 5 and kinds["catch-up"] > 0, kinds
     assert copied > 0 and narrower["merge"] > 0
+
+
+@needs_kernel
+def test_copy_rounds_sized_row_by_row_leave_the_head_in_step(monkeypatch):
+    """On an fp32 Llama, whose C layer packs verification: copy rounds size each row on its own (rows verify
+    different numbers of copies, padding not computed, the features still returned), and the head, catching up on
+    the features of such rounds, still drafts its predictions from the true history; outputs exact, invariants
+    held."""
+    from batchspec.kernels import llama as fused
+
+    packed, real = collections.Counter(), fused.forward
+
+    def spy(*a, **k):
+        args = inspect.signature(real).bind(*a, **k).arguments
+        counts, q = args.get("counts"), args["input_ids"].shape[1]
+        if counts is not None and args.get("hidden") and int(counts.sum()) < counts.numel() * q:
+            packed[q - 1] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(fused, "forward", spy)
+    checked, wrong, _, _, kinds = _check_drafts("continuous", monkeypatch, copy=True, policy=KindScript(),
+                                                dtype=torch.float32)
+    assert checked > 25 and wrong == 0, (checked, wrong)
+    assert kinds["copy"] > 5 and kinds["head"] + kinds["catch-up"] > 5, kinds
+    assert sum(packed.values()) > 3, packed  # copy rounds whose rows verified different numbers of copies
+
+
+def test_copy_rounds_sized_row_by_row():
+    """Where verification packs (``per_token``): a copy round verifies the batch's likeliest copies (the strong row
+    all of its copies, the weak rows none, where one width made every row verify them), within what the runner packs;
+    a head round of width j is priced as rows x j drafts."""
+    d = tiny.eagle()
+    k, rows = 3, 4
+    match = torch.tensor([1, 8, 1, 1])
+    n_copies, copies = torch.full((rows,), k), torch.arange(rows * k).view(rows, k) + 10
+    d.copy._tables(k, "cpu")
+    d.copy.offered[8], d.copy.hits[8] = 100.0, 97.0  # copies of 8-token matches: nearly always right
+    d.copy.offered[1], d.copy.hits[1] = 100.0, 10.0
+    d.table = torch.tensor([10.0, 100.0], dtype=torch.float64)  # the head: seldom right
+    d.costs = {"copy": [1 + 0.1 * j for j in range(k + 1)], "head": [9.0] * (k + 1)}  # a column of the rectangle
+    assert d._plan(copies, n_copies, match, k)[:2] == ("copy", 3)
+    kind, width, _, n = d._plan(copies, n_copies, match, k)
+    assert n.tolist() == [3] * 4  # one width: every row verifies 3
+    d.per_token = True
+    d.costs = {"copy": [1 + 0.08 * m for m in range(rows * k + 1)], "head": [9.0] * (rows * k + 1)}  # per draft
+    kind, width, _, n = d._plan(copies, n_copies, match, k)
+    assert (kind, width, n.tolist()) == ("copy", 3, [0, 3, 0, 0])
+    d.costs["copy"] = d.costs["copy"][:3]  # the runner packs at most 2 drafts
+    assert d._plan(copies, n_copies, match, k)[3].tolist() == [0, 2, 0, 0]
+    # the head right every time: a head round of width j costs its entry at rows x j (the others would be cheaper)
+    d.table = torch.tensor([100.0, 100.0], dtype=torch.float64)
+    d.costs = {"copy": [1.0] + [9.0] * rows * k, "head": [1.0] * (rows * k + 1)}
+    d.costs["head"][rows:: rows] = [1.1, 9.0, 9.0]
+    assert d._plan(copies, n_copies, match, k)[:2] == ("head", 1)
 
 
 def test_copies_used_where_they_earned_it():

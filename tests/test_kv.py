@@ -258,8 +258,9 @@ def test_fused_llama_layer_matches_the_model(monkeypatch, q, arch):
 @pytest.mark.parametrize("arch", ["tiny", "odd"])
 def test_fused_llama_packs_rows_with_fewer_real_tokens(monkeypatch, arch):
     """With ``counts``, only each row's first counts[b] new tokens are computed (as one packed set of rows): their
-    logits and cached keys/values equal the model's own forward over the whole rectangle; the padding slots are
-    hidden, their logits 0."""
+    logits, final hidden states (asked for by a drafter that reads the target's features) and cached keys/values
+    equal the model's own forward over the whole rectangle; the padding slots are hidden, their logits and states
+    0."""
     from batchspec.kernels import llama as fused
 
     t = {"tiny": lambda: tiny.target(dtype=torch.float32), "odd": lambda: _llama(36, 16, 2, 76)}[arch]()
@@ -269,7 +270,7 @@ def test_fused_llama_packs_rows_with_fewer_real_tokens(monkeypatch, arch):
     with monkeypatch.context() as m:
         m.setattr(fused, "forward", lambda *a, **k: None)
         ref = _ragged_state(t, 3)
-        want = ref.append(ids, counts=counts)
+        want = ref.append(ids, counts=counts, hidden=True)
     got = _ragged_state(t, 3)
     lib = kernels._load()
     rows = []
@@ -284,10 +285,11 @@ def test_fused_llama_packs_rows_with_fewer_real_tokens(monkeypatch, arch):
             return layer(*a)
 
     monkeypatch.setattr(fused, "_load", lambda: Spy())
-    out = got.append(ids, counts=counts)
+    out = got.append(ids, counts=counts, hidden=True)
     assert rows and set(rows) == {int(counts.sum())}  # 11 rows computed, not 20
     torch.testing.assert_close(out.logits[real], want.logits[real], rtol=1e-4, atol=1e-4)
-    assert (out.logits[~real] == 0).all()
+    torch.testing.assert_close(out.hidden[real], want.hidden[real], rtol=1e-4, atol=1e-4)
+    assert (out.logits[~real] == 0).all() and (out.hidden[~real] == 0).all()
     assert torch.equal(got.valid, ref.valid) and not got.valid[:, -4:][~real].any()
     for a, b in zip(got.cache.layers, ref.cache.layers):
         vis = got.valid[:, None, :, None].expand_as(a.keys)

@@ -107,10 +107,9 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> Round
         drafts, n_drafts = proposal.drafts, proposal.n_drafts
         k = drafts.shape[1]  # this round's block: a drafter may propose fewer for every row
     with timer("verify"):
-        # a row's slots past its own drafts are padding: hidden at once, and not computed where the runner packs (a
-        # drafter reading the target's features gets every position's, as before)
-        counts = None if drafter.needs_hidden else n_drafts + 1
-        out = target.append(torch.cat([seqs.pending()[:, None], drafts], 1), hidden=drafter.needs_hidden, counts=counts)
+        # a row's slots past its own drafts are padding: hidden at once, and not computed where the runner packs
+        out = target.append(torch.cat([seqs.pending()[:, None], drafts], 1), hidden=drafter.needs_hidden,
+                            counts=n_drafts + 1)
         if seqs.sampling:
             u_accept, u_target = seqs.uniforms(k, ACCEPT), seqs.uniforms(k + 1, TARGET)
             accepted, bonus = parts.sample(seqs.warp(out.logits), proposal.q, drafts, n_drafts, u_accept, u_target)

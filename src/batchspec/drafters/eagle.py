@@ -207,6 +207,7 @@ class EagleDrafter(Drafter):
 
     name = "eagle"
     needs_hidden = True
+    packs_rows = True  # copy rounds are sized row by row where the runner packs verification
 
     def __init__(self, model, fc: torch.nn.Linear, token_map: torch.Tensor, embedding: torch.nn.Embedding,
                  graphs: str = "auto", copy: bool = True):
@@ -281,11 +282,11 @@ class EagleDrafter(Drafter):
         pairs = state.waiting * len(length) if state.waiting > CATCH_UP else 0  # a long wait to catch up on
         if self.copy is not None and not seqs.sampling:
             copies, n_copies, match = self.copy.candidates(seqs, k)
-            kind, k, use = self._plan(copies, n_copies, match, k, pairs)
+            kind, k, use, n = self._plan(copies, n_copies, match, k, pairs)
             if not k:
                 return Proposal.empty(len(length), length.device)
             if kind == "copy":  # the head does not run: its pairs wait for a round that runs it
-                return Proposal(copies[:, :k], n_copies.clamp(max=k), match=match, kind=kind)
+                return Proposal(copies[:, :k], n, match=match, kind=kind)
         feats = state.feats
         m = feats.shape[1]
         at = (length - 1)[:, None] - m + torch.arange(m, device=length.device)[None, :]  # ends at length-2
@@ -321,46 +322,69 @@ class EagleDrafter(Drafter):
                         match=first, kind=kind, work=pairs if catch_up else 0, base="head" if catch_up else None)
 
     def _plan(self, copies, n_copies, match, k: int, catch_up: int = 0):
-        """``(kind, width, rows that copy)`` for a greedy round of at most k drafts. A row copies first when its
-        match length's first copied draft is accepted more often than the head's first draft. Each kind of round
-        and width j is worth its expected tokens over its cost (``costs``, in plain steps): "copy" rounds verify
-        only the copies (rows without a match draft nothing; the head does not run), "head" rounds run the head for
-        j steps (it drafts on after the copies), priced as a "catch-up" round when the head has a long wait to
-        catch up on (``catch_up``: the waiting pairs of all rows). Without costs (fixed length): a "head" round of
-        k."""
-        dev = match.device
+        """``(kind, width, rows that copy, drafts per row of a copy round)`` for a greedy round of at most k drafts.
+        A row copies first when its match length's first copied draft is accepted more often than the head's first
+        draft. Each kind of round and size is worth its expected tokens over its cost (``costs``, in plain steps):
+        "copy" rounds verify only the copies (rows without a match draft nothing; the head does not run), "head"
+        rounds run the head for j steps (it drafts on after the copies), priced as a "catch-up" round when the head
+        has a long wait to catch up on (``catch_up``: the waiting pairs of all rows). Where rows are sized one by
+        one (``per_token``: the runner packs verification), a copy round verifies the m likeliest copies of the
+        batch (each row's first ones), m = 0..rows x k, priced by the drafts it verifies in all, and a head round of
+        width j is priced as rows x j drafts. Without costs (fixed length): a "head" round of k."""
+        dev, b = match.device, len(match)
         col = torch.arange(k, device=dev)[None, :]
         copied = self.copy.survival(k, dev)[match] * (col < n_copies[:, None])  # [B, k] P(copies 1..j accepted)
         head = self._head_survival(k, dev)  # [k]
         use = (n_copies > 0) & (copied[:, 0] > head[0])
         if self.costs is None:
-            return "head", k, use
+            return "head", k, use, None
         last = copied.gather(1, (n_copies - 1).clamp(min=0)[:, None])
         mixed = torch.where(col < n_copies[:, None], copied, last * head[(col - n_copies[:, None]).clamp(min=0)])
         mixed = torch.where(use[:, None], mixed, head[None, :])
-        gain = torch.stack([copied.sum(0), mixed.sum(0)]).cumsum(1)  # [kind, j]: expected accepted drafts
-        tokens = len(match) + torch.nn.functional.pad(gain, (1, 0))
-        best = int((tokens / self._round_costs(k, dev, catch_up)).flatten().argmax())  # the round's host read
-        return ("copy", "head")[best // (k + 1)], best % (k + 1), use
+        per = b if self.per_token else 1  # drafts verified per unit of a head round's width
+        if per > 1:  # a copy round's m likeliest copies of the batch: E(m), m = 0..b*k
+            top = copied.flatten().sort(descending=True, stable=True)
+            gain = top.values.cumsum(0)
+        else:  # one width for the batch: E(j), j = 0..k, from each column's expected accepted drafts
+            gain = copied.sum(0).cumsum(0)
+        pad = torch.nn.functional.pad
+        tokens = b + torch.cat([pad(gain, (1, 0)), pad(mixed.sum(0).cumsum(0), (1, 0))])  # copy m, then head j
+        costs = self._round_costs(k, dev, catch_up, per)  # [copy / head, m = 0..k*per]
+        best = (tokens / torch.cat([costs[0], costs[1, ::per]])).argmax()  # the first of equals: a plain step
+        copy_round = best <= k * per
+        if per > 1:  # a copy round of m drafts: each row's first ones among the m likeliest
+            rank = torch.empty_like(top.indices).scatter_(0, top.indices, torch.arange(b * k, device=dev))
+            n = torch.where(copy_round, (rank < best).view(b, k).sum(1), 0)
+        else:
+            n = torch.where(copy_round, n_copies.clamp(max=best), 0)
+        best, width = torch.stack([best, n.max()]).tolist()  # the round's host read
+        if best <= k * per:
+            return "copy", width, use, n
+        return "head", best - k * per - 1, use, None
 
-    def _round_costs(self, k: int, device, catch_up: int = 0) -> torch.Tensor:
-        """``[copy / head, j]``: a round verifying j drafts, in plain steps: what the policy gives per kind (measured,
-        or its line through that kind's rounds); else, for a copy round ``1 + 0.2 j``, for a head round the copy
-        round of its width plus ``HEAD_STEP`` per step the head runs; never falling with j. After a long wait
-        (``catch_up`` pairs waiting, all rows) a head round costs a head round of its width plus each waiting pair's
+    def _round_costs(self, k: int, device, catch_up: int = 0, per: int = 1) -> torch.Tensor:
+        """``[copy / head, m]``: a round verifying m = 0..k x ``per`` drafts in all, in plain steps (``per``: the rows
+        of a round sized row by row, where a head round of width j verifies j x rows; else 1, and m is the width):
+        what the policy gives per kind (measured, or its line through that kind's rounds); else, for a copy round
+        ``1 + 0.2 m / per``, for a head round the copy round of its size plus ``HEAD_STEP`` per step the head runs;
+        never falling with m; sizes past what the policy prices (what the runner packs) ``inf``. After a long wait
+        (``catch_up`` pairs waiting, all rows) a head round costs a head round of its size plus each waiting pair's
         cost, as the policy measured it from catch-up rounds (``costs["work"]["catch-up"]``), else
         ``CATCH_UP_PAIR``, shared by ``CATCH_UP_SHARED`` rounds. Priced by pairs, not by what a catch-up round of
         that width cost once (its wait's cost), and shared, not charged to one round: priced whole, a catch-up lost
         to a plain round, the wait grew every round, and the head stayed out for hundreds of rounds (on the main
         job's prompts at batch 1 the head's mean accepted length fell from ~1.55 to 1.05–1.3 for one to five runs
-        in a row, in three of four engines; shared, 1.46–1.65 in every run). A width the policy has not let a kind
+        in a row, in three of four engines; shared, 1.46–1.65 in every run). A size the policy has not let a kind
         explore yet (``inf``) stays out of reach."""
-        given = {kind: list(self.costs.get(kind) or [])[: k + 1] for kind in ("copy", "head")}
-        given = {kind: values + [None] * (k + 1 - len(values)) for kind, values in given.items()}
-        prior = [1.0 + self.copy.default_cost * j for j in range(k + 1)]
+        n = k * per
+        given = {kind: list(self.costs.get(kind) or [])[: n + 1] for kind in ("copy", "head")}
+        priced = [len(v) - 1 for v in given.values() if v]
+        most = min(n, *priced) if per > 1 and priced else n  # what the runner packs
+        given = {kind: values + [None] * (n + 1 - len(values)) for kind, values in given.items()}
+        prior = [1.0 + self.copy.default_cost * m / per if m <= most else math.inf for m in range(n + 1)]
         copy = [c if c is not None else p for c, p in zip(given["copy"], prior)]  # inf: not explored yet
         known = [c if math.isfinite(c) else p for c, p in zip(copy, prior)]
-        head = [g if g is not None else c + HEAD_STEP * j for j, (g, c) in enumerate(zip(given["head"], known))]
+        head = [g if g is not None else c + HEAD_STEP * m / per for m, (g, c) in enumerate(zip(given["head"], known))]
         if catch_up:
             pair = (self.costs.get("work") or {}).get("catch-up")
             head = [h + (CATCH_UP_PAIR if pair is None else pair) * catch_up / CATCH_UP_SHARED for h in head]

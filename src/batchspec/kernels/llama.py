@@ -89,9 +89,9 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     """``(logits, hidden states or None)`` of one forward over a slot cache (see ``Runner.forward``), or None where
     this path does not apply. Reads the model's modules and weights; writes only the cache. ``counts`` ``[B]``: only
     the first ``counts[b]`` new tokens of row b are computed (packed: the others are padding, their cache slots are
-    not written and their logits are 0); only for all-position logits without hidden states."""
+    not written, their logits and hidden states are 0); only for all-position logits of token ids."""
     b, q = input_ids.shape
-    packed = counts is not None and not hidden and logits_to_keep in (0, q) and embeds is None
+    packed = counts is not None and logits_to_keep in (0, q) and embeds is None
     rows = int(counts.sum()) if packed else b * q
     if packed and rows == b * q:
         packed = False
@@ -123,10 +123,10 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
                            values.data_ptr(), vis.data_ptr(), dims, p.eps, p.scale, ptr):
             raise MemoryError("batchspec's layer kernel could not allocate its scratch memory")
         layer.advance(start + q)
-    if packed:
-        logits = _head(model, inner.norm(x))
-        out = logits.new_empty((b * q, logits.shape[-1])).index_fill_(0, pad, 0.0)
-        return out.index_copy_(0, real, logits).view(b, q, -1), None
+    if packed:  # every position's states are the normed ones here (what ``hidden="all"`` asks for)
+        states = inner.norm(x)
+        logits = _head(model, states)
+        return _unpack(logits, real, pad, b, q), (_unpack(states, real, pad, b, q) if hidden else None)
     normed = inner.norm(x.view(b, q, p.hidden)) if hidden == "all" else None  # every position's states
     states = x.view(b, q, p.hidden) if normed is None else normed
     if logits_to_keep:
@@ -138,6 +138,12 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     if normed is not None:
         states = normed
     return logits.view(b, n, -1), (states if hidden else None)
+
+
+def _unpack(flat: torch.Tensor, real: torch.Tensor, pad: torch.Tensor, b: int, q: int) -> torch.Tensor:
+    """``[b, q, ...]`` from the packed rows ``flat`` (at ``real``), padding positions 0."""
+    out = flat.new_empty((b * q, *flat.shape[1:])).index_fill_(0, pad, 0.0)
+    return out.index_copy_(0, real, flat).view(b, q, *flat.shape[1:])
 
 
 def _head(model, flat):
