@@ -587,6 +587,12 @@ def test_round_costs_per_kind():
     c = 2000 * CATCH_UP_PAIR / CATCH_UP_SHARED
     assert d._round_costs(3, torch.device("cpu"), catch_up=2000)[1].tolist() == pytest.approx(
         [1.0 + c, 1.1 + HEAD_STEP + c, 1.9 + c, 1.9 + c])
+    # near the end, shared by no more rounds than are left (the most tokens a row may still generate)
+    c2 = 2000 * CATCH_UP_PAIR / 2
+    assert d._round_costs(3, torch.device("cpu"), catch_up=2000, left=torch.tensor(2))[1].tolist() == pytest.approx(
+        [1.0 + c2, 1.1 + HEAD_STEP + c2, 1.9 + c2, 1.9 + c2])
+    assert d._round_costs(3, torch.device("cpu"), catch_up=2000, left=torch.tensor(50))[1].tolist() == pytest.approx(
+        [1.0 + c, 1.1 + HEAD_STEP + c, 1.9 + c, 1.9 + c])
     d.costs = {"copy": None, "head": None}  # nothing measured: the priors
     copy, head = d._round_costs(3, torch.device("cpu")).tolist()
     assert copy == pytest.approx([1.0 + 0.2 * j for j in range(4)])

@@ -191,12 +191,15 @@ def _join(feats: torch.Tensor, rounds: list) -> torch.Tensor:
 KINDS = ("copy", "head", "catch-up")
 HEAD_STEP = 0.1  # a drafting step of the head, in plain steps, for widths not measured yet (measured: 0.08-0.11)
 CATCH_UP = 32  # a head round catching up on more pairs than this per row is timed as a catch-up round
-# what a catch-up round costs per waiting pair (all rows) over a head round of its width, in plain steps, until the
-# policy measured it (on a 2-core CPU: ~0.003 at 1 row, where a plain step is cheap for its work, ~0.001 at 8 rows)
-CATCH_UP_PAIR = 0.0005
-# a catch-up is paid once for the head rounds it makes possible (its cost is shared by this many rounds): priced whole
-# against one round, it loses to a plain or copy round, the wait grows by a pair a row every round the head does not
-# run, and the head never runs again
+# what a catch-up round costs per waiting pair (all rows, holes included: the head's forward covers the rectangle)
+# over a head round of its width, in plain steps, until the policy measured it: ~70 us a pair on a 2-core CPU for
+# SmolLM2-135M's head, 0.0039 / 0.0028 / 0.0025 plain steps at 1 / 4 / 8 rows over Spec-Bench prompts of 660-770
+# tokens (0.0005, the earlier prior, had the head catch up on 8 long prompts at batch 8 for 15 plain steps)
+CATCH_UP_PAIR = 0.003
+# a catch-up is paid once for the head rounds it makes possible (its cost is shared by this many rounds, and by no
+# more than the rounds left: the most tokens a row may still generate): priced whole against one round, it loses to
+# a plain or copy round, the wait grows by a pair a row every round the head does not run, and the head never runs
+# again
 CATCH_UP_SHARED = 8
 
 
@@ -282,7 +285,8 @@ class EagleDrafter(Drafter):
         pairs = state.waiting * len(length) if state.waiting > CATCH_UP else 0  # a long wait to catch up on
         if self.copy is not None and not seqs.sampling:
             copies, n_copies, match = self.copy.candidates(seqs, k)
-            kind, k, use, n = self._plan(copies, n_copies, match, k, pairs)
+            left = (seqs.limit - seqs.generated()).max() if pairs else None  # rounds left, at most
+            kind, k, use, n = self._plan(copies, n_copies, match, k, pairs, left)
             if not k:
                 return Proposal.empty(len(length), length.device)
             if kind == "copy":  # the head does not run: its pairs wait for a round that runs it
@@ -321,13 +325,14 @@ class EagleDrafter(Drafter):
         return Proposal(torch.stack(drafts, 1), torch.full_like(length, k), torch.stack(qs, 1) if qs else None,
                         match=first, kind=kind, work=pairs if catch_up else 0, base="head" if catch_up else None)
 
-    def _plan(self, copies, n_copies, match, k: int, catch_up: int = 0):
+    def _plan(self, copies, n_copies, match, k: int, catch_up: int = 0, left=None):
         """``(kind, width, rows that copy, drafts per row of a copy round)`` for a greedy round of at most k drafts.
         A row copies first when its match length's first copied draft is accepted more often than the head's first
         draft. Each kind of round and size is worth its expected tokens over its cost (``costs``, in plain steps):
         "copy" rounds verify only the copies (rows without a match draft nothing; the head does not run), "head"
         rounds run the head for j steps (it drafts on after the copies), priced as a "catch-up" round when the head
-        has a long wait to catch up on (``catch_up``: the waiting pairs of all rows). Where rows are sized one by
+        has a long wait to catch up on (``catch_up``: the waiting pairs of all rows; ``left``: the most tokens a row
+        may still generate, a device scalar, or None for many). Where rows are sized one by
         one (``per_token``: the runner packs verification), a copy round verifies the m likeliest copies of the
         batch (each row's first ones), m = 0..rows x k, priced by the drafts it verifies in all, and a head round of
         width j is priced as rows x j drafts. Without costs (fixed length): a "head" round of k."""
@@ -349,7 +354,7 @@ class EagleDrafter(Drafter):
             gain = copied.sum(0).cumsum(0)
         pad = torch.nn.functional.pad
         tokens = b + torch.cat([pad(gain, (1, 0)), pad(mixed.sum(0).cumsum(0), (1, 0))])  # copy m, then head j
-        costs = self._round_costs(k, dev, catch_up, per)  # [copy / head, m = 0..k*per]
+        costs = self._round_costs(k, dev, catch_up, per, left)  # [copy / head, m = 0..k*per]
         best = (tokens / torch.cat([costs[0], costs[1, ::per]])).argmax()  # the first of equals: a plain step
         copy_round = best <= k * per
         if per > 1:  # a copy round of m drafts: each row's first ones among the m likeliest
@@ -362,7 +367,7 @@ class EagleDrafter(Drafter):
             return "copy", width, use, n
         return "head", best - k * per - 1, use, None
 
-    def _round_costs(self, k: int, device, catch_up: int = 0, per: int = 1) -> torch.Tensor:
+    def _round_costs(self, k: int, device, catch_up: int = 0, per: int = 1, left=None) -> torch.Tensor:
         """``[copy / head, m]``: a round verifying m = 0..k x ``per`` drafts in all, in plain steps (``per``: the rows
         of a round sized row by row, where a head round of width j verifies j x rows; else 1, and m is the width):
         what the policy gives per kind (measured, or its line through that kind's rounds); else, for a copy round
@@ -370,7 +375,7 @@ class EagleDrafter(Drafter):
         never falling with m; sizes past what the policy prices (what the runner packs) ``inf``. After a long wait
         (``catch_up`` pairs waiting, all rows) a head round costs a head round of its size plus each waiting pair's
         cost, as the policy measured it from catch-up rounds (``costs["work"]["catch-up"]``), else
-        ``CATCH_UP_PAIR``, shared by ``CATCH_UP_SHARED`` rounds. Priced by pairs, not by what a catch-up round of
+        ``CATCH_UP_PAIR``, shared by ``CATCH_UP_SHARED`` rounds or by the rounds ``left`` if fewer. Priced by pairs, not by what a catch-up round of
         that width cost once (its wait's cost), and shared, not charged to one round: priced whole, a catch-up lost
         to a plain round, the wait grew every round, and the head stayed out for hundreds of rounds (on the main
         job's prompts at batch 1 the head's mean accepted length fell from ~1.55 to 1.05–1.3 for one to five runs
@@ -385,10 +390,12 @@ class EagleDrafter(Drafter):
         copy = [c if c is not None else p for c, p in zip(given["copy"], prior)]  # inf: not explored yet
         known = [c if math.isfinite(c) else p for c, p in zip(copy, prior)]
         head = [g if g is not None else c + HEAD_STEP * m / per for m, (g, c) in enumerate(zip(given["head"], known))]
+        costs = torch.tensor([copy, head], dtype=torch.float64, device=device)
         if catch_up:
             pair = (self.costs.get("work") or {}).get("catch-up")
-            head = [h + (CATCH_UP_PAIR if pair is None else pair) * catch_up / CATCH_UP_SHARED for h in head]
-        return torch.tensor([copy, head], dtype=torch.float64, device=device).cummax(1).values
+            shared = CATCH_UP_SHARED if left is None else left.clamp(1, CATCH_UP_SHARED)  # on the device: no read
+            costs[1] += (CATCH_UP_PAIR if pair is None else pair) * catch_up / shared
+        return costs.cummax(1).values
 
     def _head_survival(self, k: int, device) -> torch.Tensor:
         """``[k]`` P(the head's drafts 1..j all accepted): its first-draft rate (``PRIOR_WEIGHT`` pseudo-rounds at
