@@ -372,3 +372,22 @@ def test_engine_with_fused_llama_stays_exact(monkeypatch):
         assert llm.stats.ragged_rounds > 0
         assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 14) for p in prompts]
     assert calls and all(calls), "the fused layers never ran (or declined) inside the engine"
+
+
+@pytest.mark.parametrize("rows", [[0, 4, 2], [3, 1], [2, 0, 1], [1, 0, 4, 3], [0, 1, 2]])
+def test_select_rows_moves_rows_into_place(rows):
+    """``kv.select_rows`` makes ``new[i] = old[rows[i]]`` in every layer: rows moving from the tail into the places of
+    leaving ones are copied row by row in place; orders where a row would be read after it was written (a
+    permutation) take the gathered copy."""
+    from batchspec import kv
+
+    g = torch.Generator().manual_seed(0)
+    cache = kv.SlotCache(2)
+    want = []
+    for layer in cache.layers:
+        k, v = (torch.randn(5, 2, 7, 4, generator=g) for _ in range(2))
+        layer.update(k, v)
+        want.append((k[rows], v[rows]))
+    kv.select_rows(cache, torch.tensor(rows))
+    for layer, (k, v) in zip(cache.layers, want):
+        assert layer.length == 7 and torch.equal(layer.keys, k) and torch.equal(layer.values, v)
