@@ -1,7 +1,9 @@
 """Prompt lookup chooses each row's draft length from its match: the longest earlier occurrence of the row's suffix
 gives the candidates, and learned survival per (match length, draft index) decides how many to offer."""
 
+import contextlib
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -10,7 +12,8 @@ from hypothesis import strategies as st
 
 import batchspec
 import tiny
-from batchspec.drafters import PromptLookup
+from batchspec import kernels
+from batchspec.drafters import PromptLookup, lookup
 
 
 def _seqs(rows, sampling=False):
@@ -157,16 +160,21 @@ def _reference(row, max_ngram, min_ngram):
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=4),
        st.integers(1, 8), st.integers(1, 3))
 def test_matching_equals_brute_force(rows, max_ngram, min_ngram):
-    """Small vocabularies, so that matches of every length occur; rows of different lengths in one batch."""
+    """Small vocabularies, so that matches of every length occur; rows of different lengths in one batch. Both the C
+    scan (where the kernels build) and the tensor version."""
     min_ngram = min(min_ngram, max_ngram)
     d = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
     d.costs = [1.0] * 4
-    prop = d.propose(_seqs(rows), None, 3)
-    for i, row in enumerate(rows):
-        n, start = _reference(row, max_ngram, min_ngram)
-        assert prop.match[i] == n
-        want = [] if start is None else row[start : start + 3]
-        assert prop.drafts[i, : prop.n_drafts[i]].tolist() == want
+    seqs = _seqs(rows)
+    paths = [False] + [True] * (kernels.lookup_match(seqs.history, seqs.length, max_ngram) is not None)
+    for tensors in paths:
+        with mock.patch.object(lookup, "lookup_match", lambda *a: None) if tensors else contextlib.nullcontext():
+            prop = d.propose(seqs, None, 3)
+        for i, row in enumerate(rows):
+            n, start = _reference(row, max_ngram, min_ngram)
+            assert prop.match[i] == n
+            want = [] if start is None else row[start : start + 3]
+            assert prop.drafts[i, : prop.n_drafts[i]].tolist() == want
 
 
 def test_sampling_offers_every_candidate():

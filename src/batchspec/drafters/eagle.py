@@ -21,7 +21,9 @@ candidate copies; a row drafts them first when copies of its match length have b
 head's first drafts, and the head drafts on after them, fed the copied tokens. Each round is sized like prompt
 lookup's (expected tokens over measured cost, per width): a "head" round runs the head, a "copy" round verifies only
 the copies and leaves the head alone (its features wait, and its next round catches up on them), and a round where
-neither pays is a plain step.
+neither pays is a plain step. Where the target's runner packs verification (each row's real tokens only), a copy
+round sizes each row on its own, as prompt lookup does (``per_token``): the batch's likeliest copies, the features of
+the real tokens coming back all the same.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ by arithmetic (8 rows on a 2-core CPU), a width shared by every row paid for dra
 
 import torch
 
+from ..kernels import lookup_match
 from .base import Drafter, Proposal
 
 PRIOR_WEIGHT = 5.0
@@ -116,7 +117,20 @@ class PromptLookup(Drafter):
         the match length ``[B]``."""
         hist, length = seqs.history, seqs.length
         t, dev = hist.shape[1], hist.device
-        n_max = self.max_ngram
+        found = lookup_match(hist, length, self.max_ngram)  # the C scan where it applies: ~0.3 ms a round less
+        match, latest = found if found is not None else self._match(hist, length)
+        found = match >= self.min_ngram
+        match = match.masked_fill(~found, 0)
+        start = latest + 1
+        n_drafts = torch.where(found, (length - start).clamp(max=k), torch.zeros_like(start))
+        col = torch.arange(k, device=dev)[None, :]
+        drafts = hist.gather(1, (start[:, None] + col).clamp(max=t - 1))
+        return torch.where(col < n_drafts[:, None], drafts, 0), n_drafts, match
+
+    def _match(self, hist: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(match length [B], end of its latest occurrence [B])`` in tensor operations (``kernels.lookup_match``
+        in C)."""
+        t, dev, n_max = hist.shape[1], hist.device, self.max_ngram
         # every position i as the end of a window of the n_max tokens up to it (left-padded with -1), compared with
         # the row's last n_max tokens (-2 before its start): the run of matches back from i is the match length there
         padded = torch.nn.functional.pad(hist, (n_max - 1, 0), value=-1)
@@ -127,14 +141,7 @@ class PromptLookup(Drafter):
         # the occurrence must end before the last token, so that something follows it
         run = run.masked_fill(torch.arange(t, device=dev)[None, :] >= (length[:, None] - 1), 0)
         match = run.max(1).values
-        found = match >= self.min_ngram
-        match = match.masked_fill(~found, 0)
-        latest = t - 1 - (run == match[:, None]).flip(1).int().argmax(1)  # the latest occurrence of that length
-        start = latest + 1
-        n_drafts = torch.where(found, (length - start).clamp(max=k), torch.zeros_like(start))
-        col = torch.arange(k, device=dev)[None, :]
-        drafts = hist.gather(1, (start[:, None] + col).clamp(max=t - 1))
-        return torch.where(col < n_drafts[:, None], drafts, 0), n_drafts, match
+        return match, t - 1 - (run == match[:, None]).flip(1).int().argmax(1)  # the latest occurrence of that length
 
     def round_costs(self, k: int, device, rows: int = 1) -> torch.Tensor:
         """``[k + 1]``: a round verifying j drafts, in plain steps: the measured ``costs`` where given, else

@@ -5,6 +5,7 @@
   prefetched ahead, streams it at ~13-14 GB/s. Rows go in register blocks of 4, 3, 2 or 1, each row summed in one
   order whatever its block, so a token's outputs have the same bits in a verification block as in a decode step.
 - ``layer.c``: one Llama decoder layer per call (driven by ``llama.py``), attention over visible slots only.
+- ``match.c``: prompt lookup's matching, a row at a time (``lookup_match``).
 
 They are compiled on first use with the system C compiler into ``$BATCHSPEC_CACHE/kernels`` (default
 ``~/.cache/batchspec/kernels``); without a compiler or AVX2, for other dtypes or devices, or with
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 MAX_ROWS = 64  # measured no slower than torch up to 48 rows; beyond this torch is used
-_SOURCES = [Path(__file__).with_name(name) for name in ("skinny.c", "layer.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("skinny.c", "layer.c", "match.c")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -78,6 +79,8 @@ def _load() -> ctypes.CDLL | None:
                     lib.skinny_avx512.restype = ctypes.c_int
                     lib.llama_layer.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
                     lib.llama_layer.restype = ctypes.c_int
+                    lib.lookup_match.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
+                    lib.lookup_match.restype = None
                     _lib = lib
             except OSError:
                 _lib = None
@@ -97,3 +100,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty((m, weight.shape[0]), dtype=torch.float32)
     lib.skinny_linear(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, weight.shape[0], k)
     return y
+
+
+def lookup_match(history: torch.Tensor, length: torch.Tensor, n_max: int):
+    """``(match length [B], end of its latest occurrence [B])`` of each row's last tokens in ``history`` ``[B, T]``
+    (int64, ``length[b]`` tokens each), as ``PromptLookup.candidates`` defines them (``match.c``), or None where the
+    kernels do not apply (then the caller's tensor version runs)."""
+    lib = _load()
+    if lib is None or history.device.type != "cpu" or history.dtype != torch.long or length.dtype != torch.long:
+        return None
+    hist, length = history.contiguous(), length.contiguous()
+    match, end = torch.empty_like(length), torch.empty_like(length)
+    lib.lookup_match(hist.data_ptr(), length.data_ptr(), hist.shape[0], hist.shape[1], n_max, match.data_ptr(),
+                     end.data_ptr())
+    return match, end
