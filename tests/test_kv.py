@@ -391,3 +391,16 @@ def test_select_rows_moves_rows_into_place(rows):
     kv.select_rows(cache, torch.tensor(rows))
     for layer, (k, v) in zip(cache.layers, want):
         assert layer.length == 7 and torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+
+
+@pytest.mark.parametrize("rows", [[0, 4, 2], [3, 1], [2, 0, 1], [0, 1, 2]])
+def test_move_rows_is_indexing(rows):
+    """``kv.move_rows(t, rows)`` equals ``t[rows]``: in place (a view of t's first rows) where rows only move from the
+    tail into the places of leaving ones, a gathered copy otherwise."""
+    from batchspec import kv
+
+    t = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(1))
+    want = t[rows].clone()
+    got = kv.move_rows(t, torch.tensor(rows))
+    assert torch.equal(got, want)
+    assert (got.data_ptr() == t.data_ptr()) == (rows in ([0, 4, 2], [3, 1], [0, 1, 2]))

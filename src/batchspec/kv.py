@@ -204,6 +204,20 @@ def gather_slots(cache: SlotCache, index: torch.Tensor, pad: torch.Tensor) -> No
         layer.advance(w)
 
 
+def move_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``t[rows]`` for a batch narrowing to ``len(rows)`` rows (dim 0): where no row is read after it was written (rows
+    moving from the tail into the places of leaving ones), the moving rows are copied in place and the first rows of
+    ``t`` come back (a view); else a gathered copy. One host read."""
+    n = len(rows)
+    dest = (rows != torch.arange(n, device=rows.device)).nonzero().squeeze(1)
+    moves = torch.stack([dest, rows[dest]], 1).tolist()
+    if {s for _, s in moves} & {d for d, _ in moves}:
+        return t[rows]
+    for d, s in moves:
+        t[d].copy_(t[s])
+    return t[:n]
+
+
 def select_rows(cache: SlotCache, rows: torch.Tensor) -> None:
     """Make the batch ``new[i] = old[rows[i]]``. Only rows that change place are copied, and the batch then narrows
     to ``len(rows)`` in place: removing a few finished rows (refilling their places from the tail) copies a few rows,

@@ -37,7 +37,7 @@ import torch
 from transformers.models.llama import modeling_llama as hf
 
 from ..batch import SlotState
-from ..kv import new_cache
+from ..kv import move_rows, new_cache
 from ..runner import Runner
 from ..sampling import DRAFT, draw
 from .base import Drafter, Proposal
@@ -151,7 +151,10 @@ class EagleState:
 
     def select_rows(self, rows):
         self.slots.select_rows(rows)
-        self.processed, self.feats = self.processed[rows], self.feats[rows]
+        self.processed = self.processed[rows]
+        # the kept features move in place (a batch of long prompts keeps ~14 MB of them), the rounds aside stay aside
+        self._feats = move_rows(self._feats, rows)
+        self.aside = [(h[rows], None if n is None else n[rows]) for h, n in self.aside]
 
     def take(self, rows) -> "EagleState":
         return EagleState(self.slots.take(rows), self.processed[rows], self.feats[rows])
