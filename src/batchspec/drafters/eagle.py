@@ -337,10 +337,10 @@ class EagleDrafter(Drafter):
         "copy" rounds verify only the copies (rows without a match draft nothing; the head does not run), "head"
         rounds run the head for j steps (it drafts on after the copies), priced as a "catch-up" round when the head
         has a long wait to catch up on (``catch_up``: the waiting pairs of all rows; ``left``: the most tokens a row
-        may still generate, a device scalar, or None for many). Where rows are sized one by
-        one (``per_token``: the runner packs verification), a copy round verifies the m likeliest copies of the
-        batch (each row's first ones), m = 0..rows x k, priced by the drafts it verifies in all, and a head round of
-        width j is priced as rows x j drafts. Without costs (fixed length): a "head" round of k."""
+        may still generate, a device scalar, or None for many). Where rows are sized one by one (``per_token``: the
+        runner packs verification), a copy round verifies the m likeliest copies of the batch (each row's first
+        ones), m = 0..rows x k, priced by the drafts it verifies in all, and a head round of width j is priced as
+        rows x j drafts. Without costs (fixed length): a "head" round of k."""
         dev, b = match.device, len(match)
         col = torch.arange(k, device=dev)[None, :]
         copied = self.copy.survival(k, dev)[match] * (col < n_copies[:, None])  # [B, k] P(copies 1..j accepted)
