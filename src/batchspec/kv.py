@@ -209,13 +209,20 @@ def move_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     moving from the tail into the places of leaving ones), the moving rows are copied in place and the first rows of
     ``t`` come back (a view); else a gathered copy. One host read."""
     n = len(rows)
-    dest = (rows != torch.arange(n, device=rows.device)).nonzero().squeeze(1)
-    moves = torch.stack([dest, rows[dest]], 1).tolist()
-    if {s for _, s in moves} & {d for d, _ in moves}:
+    dest, moves = _row_moves(rows)
+    if moves is None:
         return t[rows]
     for d, s in moves:
         t[d].copy_(t[s])
     return t[:n]
+
+
+def _row_moves(rows: torch.Tensor):
+    """``(places that change, [(place, row read)] or None)`` for ``new[i] = old[rows[i]]``: None where a row would be
+    read after it was written (then only a gathered copy will do). One host read."""
+    dest = (rows != torch.arange(len(rows), device=rows.device)).nonzero().squeeze(1)
+    moves = torch.stack([dest, rows[dest]], 1).tolist()
+    return dest, None if {s for _, s in moves} & {d for d, _ in moves} else moves
 
 
 def select_rows(cache: SlotCache, rows: torch.Tensor) -> None:
@@ -223,16 +230,14 @@ def select_rows(cache: SlotCache, rows: torch.Tensor) -> None:
     to ``len(rows)`` in place: removing a few finished rows (refilling their places from the tail) copies a few rows,
     not the whole cache."""
     n = len(rows)
-    dest = (rows != torch.arange(n, device=rows.device)).nonzero().squeeze(1)
-    moves = torch.stack([dest, rows[dest]], 1).tolist()  # one host read, at row removal only
     # row by row, in place, where no row is read after it was written (rows moving from the tail into the places of
     # leaving ones): a gathered copy would first fill fresh memory, ~38 MB a row for a 30-layer cache of 800 slots
-    in_place = not {s for _, s in moves} & {d for d, _ in moves}
+    dest, moves = _row_moves(rows)  # one host read, at row removal only
     for layer in cache.layers:
         if layer.length:
             used = layer.length
             for buf in (layer._k, layer._v):
-                if in_place:
+                if moves is not None:
                     for d, s in moves:
                         buf[d, :, :used].copy_(buf[s, :, :used])
                 else:

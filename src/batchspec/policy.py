@@ -104,8 +104,8 @@ class AdaptiveLength:
         # forgotten after ``stale`` rounds without one (a width measured in a slow minute, the machine drifting by
         # ~30% and other processes coming and going, and not chosen since would keep its cost for ever)
         self.widths: dict[int, dict[tuple, _Width]] = {}
-        # rows -> kind of round -> the cost of one unit of its extra work (a head's catch-up: each pair it caches) over a
-        # round of its base kind and width, in plain steps (``observe``'s ``work`` and ``base``)
+        # rows -> kind of round -> the cost of one unit of its extra work (a head's catch-up: each pair it caches) over
+        # a round of its base kind and width, in plain steps (``observe``'s ``work`` and ``base``)
         self.work: dict[int, dict] = {}
         self.stale, self.explore = stale, explore
 
@@ -146,12 +146,12 @@ class AdaptiveLength:
         drafts nothing, and again after ``2 * probe_every`` rounds that drafted (and every round that verified
         nothing). ``step``: how much wider than the widest measured a round may be priced from the line (1: one draft
         more per row; a drafter sizing each row of a packed round, whose "width" is 1 + the drafts verified in all:
-        the rows, one draft more each). A drafter whose rounds come in kinds that cost differently (``kinds``: the feature-reading head's
-        rounds that run the head, those that only copy, those that catch up on a long wait) gets a dict: per kind, the
-        same from that kind's own rounds and line (a kind's line only prices its own widths: one catch-up round of a
-        head on a long prompt, 3 plain steps, would otherwise price every width of every kind out of reach for
-        good), None where neither says (its own fallbacks are the drafter's to choose); and under ``"work"``, per
-        kind, what one unit of a round's extra work costs (``observe``), or None."""
+        the rows, one draft more each). A drafter whose rounds come in kinds that cost differently (``kinds``: the
+        feature-reading head's rounds that run the head, those that only copy, those that catch up on a long wait)
+        gets a dict: per kind, the same from that kind's own rounds and line (a kind's line only prices its own
+        widths: one catch-up round of a head on a long prompt, 3 plain steps, would otherwise price every width of
+        every kind out of reach for good), None where neither says (its own fallbacks are the drafter's to choose);
+        and under ``"work"``, per kind, what one unit of a round's extra work costs (``observe``), or None."""
         if self.cost(rows)[0] is None:
             return 0, None
         self.busy += 1

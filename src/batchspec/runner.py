@@ -199,7 +199,7 @@ class Runner:
         position). ``embeds`` ``[B, q, H]``, when given, are the input vectors in place of the token embeddings
         (``input_ids`` then only name the slots). ``counts`` ``[B]``: row b's new tokens past its first ``counts[b]``
         are padding (hidden from attention by ``visible``): their outputs are unspecified, and the C layer does not
-        compute them (``packs``)."""
+        compute them (``packed_rows``)."""
         static = self.static
         if static is not None and embeds is None and hidden != "all":
             out = static.forward(cache, input_ids, position_ids, visible, logits_to_keep, hidden)

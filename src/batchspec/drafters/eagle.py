@@ -41,7 +41,7 @@ from ..kv import move_rows, new_cache
 from ..runner import Runner
 from ..sampling import DRAFT, draw
 from .base import Drafter, Proposal
-from .lookup import PRIOR_WEIGHT, PromptLookup
+from .lookup import PRIOR_WEIGHT, PromptLookup, likeliest
 
 EXTRA = "eagle.safetensors"  # fc and token_map; the decoder layer, norm and head are a Llama checkpoint beside it
 
@@ -353,8 +353,7 @@ class EagleDrafter(Drafter):
         mixed = torch.where(use[:, None], mixed, head[None, :])
         per = b if self.per_token else 1  # drafts verified per unit of a head round's width
         if per > 1:  # a copy round's m likeliest copies of the batch: E(m), m = 0..b*k
-            top = copied.flatten().sort(descending=True, stable=True)
-            gain = top.values.cumsum(0)
+            gain, rank = likeliest(copied)
         else:  # one width for the batch: E(j), j = 0..k, from each column's expected accepted drafts
             gain = copied.sum(0).cumsum(0)
         pad = torch.nn.functional.pad
@@ -363,8 +362,7 @@ class EagleDrafter(Drafter):
         best = (tokens / torch.cat([costs[0], costs[1, ::per]])).argmax()  # the first of equals: a plain step
         copy_round = best <= k * per
         if per > 1:  # a copy round of m drafts: each row's first ones among the m likeliest
-            rank = torch.empty_like(top.indices).scatter_(0, top.indices, torch.arange(b * k, device=dev))
-            n = torch.where(copy_round, (rank < best).view(b, k).sum(1), 0)
+            n = torch.where(copy_round, (rank < best).sum(1), 0)
         else:
             n = torch.where(copy_round, n_copies.clamp(max=best), 0)
         best, width = torch.stack([best, n.max()]).tolist()  # the round's host read
@@ -380,12 +378,12 @@ class EagleDrafter(Drafter):
         never falling with m; sizes past what the policy prices (what the runner packs) ``inf``. After a long wait
         (``catch_up`` pairs waiting, all rows) a head round costs a head round of its size plus each waiting pair's
         cost, as the policy measured it from catch-up rounds (``costs["work"]["catch-up"]``), else
-        ``CATCH_UP_PAIR``, shared by ``CATCH_UP_SHARED`` rounds or by the rounds ``left`` if fewer. Priced by pairs, not by what a catch-up round of
-        that width cost once (its wait's cost), and shared, not charged to one round: priced whole, a catch-up lost
-        to a plain round, the wait grew every round, and the head stayed out for hundreds of rounds (on the main
-        job's prompts at batch 1 the head's mean accepted length fell from ~1.55 to 1.05–1.3 for one to five runs
-        in a row, in three of four engines; shared, 1.46–1.65 in every run). A size the policy has not let a kind
-        explore yet (``inf``) stays out of reach."""
+        ``CATCH_UP_PAIR``, shared by ``CATCH_UP_SHARED`` rounds or by the rounds ``left`` if fewer. Priced by pairs,
+        not by what a catch-up round of that width cost once (its wait's cost), and shared, not charged to one round:
+        priced whole, a catch-up lost to a plain round, the wait grew every round, and the head stayed out for
+        hundreds of rounds (on the main job's prompts at batch 1 the head's mean accepted length fell from ~1.55 to
+        1.05–1.3 for one to five runs in a row, in three of four engines; shared, 1.46–1.65 in every run). A size the
+        policy has not let a kind explore yet (``inf``) stays out of reach."""
         n = k * per
         given = {kind: list(self.costs.get(kind) or [])[: n + 1] for kind in ("copy", "head")}
         priced = [len(v) - 1 for v in given.values() if v]

@@ -54,6 +54,15 @@ def survival(hits: torch.Tensor, offered: torch.Tensor, first) -> torch.Tensor:
     return torch.stack(cols, -1).cumprod(-1) if cols else offered
 
 
+def likeliest(chance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a round sized row by row from ``chance`` ``[B, k]`` (P(draft j of row b is accepted), falling with j):
+    ``(expected accepted drafts of the m likeliest drafts of the batch, m = 1..B*k; each draft's rank [B, k])``. The
+    round verifying m drafts gives row b ``(rank[b] < m).sum()`` of them: its first ones."""
+    top = chance.flatten().sort(descending=True, stable=True)
+    rank = torch.empty_like(top.indices).scatter_(0, top.indices, torch.arange(chance.numel(), device=chance.device))
+    return top.values.cumsum(0), rank.view_as(chance)
+
+
 class PromptLookup(Drafter):
     name = "prompt-lookup"
     sizes_own_drafts = True  # the engine sets ``costs`` before each round (``policy.drafter_length``)
@@ -97,12 +106,11 @@ class PromptLookup(Drafter):
             offered = torch.arange(k, device=dev)[None, :] < n_drafts[:, None]
             chance = self.survival(k, dev)[match] * offered  # [B, k]: P(draft j of row b is accepted)
             if self.per_token:  # each row sized on its own: the m likeliest drafts of the batch, m = 0..B*k
-                top = chance.flatten().sort(descending=True, stable=True)
-                tokens = torch.cat([chance.new_full((1,), float(b)), b + top.values.cumsum(0)])  # E(m)
+                gain, rank = likeliest(chance)
+                tokens = torch.cat([chance.new_full((1,), float(b)), b + gain])  # E(m)
                 most = min(b * k, len(self.costs) - 1) if self.costs else b * k  # what the runner packs
                 m = (tokens[: most + 1] / self.round_costs(most, dev, b)).argmax()
-                rank = torch.empty_like(top.indices).scatter_(0, top.indices, torch.arange(b * k, device=dev))
-                n_drafts = (rank < m).view(b, k).sum(1)  # a row's chances fall with j: its first ones
+                n_drafts = (rank < m).sum(1)  # a row's chances fall with j: its first ones
             else:  # one width for the batch: E(j), j = 0..k, from the expected accepted tokens in each column
                 gain = chance.sum(0)
                 tokens = torch.cat([gain.new_full((1,), float(b)), b + gain.cumsum(0)])
