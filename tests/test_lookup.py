@@ -14,6 +14,7 @@ import batchspec
 import tiny
 from batchspec import kernels
 from batchspec.drafters import PromptLookup, lookup
+from batchspec.drafters.lookup import PRIOR_WEIGHT, survival
 
 
 def _seqs(rows, sampling=False):
@@ -83,6 +84,24 @@ def test_survival_multiplies_conditional_rates():
     s = d.survival(5, "cpu")[4]
     assert 0.4 < s[0] < 0.6 and s[4] > 0.9 * s[0], s
     assert d.offered[4].tolist() == [80, 40, 40, 40, 40] and d.hits[4].tolist() == [40] * 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 10**7), min_size=1, max_size=12), min_size=1, max_size=9),
+       st.floats(0.0, 1.0))
+def test_survival_unrolled_equals_the_recurrence(columns, first):
+    """The unrolled form against the recurrence it unrolls, one index at a time, on counts from none to millions."""
+    offered = torch.tensor([sorted(c, reverse=True) + [0] * (12 - len(c)) for c in columns], dtype=torch.float64)
+    hits = (offered * torch.rand(offered.shape, generator=torch.Generator().manual_seed(len(columns)),
+                                 dtype=torch.float64)).floor()
+    rate, cols = torch.full((len(columns),), first, dtype=torch.float64), []
+    for j in range(offered.shape[1]):
+        rate = (hits[:, j] + PRIOR_WEIGHT * rate) / (offered[:, j] + PRIOR_WEIGHT)
+        cols.append(rate)
+    expect = torch.stack(cols, 1).cumprod(1)
+    torch.testing.assert_close(survival(hits, offered, first), expect, rtol=1e-9, atol=1e-300)
+    per_row = torch.full((len(columns),), first, dtype=torch.float64)  # one start per leading index
+    torch.testing.assert_close(survival(hits, offered, per_row), expect, rtol=1e-9, atol=1e-300)
 
 
 def test_batch_width_weighs_every_row():

@@ -45,13 +45,14 @@ def prior_rate(max_ngram: int) -> torch.Tensor:
 def survival(hits: torch.Tensor, offered: torch.Tensor, first) -> torch.Tensor:
     """``[..., k]`` P(drafts 1..j all accepted) from counts ``[..., k]`` of draft j accepted / offered (offered only
     after drafts 1..j-1 were accepted): each index's rate from ``PRIOR_WEIGHT`` pseudo-counts at the rate before it
-    (the first at ``first``, a number or one per leading index), the rates multiplied."""
-    rate = torch.zeros_like(offered[..., 0]) + first
-    cols = []
-    for j in range(offered.shape[-1]):  # k is small: a handful of small operations
-        rate = (hits[..., j] + PRIOR_WEIGHT * rate) / (offered[..., j] + PRIOR_WEIGHT)
-        cols.append(rate)
-    return torch.stack(cols, -1).cumprod(-1) if cols else offered
+    (the first at ``first``, a number or one per leading index), the rates multiplied. The rates' recurrence
+    ``r_j = a_j + b_j r_(j-1)`` (``a_j = hits_j / (offered_j + W)``, ``b_j = W / (offered_j + W)``) is unrolled with
+    running products, ``r_j = B_j (first + sum_(i<=j) a_i / B_i)``, ``B_j = b_1 ... b_j``: a few operations, not a
+    few per index (every term is positive: nothing cancels)."""
+    weight = offered + PRIOR_WEIGHT
+    kept = (PRIOR_WEIGHT / weight).cumprod(-1)  # B_j
+    start = (torch.zeros_like(offered[..., :1]) + (first[..., None] if torch.is_tensor(first) else first))
+    return (kept * (start + (hits / weight / kept).cumsum(-1))).cumprod(-1)
 
 
 def likeliest(chance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
