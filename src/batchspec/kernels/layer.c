@@ -12,7 +12,7 @@
 #include <string.h>
 
 void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K);
-void skinny_rows(const float *x, const float *xi, long mz, const float *w, float *y, long M, long N, long K, long n0,
+void skinny_rows(const float *x, const float *xi, int fill, const float *w, float *y, long M, long N, long K, long n0,
                  long n1);
 long skinny_interleave(const float *x, float *xi, long M, long K, int fill);
 int skinny_avx512(int on);
@@ -163,8 +163,7 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
                    long q, long nh, long G, long g, long D, float scale, long lo, float *p, float *Q, float *xi) {
     long T = S + q, nq = q * G, N = T - lo;
     for (long n = 0; n < nq; n++) memcpy(Q + n * D, qb + ((n / G) * nh + g * G + n % G) * D, D * sizeof(float));
-    long mz = skinny_interleave(Q, xi, nq, D, 0);
-    skinny_rows(Q, mz ? xi : NULL, mz, K + lo * D, p, nq, N, D, 0, N);
+    skinny_rows(Q, skinny_interleave(Q, xi, nq, D, 0) ? xi : NULL, 0, K + lo * D, p, nq, N, D, 0, N);
     float inv[6], *o[6];
     int wide = D % 64 == 0 && skinny_avx512(-1);
     for (long n0 = 0, c; n0 < nq; n0 += c) {  /* queries in groups of 6, then 3, then one by one */

@@ -6,17 +6,18 @@
  * logits do not depend on how many tokens share its forward (a verification block gives the bits a decode step
  * gives).
  *
- * Rows of x go in blocks of 8, then one block of the 1-7 left (with AVX-512, 5-7 left after full blocks fill a block
- * of 8: PAD), each against a few weight rows at a time with every sum in a register: 8 x 1 weight row, 7 x 1, 6 x 2, 5
- * x 2, 4 x 2, 3 x 4, 2 x 4, 1 x 2 (at most 12 accumulators, so the x rows or the weight rows of a step stay in
- * registers too). Weight rows go to the threads in chunks of 12, so a chunk stays in L1 while each block of x rows
- * passes over it. Blocks were of 4 rows before: 5-8 rows then passed twice over each chunk, and the second pass cost
- * ~0.2-0.45 of a one-row pass from memory (the model at batch 1, a 700-token context, memory slow: a 5-token
- * verification 1.18-1.19 plain steps, 8 tokens 1.42-1.60; in one block 1.03-1.10 and 1.20-1.22); 8 rows (a decode step
- * at batch 8) took 24 ms where two blocks of 4 took 28-29.5, and 9-64 rows of the model's matrices 0.88-0.92 of the
- * time. Before that, 2 and 3 rows ran as 2 and 3 single rows, each against 2 weight rows: 3 rows then cost ~30% more
- * than 1 and ~10% more than 4. With memory slow (this machine's bandwidth varies by ~30% over minutes) most widths
- * wait on the weights alike. */
+ * Rows of x go in blocks of 8, then one block of the 1-7 left (with AVX-512, 9-16 rows in one block, ``zpass``: a
+ * whole forward of SmolLM2-135M at batch 8 verifying 1-2 / 3-6 / 7-8 / 9-16 drafts then cost 1.00-1.02 / 1.07-1.13 /
+ * 1.19-1.20 / 1.42-1.59 decode steps, in blocks of 8 and the rest 1.20-1.39 / 1.35-1.71 / 1.56-1.71 / 1.75-2.17), each
+ * against a few weight rows at a time with every sum in a register: 8 x 1 weight row, 7 x 1, 6 x 2, 5 x 2, 4 x 2, 3 x
+ * 4, 2 x 4, 1 x 2 (at most 12 accumulators, so the x rows or the weight rows of a step stay in registers too). Weight
+ * rows go to the threads in chunks of 12, so a chunk stays in L1 while each block of x rows passes over it. Blocks
+ * were of 4 rows before: 5-8 rows then passed twice over each chunk, and the second pass cost ~0.2-0.45 of a one-row
+ * pass from memory (the model at batch 1, a 700-token context, memory slow: a 5-token verification 1.18-1.19 plain
+ * steps, 8 tokens 1.42-1.60; in one block 1.03-1.10 and 1.20-1.22); 8 rows (a decode step at batch 8) took 24 ms where
+ * two blocks of 4 took 28-29.5, and 9-64 rows of the model's matrices 0.88-0.92 of the time. Before that, 2 and 3 rows
+ * ran as 2 and 3 single rows, each against 2 weight rows: 3 rows then cost ~30% more than 1 and ~10% more than 4. With
+ * memory slow (this machine's bandwidth varies by ~30% over minutes) most widths wait on the weights alike. */
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,13 +27,6 @@
  * share of a small matrix: one row of x ran ~5% slower. */
 #define AHEAD 3072
 #define CHUNK 12 /* weight rows per thread task: a multiple of every block's weight rows */
-/* With AVX-512, PAD-7 rows left after full blocks go through a block of 8 filled with zero rows (their outputs not
- * written): a later pass over a chunk already in L1 costs less as one AVX-512 block than as the AVX2 block of those
- * rows (SmolLM2-135M's matrices, 2 threads, paired runs: 13-15 rows 0.76-0.97 of the time; 12 and 20 rows 0.90-1.01,
- * 9-11 rows 1.01-1.18, and 4-7 rows alone, read from memory, 1.04-1.26: not filled). A whole forward at batch 8
- * verifying 5-7 drafts cost 1.52-1.71 decode steps, more than one verifying 8 (1.44); filled, 1.53-1.56 against
- * 1.59. */
-#define PAD 5
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -79,41 +73,50 @@ BLOCK(rows6, 6, 2)
 BLOCK(rows7, 7, 1)
 BLOCK(rows8, 8, 1)
 
-/* Blocks of 8 rows with AVX-512 (where the CPU has it), in the same order of sums: a 16-lane register holds two rows
+/* Blocks of 2P rows with AVX-512 (where the CPU has it), in the same order of sums: a 16-lane register holds two rows
  * of x (``xi``: rows 2p and 2p+1, 8 columns each, interleaved once per call) against one weight row's 8 columns
- * broadcast to both halves, so each half is one 8-lane sum of the AVX2 kernel, and its hsum is the same. 4 pairs x 6
- * weight rows: 24 sums in registers, 10 loads per 24 products (the AVX2 block of 8: 9 loads per 8 at half the
- * width). Measured on the model's matrices from memory (2 threads): 8 rows ~0.97-0.99 of the AVX2 time (both wait on
- * the weights), 16 rows 0.67-0.70, 32 rows 0.61-0.67. */
-#define ZC 6
-__attribute__((target("avx512f,avx512dq"))) static void rows8z(const float *xi, const float *x, const float *w,
-                                                               float *y, long N, long K, long n, int nw, long nr) {
-    __m512 acc[4][ZC];
-    const float *wr[ZC];
-    for (int c = 0; c < ZC; c++) {
-        wr[c] = w + (c < nw ? c : 0) * K;
-        for (int p = 0; p < 4; p++) acc[p][c] = _mm512_setzero_ps();
+ * broadcast to both halves, so each half is one 8-lane sum of the AVX2 kernel, and its hsum is the same. P pairs x C
+ * weight rows: P x C sums in registers (at most 25), P + C loads per P x C products (the AVX2 block of 8: 9 loads per
+ * 8 at half the width). Rows past ``nr`` are padding (zero rows of xi): not written. Measured on the model's matrices
+ * from memory (2 threads): 8 rows ~0.97-0.99 of the AVX2 time (both wait on the weights), 16 rows 0.67-0.70, 32 rows
+ * 0.61-0.67 as blocks of 8. */
+#define ZBLOCK(NAME, P, C)                                                                                    \
+    __attribute__((target("avx512f,avx512dq"))) static void NAME(const float *xi, const float *x, const float *w, \
+                                                                 float *y, long N, long K, long n, int nw, long nr) { \
+        __m512 acc[P][C];                                                                                     \
+        const float *wr[C];                                                                                   \
+        for (int c = 0; c < C; c++) {                                                                         \
+            wr[c] = w + (c < nw ? c : 0) * K;                                                                 \
+            for (int p = 0; p < P; p++) acc[p][c] = _mm512_setzero_ps();                                      \
+        }                                                                                                     \
+        long k = 0, K8 = K / 8;                                                                               \
+        for (; k + 8 <= K; k += 8) {                                                                          \
+            __m512 wv[C];                                                                                     \
+            for (int c = 0; c < C; c++) {                                                                     \
+                _mm_prefetch((const char *)(wr[c] + AHEAD + k), _MM_HINT_T0);                                 \
+                wv[c] = _mm512_broadcast_f32x8(_mm256_loadu_ps(wr[c] + k));                                   \
+            }                                                                                                 \
+            for (int p = 0; p < P; p++) {                                                                     \
+                __m512 xv = _mm512_loadu_ps(xi + (p * K8 + k / 8) * 16);                                      \
+                for (int c = 0; c < C; c++) acc[p][c] = _mm512_fmadd_ps(wv[c], xv, acc[p][c]);                \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int p = 0; p < P; p++)                                                                           \
+            for (int c = 0; c < nw; c++)                                                                      \
+                for (int h = 0; h < 2; h++) {                                                                 \
+                    long r = 2 * p + h;                                                                       \
+                    if (r >= nr) continue;                                                                    \
+                    float s = hsum(h ? _mm512_extractf32x8_ps(acc[p][c], 1) : _mm512_castps512_ps256(acc[p][c])); \
+                    for (long j = k; j < K; j++) s += wr[c][j] * x[r * K + j];                                \
+                    y[r * N + n + c] = s;                                                                     \
+                }                                                                                             \
     }
-    long k = 0, K8 = K / 8;
-    for (; k + 8 <= K; k += 8) {
-        __m512 xv[4];
-        for (int p = 0; p < 4; p++) xv[p] = _mm512_loadu_ps(xi + (p * K8 + k / 8) * 16);
-        for (int c = 0; c < ZC; c++) {
-            _mm_prefetch((const char *)(wr[c] + AHEAD + k), _MM_HINT_T0);
-            __m512 wv = _mm512_broadcast_f32x8(_mm256_loadu_ps(wr[c] + k));
-            for (int p = 0; p < 4; p++) acc[p][c] = _mm512_fmadd_ps(wv, xv[p], acc[p][c]);
-        }
-    }
-    for (int p = 0; p < 4; p++)
-        for (int c = 0; c < nw; c++)
-            for (int h = 0; h < 2; h++) {
-                long r = 2 * p + h;
-                if (r >= nr) continue; /* a padding row of a block filled up to 8 */
-                float s = hsum(h ? _mm512_extractf32x8_ps(acc[p][c], 1) : _mm512_castps512_ps256(acc[p][c]));
-                for (long j = k; j < K; j++) s += wr[c][j] * x[r * K + j];
-                y[r * N + n + c] = s;
-            }
-}
+
+ZBLOCK(rows8z, 4, 6)
+ZBLOCK(rows10z, 5, 4)
+ZBLOCK(rows12z, 6, 4)
+ZBLOCK(rows14z, 7, 3)
+ZBLOCK(rows16z, 8, 3)
 
 static int use_avx512 = -1;  /* -1: not asked yet */
 
@@ -136,12 +139,25 @@ int skinny_avx512(int on) {
 #define PASS(F, C, X, Y)                                                                                     \
     for (long n = n0; n < n1; n += C) F(X, w + n * K, Y, N, K, n, n1 - n < C ? (int)(n1 - n) : C)
 
-/* Rows 2p, 2p+1 of x's first M - M % 8 rows interleaved for the AVX-512 blocks into xi; with ``fill``, the last
- * M % 8 rows too when there are at least PAD of them, as a block filled up to 8 with zero rows (xi then holds M
- * rounded up to 8 rows x K floats). Returns the rows xi covers (written or padding), 0 (xi unused) where those
- * blocks do not run. */
+/* The rows of the AVX-512 pass over x's rows m .. M - 1, or 0: the rows left go to the AVX2 blocks. With ``fill``,
+ * 9-16 rows go in one pass (rounded up to even with a zero row), more in blocks of 8 until 16 or fewer are left:
+ * with 8 rows a pass waits on the weights from memory, and up to 16 rows cost little more, where a second pass over a
+ * chunk, even from L1, costs a good part of the first (the model's matrices, 2 threads: 9-15 rows 0.69-0.96 of the
+ * time of blocks of 8 and the rest; its output head over 10-16 rows 3.3-3.8 ms, over 8 rows 3.5). Past 16 rows, a
+ * first pass of 16 gained nothing (0.91-1.15 of blocks of 8, 17-48 rows). Without ``fill``, full blocks of 8 only
+ * (xi holds no padding). */
+static long zpass(long M, long m, int fill) {
+    long left = M - m;
+    if (!fill || left <= 8) return left >= 8 ? 8 : 0;
+    return left > 16 ? 8 : (left + 1) / 2 * 2;
+}
+
+/* Rows 2p, 2p+1 of x interleaved for the AVX-512 blocks into xi (``zpass``'s blocks; with ``fill``, room for M
+ * rounded up to 8 rows, the padding a zero row). Returns the rows xi covers, 0 (xi unused) where those blocks do not
+ * run. */
 long skinny_interleave(const float *x, float *xi, long M, long K, int fill) {
-    long m8 = M - M % 8, K8 = K / 8, mz = fill && m8 && M % 8 >= PAD ? m8 + 8 : m8;
+    long mz = 0, K8 = K / 8;
+    for (long w; (w = zpass(M, mz, fill)); mz += w) {}
     if (!mz || !has_avx512()) return 0;
     for (long m = 0; m < mz; m += 2)
         for (long k8 = 0; k8 < K8; k8++)
@@ -155,21 +171,28 @@ long skinny_interleave(const float *x, float *xi, long M, long K, int fill) {
     return mz;
 }
 
-/* y[:, n0:n1] = x @ w[n0:n1]^T on the calling thread (xi: from ``skinny_interleave``, covering mz rows; or NULL) */
-void skinny_rows(const float *x, const float *xi, long mz, const float *w, float *y, long M, long N, long K, long n0,
+#define ZPASS(F, C)                                                                                          \
+    for (long n = n0; n < n1; n += C)                                                                        \
+    F(xi + (m / 2) * K8 * 16, x + m * K, w + n * K, y + m * N, N, K, n, n1 - n < C ? (int)(n1 - n) : C, M - m)
+
+/* y[:, n0:n1] = x @ w[n0:n1]^T on the calling thread (xi: from ``skinny_interleave`` with the same ``fill``, or
+ * NULL) */
+void skinny_rows(const float *x, const float *xi, int fill, const float *w, float *y, long M, long N, long K, long n0,
                  long n1) {
-    long m8 = xi ? mz : M - M % 8, K8 = K / 8, rest = M > m8 ? M - m8 : 0;
-    const float *xr = x + m8 * K;
-    float *yr = y + m8 * N;
-    for (long m = 0; m < m8; m += 8) {
-        if (xi)
-            for (long n = n0; n < n1; n += ZC)
-                rows8z(xi + (m / 2) * K8 * 16, x + m * K, w + n * K, y + m * N, N, K, n,
-                       n1 - n < ZC ? (int)(n1 - n) : ZC, M - m < 8 ? M - m : 8);
-        else
-            PASS(rows8, 1, x + m * K, y + m * N);
-    }
-    switch (rest) {
+    long m = 0, K8 = K / 8;
+    if (xi)
+        for (long rows; m < M && (rows = zpass(M, m, fill)); m += rows) switch (rows) {
+                case 16: ZPASS(rows16z, 3); break;
+                case 14: ZPASS(rows14z, 3); break;
+                case 12: ZPASS(rows12z, 4); break;
+                case 10: ZPASS(rows10z, 4); break;
+                default: ZPASS(rows8z, 6); break;
+            }
+    else
+        for (; m + 8 <= M; m += 8) PASS(rows8, 1, x + m * K, y + m * N);
+    const float *xr = x + m * K;
+    float *yr = y + m * N;
+    switch (M > m ? M - m : 0) {
         case 7: PASS(rows7, 1, xr, yr); break;
         case 6: PASS(rows6, 2, xr, yr); break;
         case 5: PASS(rows5, 2, xr, yr); break;
@@ -181,14 +204,13 @@ void skinny_rows(const float *x, const float *xi, long mz, const float *w, float
 }
 
 void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K) {
-    long mz = 0, m8 = (M + 7) / 8 * 8;
-    float *xi = M >= 8 ? malloc(sizeof(float) * m8 * K) : NULL;
-    if (xi && !(mz = skinny_interleave(x, xi, M, K, 1))) {
+    float *xi = M >= 8 ? malloc(sizeof(float) * ((M + 7) / 8 * 8) * K) : NULL;  /* what xi may cover */
+    if (xi && !skinny_interleave(x, xi, M, K, 1)) {
         free(xi);
         xi = NULL;  /* the AVX2 blocks */
     }
     #pragma omp parallel for schedule(static)
     for (long n0 = 0; n0 < N; n0 += CHUNK)
-        skinny_rows(x, xi, mz, w, y, M, N, K, n0, n0 + CHUNK < N ? n0 + CHUNK : N);
+        skinny_rows(x, xi, 1, w, y, M, N, K, n0, n0 + CHUNK < N ? n0 + CHUNK : N);
     free(xi);
 }
