@@ -250,6 +250,38 @@ def test_one_slow_round_does_not_price_a_width_out_of_reach():
     assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.25 * 0.998, rel=1e-3)
 
 
+def test_a_drafter_priced_out_is_probed_on_its_own_prior():
+    """One slow round priced every size out of reach (2 plain steps a draft) and nothing would draft again to correct
+    it: after ``probe_every`` rounds that verified nothing, one round gets no costs (the drafter's own prior) and is
+    measured; while only probes draft the wait doubles, up to 8x, and a round that drafts of its own accord resets
+    it. Per kind for a drafter with kinds."""
+    p = AdaptiveLength(explore=0.0, probe_every=4)
+    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
+    p.observe(1, 0, 1, 0.010, None)
+    p.observe(1, 5, 2, 0.030, None)  # a slow minute: 2 plain steps a draft
+
+    def rounds_to_a_probe(kinds=None):
+        for n in range(100):
+            k, costs = p.drafter_length(1, 5, kinds)
+            if k and costs is None:
+                return n
+            if k and kinds and all(costs[kind] is None for kind in kinds):
+                assert costs["work"] == {kind: None for kind in kinds}
+                return n
+            if k and not kinds:
+                assert costs[1] == pytest.approx(3.0)  # priced from the slow round: the drafter verifies nothing
+            p.observe(1, 5, 1, 0.010, None)  # a round sized to nothing (or the plain step the policy asks for)
+
+    gaps = []
+    for _ in range(5):
+        gaps.append(rounds_to_a_probe())
+        p.observe(1, 5, 2, 0.030, None)  # the probe drafted, as dear as before
+    # (one more where the plain step the policy asks for every 2 x probe_every rounds fell in the probe's place)
+    assert gaps[:3] == [4, 8, 16] and all(g in (32, 33) for g in gaps[3:]), gaps
+    p.observe(1, 5, 2, 0.0105, None)  # a round drafted of its own accord
+    assert rounds_to_a_probe(("copy", "head")) == 4
+
+
 def test_drafter_costs_are_relative_to_the_plain_step_of_their_time():
     """The machine slows down 1.5x after width 6 was last run: width 6 keeps its cost relative to a plain step (2x),
     instead of looking cheap against the slower step."""
@@ -267,7 +299,7 @@ def test_stale_width_costs_are_measured_afresh():
     """A width measured while the machine was slow (3x) and not chosen since is forgotten after ``stale`` rounds
     (with its kind's line), and its next round replaces the old cost instead of averaging with it. Per kind of round,
     for a drafter with kinds: each kind's line prices only its own widths."""
-    p = AdaptiveLength(stale=10, explore=0.0)
+    p = AdaptiveLength(stale=10, explore=0.0, probe_every=100)  # no probe on the drafter's prior in between
     p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
     p.observe(1, 0, 1, 0.010, None)
     p.observe(1, 5, 3, 0.030, None, "head")  # a slow minute

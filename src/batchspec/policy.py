@@ -108,6 +108,9 @@ class AdaptiveLength:
         # a round of its base kind and width, in plain steps (``observe``'s ``work`` and ``base``)
         self.work: dict[int, dict] = {}
         self.stale, self.explore = stale, explore
+        # a drafter sizing its own rounds: rounds in a row that verified nothing, how many make a probe (doubling up to
+        # 8x while only probes draft), and whether the round being run is a probe
+        self.dry, self.dry_interval, self.probing = 0, probe_every, False
 
     # ---------------------------------------------------------------------------------------------- choose
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
@@ -144,7 +147,11 @@ class AdaptiveLength:
         different times; a width not run at this batch size yet takes the nearest size's within a third. None
         instead of the list before a plain step was measured. The plain-step measurements stay: first a round that
         drafts nothing, and again after ``2 * probe_every`` rounds that drafted (and every round that verified
-        nothing). ``step``: how much wider than the widest measured a round may be priced from the line (1: one draft
+        nothing). After ``probe_every`` rounds in a row that verified nothing, one round gets None (the drafter's own
+        prior; per kind, with kinds) and is measured: one slow round could price every size out of reach for
+        ``stale`` rounds, nothing drafting to correct it (traced at 8 rows, 0.14-0.25 plain steps a draft from a
+        first round where rounds took 0.03), while probes change nothing the wait doubles, up to 8x. ``step``: how
+        much wider than the widest measured a round may be priced from the line (1: one draft
         more per row; a drafter sizing each row of a packed round, whose "width" is 1 + the drafts verified in all:
         the rows, one draft more each). A drafter whose rounds come in kinds that cost differently (``kinds``: the
         feature-reading head's rounds that run the head, those that only copy, those that catch up on a long wait)
@@ -158,6 +165,9 @@ class AdaptiveLength:
         if self.busy >= 2 * self.probe_every:
             self.busy = 0
             return 0, None
+        if self.dry >= self.dry_interval:  # nothing verified for a while: one round on the drafter's own prior
+            self.dry, self.dry_interval, self.probing = 0, min(2 * self.dry_interval, 8 * self.probe_every), True
+            return k_max, {**dict.fromkeys(kinds, None), "work": dict.fromkeys(kinds, None)} if kinds else None
         if not kinds:
             return k_max, self._explored(rows, None, k_max, step)
         costs = {kind: self._explored(rows, kind, k_max, step) for kind in kinds}
@@ -263,9 +273,12 @@ class AdaptiveLength:
                 step = max(1 / self.drafting_rounds, self.rate_smoothing)
                 self.rate += step * ((hits + 1) / (hits + misses + 2) - self.rate)
         self.seen += 1
+        drafted = width - 1  # what the round actually verified (a drafter may propose less than k)
+        if drafted and not self.probing:  # drafting resumed: the next probe waits the shortest time again
+            self.dry_interval = self.probe_every
+        self.dry, self.probing = 0 if drafted else self.dry + 1, False
         if self.seen == 1 or self.costs is not None:  # the first round pays one-time costs (kernels, buffers)
             return
-        drafted = width - 1  # what the round actually verified (a drafter may propose less than k)
         if drafted == 0:  # a plain step (k = 0, or a drafter that sized its round to nothing)
             _ema(self.t0, rows, seconds, self.smoothing)
         else:
