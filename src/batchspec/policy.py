@@ -147,11 +147,12 @@ class AdaptiveLength:
         different times; a width not run at this batch size yet takes the nearest size's within a third. None
         instead of the list before a plain step was measured. The plain-step measurements stay: first a round that
         drafts nothing, and again after ``2 * probe_every`` rounds that drafted (and every round that verified
-        nothing). After ``probe_every`` rounds in a row that verified nothing, one round gets None (the drafter's own
-        prior; per kind, with kinds) and is measured: one slow round could price every size out of reach for
-        ``stale`` rounds, nothing drafting to correct it (traced at 8 rows, 0.14-0.25 plain steps a draft from a
-        first round where rounds took 0.03), while probes change nothing the wait doubles, up to 8x. ``step``: how
-        much wider than the widest measured a round may be priced from the line (1: one draft
+        nothing). After ``probe_every`` rounds in a row that verified nothing, one round is priced by the drafter's own
+        prior (None) up to half a draft a row (``step // 2`` drafts, at least 1; per kind, with kinds) and measured:
+        one slow round could price every size out of reach for ``stale`` rounds, nothing drafting to correct it
+        (traced at 8 rows, 0.14-0.25 plain steps a draft from a first round where rounds took 0.03); the prior's own
+        sizes could cost 1.65-1.85 plain steps where it said 1.25 (8-10 drafts at 8 rows over short contexts); while
+        probes change nothing the wait doubles, up to 8x. ``step``: how much wider than the widest measured a round may be priced from the line (1: one draft
         more per row; a drafter sizing each row of a packed round, whose "width" is 1 + the drafts verified in all:
         the rows, one draft more each). A drafter whose rounds come in kinds that cost differently (``kinds``: the
         feature-reading head's rounds that run the head, those that only copy, those that catch up on a long wait)
@@ -165,9 +166,11 @@ class AdaptiveLength:
         if self.busy >= 2 * self.probe_every:
             self.busy = 0
             return 0, None
-        if self.dry >= self.dry_interval:  # nothing verified for a while: one round on the drafter's own prior
+        if self.dry >= self.dry_interval:  # nothing verified for a while: one small round on the drafter's own prior
             self.dry, self.dry_interval, self.probing = 0, min(2 * self.dry_interval, 8 * self.probe_every), True
-            return k_max, {**dict.fromkeys(kinds, None), "work": dict.fromkeys(kinds, None)} if kinds else None
+            small = max(1, step // 2)
+            prior = [1.0] + [None if j <= small else math.inf for j in range(1, k_max + 1)]
+            return k_max, {**dict.fromkeys(kinds, prior), "work": dict.fromkeys(kinds, None)} if kinds else prior
         if not kinds:
             return k_max, self._explored(rows, None, k_max, step)
         costs = {kind: self._explored(rows, kind, k_max, step) for kind in kinds}
