@@ -292,6 +292,83 @@ def test_copy_rounds_sized_row_by_row_leave_the_head_in_step(monkeypatch):
     assert sum(packed.values()) > 3, packed  # copy rounds whose rows verified different numbers of copies
 
 
+class DepthScript(Scripted):
+    """For a drafter with kinds of rounds: plain rounds among head rounds whose plan is one draft a row wide (wider
+    head rounds dear, copy rounds dearer)."""
+
+    def __init__(self, cycle=(None, "head", "head", None, "head")):
+        super().__init__()
+        self.kinds = itertools.cycle(cycle)
+
+    def drafter_length(self, rows, k_max, kinds=None, step=1):
+        if next(self.kinds) is None:
+            return 0, None
+        one = [1.0] * (step + 1) + [9.0] * (k_max - step)  # m drafts in all: one a row (step) or fewer
+        return k_max, {"copy": [1.0] + [99.0] * k_max, "head": one, "catch-up": one}
+
+
+def _head_rounds(monkeypatch):
+    """Spy on ``EagleDrafter.propose``: a list that gets (drafts per row, verified per row) of every head round."""
+    seen, real = [], EagleDrafter.propose
+
+    def spy(self, seqs, state, k):
+        p = real(self, seqs, state, k)
+        if p.kind in ("head", "catch-up"):
+            seen.append((p.drafts.shape[1], p.n_drafts.tolist()))
+        return p
+
+    monkeypatch.setattr(EagleDrafter, "propose", spy)
+    return seen
+
+
+@pytest.mark.parametrize("sure", [0.0, 0.999, 2.0], ids=["always-sure", "sure-of-copies", "never-sure"])
+def test_head_rounds_draft_as_deep_as_the_head_is_sure_one_row(sure, monkeypatch):
+    """One row, greedy rounds sized by the drafter: a head round planned one draft wide drafts on while the head is
+    sure of its drafts (here: always, to K; of copies only; never), and stops when it is not; the output equals the
+    oracle, the invariants hold."""
+    from batchspec.drafters import eagle
+
+    monkeypatch.setattr(eagle, "DEPTH_CONFIDENCE", sure)
+    seen = _head_rounds(monkeypatch)
+    llm = batchspec.LLM(tiny.target(), draft=tiny.eagle(), num_draft_tokens=4, batch_size=1, check_invariants=True,
+                        speculation=DepthScript())
+    prompts = JOIN_PROMPTS[:6]
+    outs = llm.generate(prompts, SP(max_tokens=20))
+    assert [o.token_ids for o in outs] == _oracle(prompts, 20)
+    widths = collections.Counter(w for w, _ in seen)
+    assert all(n == [w] for w, n in seen), seen  # one row: every draft it drafted is verified
+    if sure == 0.0:
+        assert set(widths) == {4}, widths  # past the plan's one draft, to K
+    elif sure == 2.0:
+        assert set(widths) == {1}, widths
+    else:  # rounds with copies draft through them and one more: ragged across rounds
+        assert widths[1] > 2 and sum(v for w, v in widths.items() if w > 1) > 2, widths
+
+
+@needs_kernel
+@pytest.mark.parametrize("sure", [0.0, 0.999, 2.0], ids=["always-sure", "sure-of-copies", "never-sure"])
+def test_head_rounds_draft_as_deep_as_the_head_is_sure_row_by_row(sure, monkeypatch):
+    """On an fp32 Llama, whose C layer packs verification: a head round planned one draft a row wide drafts on while
+    some row is sure of its drafts, and each row verifies its drafts up to the first it is not sure of (rows with
+    copies through them and one more, the others one); every draft is still the head's prediction from the true
+    history, outputs exact, invariants held."""
+    from batchspec.drafters import eagle
+
+    monkeypatch.setattr(eagle, "DEPTH_CONFIDENCE", sure)
+    seen = _head_rounds(monkeypatch)
+    checked, wrong, _, copied, kinds = _check_drafts("continuous", monkeypatch, copy=True, policy=DepthScript(),
+                                                     dtype=torch.float32)
+    assert checked > 25 and wrong == 0, (checked, wrong)
+    assert kinds["head"] + kinds["catch-up"] > 5, kinds
+    if sure == 0.0:
+        assert all(w == 3 and n == [3] * len(n) for w, n in seen), seen
+    elif sure == 2.0:
+        assert all(w == 1 for w, _ in seen), seen
+    else:
+        assert any(w > 1 for w, _ in seen) and any(len(set(n)) > 1 for _, n in seen), seen
+        assert all(max(n) == w for w, n in seen), seen  # the round stops once no row is sure
+
+
 def test_copy_rounds_sized_row_by_row():
     """Where verification packs (``per_token``): a copy round verifies the batch's likeliest copies (the strong row
     all of its copies, the weak rows none, where one width made every row verify them), within what the runner packs;
