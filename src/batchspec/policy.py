@@ -152,14 +152,15 @@ class AdaptiveLength:
         one slow round could price every size out of reach for ``stale`` rounds, nothing drafting to correct it
         (traced at 8 rows, 0.14-0.25 plain steps a draft from a first round where rounds took 0.03); the prior's own
         sizes could cost 1.65-1.85 plain steps where it said 1.25 (8-10 drafts at 8 rows over short contexts); while
-        probes change nothing the wait doubles, up to 8x. ``step``: how much wider than the widest measured a round may be priced from the line (1: one draft
-        more per row; a drafter sizing each row of a packed round, whose "width" is 1 + the drafts verified in all:
-        the rows, one draft more each). A drafter whose rounds come in kinds that cost differently (``kinds``: the
-        feature-reading head's rounds that run the head, those that only copy, those that catch up on a long wait)
-        gets a dict: per kind, the same from that kind's own rounds and line (a kind's line only prices its own
-        widths: one catch-up round of a head on a long prompt, 3 plain steps, would otherwise price every width of
-        every kind out of reach for good), None where neither says (its own fallbacks are the drafter's to choose);
-        and under ``"work"``, per kind, what one unit of a round's extra work costs (``observe``), or None."""
+        probes change nothing the wait doubles, up to 8x. ``step``: how much wider than the widest measured a round
+        may be priced from the line (1: one draft more per row; a drafter sizing each row of a packed round, whose
+        "width" is 1 + the drafts verified in all: the rows, one draft more each). A drafter whose rounds come in kinds
+        that cost differently (``kinds``: the feature-reading head's rounds that run the head, those that only copy,
+        those that catch up on a long wait) gets a dict: per kind, the same from that kind's own rounds and line (a
+        kind's line only prices its own widths: one catch-up round of a head on a long prompt, 3 plain steps, would
+        otherwise price every width of every kind out of reach for good), None where neither says (its own fallbacks
+        are the drafter's to choose); and under ``"work"``, per kind, what one unit of a round's extra work costs
+        (``observe``), or None."""
         if self.cost(rows)[0] is None:
             return 0, None
         self.busy += 1

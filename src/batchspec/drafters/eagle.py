@@ -320,9 +320,9 @@ class EagleDrafter(Drafter):
         u = seqs.uniforms(k, DRAFT) if seqs.sampling else None
         drafts, qs, first = [], [], None
         # greedy rounds sized here: the head drafts on while a row is sure (past the plan where rows are verified one
-        # by one), and stops when none is; sure [B]: P(a row's drafts so far are right) by the head's probabilities
+        # by one), and stops when none is; sures[i] [B]: P(a row's drafts 1..i+1 are right) by the head's probabilities
         deep = u is None and self.costs is not None and DEPTH_CONFIDENCE is not None
-        sure, sures = torch.ones(len(length), device=length.device), []
+        sures = []
         for i in range(k_max if deep and (len(length) == 1 or self.per_token) else k):
             if deep and i and not bool((sures[-1] >= DEPTH_CONFIDENCE).any()):  # one host read a step
                 break
@@ -338,8 +338,8 @@ class EagleDrafter(Drafter):
                         first = torch.stack([match, n_copies, copies[:, 0], drafts[0], use.long()], 1)
                     drafts[-1] = torch.where(use & (i < n_copies), copies[:, i], drafts[-1])
                 if deep:  # (rounds are sized here only with copies)
-                    sure = sure * torch.where(use & (i < n_copies), 1.0, logits.float().softmax(-1).amax(-1))
-                    sures.append(sure)
+                    p = torch.where(use & (i < n_copies), 1.0, logits.float().softmax(-1).amax(-1))
+                    sures.append(sures[-1] * p if sures else p)
             else:  # the head's distribution spread over the whole vocabulary (zero outside the map)
                 full = logits.new_full((logits.shape[0], self.vocab), float("-inf"))
                 full[:, self.token_map] = logits

@@ -51,7 +51,7 @@ def survival(hits: torch.Tensor, offered: torch.Tensor, first) -> torch.Tensor:
     few per index (every term is positive: nothing cancels)."""
     weight = offered + PRIOR_WEIGHT
     kept = (PRIOR_WEIGHT / weight).cumprod(-1)  # B_j
-    start = (torch.zeros_like(offered[..., :1]) + (first[..., None] if torch.is_tensor(first) else first))
+    start = torch.zeros_like(offered[..., :1]) + (first[..., None] if torch.is_tensor(first) else first)
     return (kept * (start + (hits / weight / kept).cumsum(-1))).cumprod(-1)
 
 
