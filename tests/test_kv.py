@@ -288,7 +288,11 @@ def test_fused_llama_packs_rows_with_fewer_real_tokens(monkeypatch, arch):
     monkeypatch.setattr(fused, "_load", lambda: Spy())
     out = got.append(ids, counts=counts, hidden=True)
     assert rows and set(rows) == {int(counts.sum())}  # 11 rows computed, not 20
+    tokens = out.tokens()  # greedy tokens from the packed rows, before any layout of the logits
+    assert out._logits.shape[0] == int(counts.sum())
+    assert torch.equal(tokens[real], want.logits.argmax(-1)[real]) and not tokens[~real].any()
     torch.testing.assert_close(out.logits[real], want.logits[real], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out.tokens(), tokens) and torch.equal(out.logits.argmax(-1), tokens)
     torch.testing.assert_close(out.hidden[real], want.hidden[real], rtol=1e-4, atol=1e-4)
     assert (out.logits[~real] == 0).all() and (out.hidden[~real] == 0).all()
     assert torch.equal(got.valid, ref.valid) and not got.valid[:, -4:][~real].any()

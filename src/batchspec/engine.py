@@ -114,7 +114,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> Round
             u_accept, u_target = seqs.uniforms(k, ACCEPT), seqs.uniforms(k + 1, TARGET)
             accepted, bonus = parts.sample(seqs.warp(out.logits), proposal.q, drafts, n_drafts, u_accept, u_target)
         else:
-            accepted, bonus = parts.accept(out.logits.argmax(-1), drafts, n_drafts)
+            accepted, bonus = parts.accept(out.tokens(), drafts, n_drafts)
     with timer("align"):
         target.hide_tail(k + 1, accepted + 1)
         drafter.commit(batch.draft, proposal, accepted, out)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import dataclass
 from itertools import chain
 
 import torch
@@ -34,12 +33,33 @@ FEW_ROWS = 256  # up to this many rows (batch x new tokens), linear layers run a
 SLOT_SDPA = "batchspec_slot_sdpa"
 
 
-@dataclass
 class TargetOutput:
-    """A forward's result: ``logits`` ``[B, n, V]`` and, when asked for, ``hidden`` ``[B, n, H]``."""
+    """A forward's result: ``logits`` ``[B, n, V]`` and, when asked for, ``hidden`` ``[B, n, H]``; ``tokens()`` the
+    greedy token of each position ``[B, n]``.
 
-    logits: torch.Tensor
-    hidden: torch.Tensor | None = None
+    A packed forward (``counts``) computed only its real positions: ``packing`` ``(real, b, n)`` says where its
+    logits' rows go (``real``: their flat positions in ``[b, n]``). The ``[B, n, V]`` logits (padding 0) are laid
+    out only when read; ``tokens()`` takes the argmax of the real rows alone (padding's token 0)."""
+
+    def __init__(self, logits: torch.Tensor, hidden: torch.Tensor | None = None, packing: tuple | None = None):
+        self._logits, self.hidden, self._packing, self._tokens = logits, hidden, packing, None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._packing is not None:
+            self._logits, self._packing = fused_llama.unpack(self._logits, *self._packing), None
+        return self._logits
+
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            if self._packing is None:
+                self._tokens = self._logits.argmax(-1)
+            else:
+                real, b, n = self._packing
+                best = self._logits.argmax(-1)
+                self._tokens = best.new_zeros(b * n).index_copy_(0, real, best).view(b, n)
+        return self._tokens
+
 
 
 class FewRowLinear(torch.nn.Linear):

@@ -450,7 +450,7 @@ class EagleDrafter(Drafter):
             self.copy.commit(None, proposal, accepted, target)
             return
         match, n_copies, copied, head, use = proposal.match.unbind(1)
-        token = target.logits[:, 0].argmax(-1)
+        token = target.tokens()[:, 0]
         use = use.bool()
         weak = (n_copies > 0) & ~use  # copies not drafted: their first one scored all the same
         offered = torch.where(use, n_copies.clamp(max=proposal.drafts.shape[1]), weak.long())

@@ -86,10 +86,11 @@ def plan(model) -> _Plan | None:
 
 
 def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hidden=False, embeds=None, counts=None):
-    """``(logits, hidden states or None)`` of one forward over a slot cache (see ``Runner.forward``), or None where
-    this path does not apply. Reads the model's modules and weights; writes only the cache. ``counts`` ``[B]``: only
-    the first ``counts[b]`` new tokens of row b are computed (packed: the others are padding, their cache slots are
-    not written, their logits and hidden states are 0); only for all-position logits of token ids."""
+    """``(logits, hidden states or None, packing or None)`` of one forward over a slot cache (see ``Runner.forward``
+    and ``TargetOutput``), or None where this path does not apply. Reads the model's modules and weights; writes only
+    the cache. ``counts`` ``[B]``: only the first ``counts[b]`` new tokens of row b are computed (packed: the others
+    are padding, their cache slots are not written, their hidden states are 0; the logits come back as the real
+    rows alone, with ``packing`` ``(real, b, q)`` to lay them out); only for all-position logits of token ids."""
     b, q = input_ids.shape
     packed = counts is not None and logits_to_keep in (0, q) and embeds is None
     rows = int(counts.sum()) if packed else b * q
@@ -108,7 +109,7 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     first = ptr = None
     if packed:  # the real tokens, in row order: one gather
         mine = (torch.arange(q)[None, :] < counts[:, None]).flatten()
-        real, pad = mine.nonzero().squeeze(1), (~mine).nonzero().squeeze(1)
+        real = mine.nonzero().squeeze(1)
         x, cos, sin = x[real], cos[real], sin[real]
         first = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long().contiguous()
         ptr = first.data_ptr()
@@ -125,8 +126,8 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
         layer.advance(start + q)
     if packed:  # every position's states are the normed ones here (what ``hidden="all"`` asks for)
         states = inner.norm(x)
-        logits = _head(model, states)
-        return _unpack(logits, real, pad, b, q), (_unpack(states, real, pad, b, q) if hidden else None)
+        # the logits stay packed (the runner lays them out when read): the greedy tokens need only the real rows
+        return _head(model, states), (unpack(states, real, b, q) if hidden else None), (real, b, q)
     normed = inner.norm(x.view(b, q, p.hidden)) if hidden == "all" else None  # every position's states
     states = x.view(b, q, p.hidden) if normed is None else normed
     if logits_to_keep:
@@ -137,13 +138,12 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     logits = _head(model, states.reshape(b * n, p.hidden))
     if normed is not None:
         states = normed
-    return logits.view(b, n, -1), (states if hidden else None)
+    return logits.view(b, n, -1), (states if hidden else None), None
 
 
-def _unpack(flat: torch.Tensor, real: torch.Tensor, pad: torch.Tensor, b: int, q: int) -> torch.Tensor:
-    """``[b, q, ...]`` from the packed rows ``flat`` (at ``real``), padding positions 0."""
-    out = flat.new_empty((b * q, *flat.shape[1:])).index_fill_(0, pad, 0.0)
-    return out.index_copy_(0, real, flat).view(b, q, *flat.shape[1:])
+def unpack(flat: torch.Tensor, real: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """``[b, n, ...]`` from the packed rows ``flat`` (at flat positions ``real`` of ``[b, n]``), padding 0."""
+    return flat.new_zeros((b * n, *flat.shape[1:])).index_copy_(0, real, flat).view(b, n, *flat.shape[1:])
 
 
 def _head(model, flat):
