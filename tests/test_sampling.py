@@ -4,14 +4,27 @@ The distributional audit of whole engines is in test_sampling_audit.py."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import batchspec
 import tiny
-from batchspec.sampling import ACCEPT, DRAFT, TARGET, draw, uniforms, warp
+from batchspec.sampling import ACCEPT, DRAFT, TARGET, draw, greedy, uniforms, warp
 from batchspec.verify import rejection_sample
 
 SP = batchspec.SamplingParams
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 17), vocab=st.integers(1, 70000), spread=st.integers(1, 4), nans=st.integers(0, 3),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), seed=st.integers(0, 2**31))
+def test_greedy_is_argmax_with_ties_and_nans(rows, vocab, spread, nans, dtype, seed):
+    """``greedy`` (``max(-1)``, faster on CPU) picks what ``argmax`` picks: the first of tied maxima, a NaN first."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-spread, spread + 1, (rows, 2, vocab), generator=g).to(dtype)  # few values: many ties
+    logits.view(-1)[torch.randint(0, logits.numel(), (nans,), generator=g)] = float("nan")
+    assert torch.equal(greedy(logits), logits.argmax(-1))
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),

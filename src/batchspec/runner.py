@@ -28,6 +28,7 @@ from transformers.modeling_utils import AttentionInterface
 from . import graphs, kv
 from .kernels import llama as fused_llama
 from .kernels import skinny_linear
+from .sampling import greedy
 
 FEW_ROWS = 256  # up to this many rows (batch x new tokens), linear layers run as ``W @ x^T``
 SLOT_SDPA = "batchspec_slot_sdpa"
@@ -53,10 +54,10 @@ class TargetOutput:
     def tokens(self) -> torch.Tensor:
         if self._tokens is None:
             if self._packing is None:
-                self._tokens = self._logits.argmax(-1)
+                self._tokens = greedy(self._logits)
             else:
                 real, b, n = self._packing
-                best = self._logits.argmax(-1)
+                best = greedy(self._logits)
                 self._tokens = best.new_zeros(b * n).index_copy_(0, real, best).view(b, n)
         return self._tokens
 

@@ -37,6 +37,12 @@ def uniforms(seed: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tens
     return ((words[0] >> 5) * 67108864 + (words[1] >> 6)).double() / 9007199254740992.0
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension (the first maximum on ties, NaN first, as ``argmax``): ``max(-1)`` gives
+    the same indices ~3x faster on CPU (a batch-8 step's vocabulary: 0.08 ms against 0.25)."""
+    return logits.max(-1).indices
+
+
 def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
          filtering: bool = True, greedy_rows: bool = True) -> torch.Tensor:
     """Probabilities ``[B, Q, V]`` from ``logits`` with per-row ``temperature``, ``top_k`` (0: off) and ``top_p``

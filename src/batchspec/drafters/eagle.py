@@ -46,7 +46,7 @@ from transformers.models.llama import modeling_llama as hf
 from ..batch import SlotState
 from ..kv import move_rows, new_cache
 from ..runner import Runner
-from ..sampling import DRAFT, draw
+from ..sampling import DRAFT, draw, greedy
 from .base import Drafter, Proposal
 from .lookup import PRIOR_WEIGHT, PromptLookup, likeliest
 
@@ -332,7 +332,7 @@ class EagleDrafter(Drafter):
                                          embeds=self._inputs(drafts[-1][:, None], out.hidden[:, -1:]))
             logits = out.logits[:, -1]
             if u is None:
-                drafts.append(self.token_map[logits.argmax(-1)])
+                drafts.append(self.token_map[greedy(logits)])
                 if self.copy is not None:  # rows whose copies earned it draft them; the head drafts on after them
                     if not i:
                         first = torch.stack([match, n_copies, copies[:, 0], drafts[0], use.long()], 1)

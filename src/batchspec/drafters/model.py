@@ -13,7 +13,7 @@ import torch
 
 from ..batch import prefill
 from ..runner import Runner
-from ..sampling import DRAFT, draw
+from ..sampling import DRAFT, draw, greedy
 from .base import Drafter, Proposal
 
 
@@ -69,7 +69,7 @@ class ModelDrafter(Drafter):
             if i:
                 logits = state.slots.append(drafts[-1][:, None], logits_to_keep=1).logits
             if u is None:
-                drafts.append(logits[:, -1].argmax(-1))
+                drafts.append(greedy(logits[:, -1]))
             else:  # sample from the warped draft distribution, keep it for the rejection sampler
                 qs.append(seqs.warp(logits[:, -1:])[:, 0])
                 drafts.append(draw(qs[-1], u[:, i]))
