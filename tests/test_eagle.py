@@ -389,7 +389,15 @@ def test_copy_rounds_sized_row_by_row():
     d.costs = {"copy": [1 + 0.08 * m for m in range(rows * k + 1)], "head": [9.0] * (rows * k + 1)}  # per draft
     kind, width, _, n = d._plan(copies, n_copies, match, k)
     assert (kind, width, n.tolist()) == ("copy", 3, [0, 3, 0, 0])
-    d.costs["copy"] = d.costs["copy"][:3]  # the runner packs at most 2 drafts
+    d.row_value = torch.tensor([1.0, 0.1, 1.0, 1.0], dtype=torch.float64)  # the strong row far ahead: worth little
+    assert d._plan(copies, n_copies, match, k)[:2] == ("copy", 0)  # a plain step
+    d.row_value = torch.tensor([0.2, 1.6, 1.0, 1.2], dtype=torch.float64)
+    d.costs["copy"][2:] = [c + 0.3 for c in d.costs["copy"][2:]]  # past 1 draft, only the strong row's pay
+    assert d._plan(copies, n_copies, match, k)[3].tolist() == [0, 3, 0, 0]
+    d.row_value = torch.tensor([0.2, 0.1, 1.0, 3.0], dtype=torch.float64)  # a weak row's copy worth the most
+    assert d._plan(copies, n_copies, match, k)[3].tolist() == [0, 0, 0, 1]
+    d.row_value = None
+    d.costs["copy"] = [1 + 0.08 * m for m in range(3)]  # the runner packs at most 2 drafts
     assert d._plan(copies, n_copies, match, k)[3].tolist() == [0, 2, 0, 0]
     # the head right every time: a head round of width j costs its entry at rows x j (the others would be cheaper)
     d.table = torch.tensor([100.0, 100.0], dtype=torch.float64)

@@ -6,7 +6,7 @@ import torch
 
 import batchspec
 import tiny
-from batchspec import kernels, runner
+from batchspec import engine, kernels, runner
 
 
 def _visible(firsts, width):
@@ -324,10 +324,24 @@ def test_engine_with_packed_verification_stays_exact(monkeypatch):
     llm = tiny.fixed_llm(t, draft="prompt-lookup", num_draft_tokens=4, batch_size=4, check_invariants=True)
     sized, propose = [], llm.drafter.propose
     llm.drafter.propose = lambda *a: sized.append(llm.drafter.per_token) or propose(*a)
+    valued, self_sized = [], engine.Engine._self_sized
+
+    def spy_sized(self, batch, k_max):  # what each row's tokens were worth, and whether a request was waiting
+        out = self_sized(self, batch, k_max)
+        valued.append((bool(self.waiting), len(batch), self.parts.drafter.per_token, self.parts.drafter.row_value))
+        return out
+
+    monkeypatch.setattr(engine.Engine, "_self_sized", spy_sized)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=24))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 24) for p in prompts]
     assert packed and llm.stats.accepted > 0 and llm.stats.ragged_rounds > 0
     assert any(sized)  # rows were sized one by one (batches of more than one row, whose runner packs)
+    # rows are valued only where the batch runs to its last row (nothing waiting), and then unequally at times
+    assert all(v is None for waiting, _, per, v in valued if waiting and per)
+    free = [(rows, v) for waiting, rows, per, v in valued if per and not waiting]
+    assert free and all(len(v) == rows and v.mean().item() == pytest.approx(1.0) for rows, v in free)
+    assert any(per and waiting for waiting, _, per, _ in valued)  # rounds with requests waiting were seen too
+    assert any(v.std() > 0.1 for _, v in free)  # some rows were worth more than others
 
 
 @needs_kernel

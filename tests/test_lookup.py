@@ -141,6 +141,46 @@ def test_rows_sized_one_by_one_where_verification_packs():
     assert d.propose(batch, None, 5).n_drafts.tolist() == [5] * 4
 
 
+def test_rows_sized_by_what_their_tokens_are_worth():
+    """With ``row_value`` (where the batch runs to its last row), a row's drafts count at its worth: of two rows with
+    the same candidates, the one worth more drafts first; worth little, neither drafts."""
+    d = PromptLookup()
+    d.costs = [1.0] * 6
+    for _ in range(30):
+        d.commit(None, d.propose(_seqs([STRONG]), None, 5), torch.tensor([5]), None)
+    batch = _seqs([STRONG, STRONG])
+    d.per_token, d.costs = True, [1 + 0.05 * m for m in range(6)] + [9.0] * 5  # 5 drafts in all, not more
+    assert d.propose(batch, None, 5).n_drafts.tolist() == [3, 2]  # equal chances: the rows take turns
+    d.row_value = torch.tensor([0.5, 1.5], dtype=torch.float64)
+    assert d.propose(batch, None, 5).n_drafts.tolist() == [0, 5]
+    d.costs = [1 + 0.3 * m for m in range(11)]  # 5 sure drafts of a row worth 1 pay, worth 0.2 they do not
+    d.row_value = torch.ones(2, dtype=torch.float64)
+    assert d.propose(batch, None, 5).n_drafts.tolist() == [5, 5]
+    d.row_value = torch.full((2,), 0.2, dtype=torch.float64)
+    assert d.propose(batch, None, 5).n_drafts.tolist() == [0, 0]
+
+
+def test_row_values_favour_the_rows_that_finish_last():
+    """Rows as far from the end are worth 1 each; a row that will take the most rounds (tokens left at its own pace)
+    shares the step's fixed part; the values average 1."""
+    from batchspec.policy import FIXED_SHARE, row_values
+
+    def seqs(done, rounds, limit=64):
+        done = torch.tensor(done)
+        return SimpleNamespace(generated=lambda: done, rounds=torch.tensor(rounds), limit=torch.full_like(done, limit))
+
+    assert row_values(seqs([10, 10, 10], [10, 10, 10])).tolist() == pytest.approx([1.0] * 3)
+    assert row_values(seqs([0, 0], [0, 0])).tolist() == pytest.approx([1.0] * 2)  # before the first round
+    v = row_values(seqs([40, 40, 10], [20, 20, 20]))  # 12, 12 and 54 rounds left
+    assert v.mean().item() == pytest.approx(1.0)
+    assert v[2].item() == pytest.approx(1 - FIXED_SHARE + 3 * FIXED_SHARE, abs=0.01)
+    assert v[:2].tolist() == pytest.approx([1 - FIXED_SHARE] * 2, abs=0.01)
+    v = row_values(seqs([20, 20], [10, 20]))  # the same tokens left, the first row at twice the pace
+    assert v[1] > 1.4 and v[0] < 0.6
+    v = row_values(seqs([20, 21, 60], [20, 20, 20]))  # rows close to the most rounds left share the fixed part
+    assert v[0] > v[1] > 1.0 > v[2]
+
+
 def test_latest_occurrence_gives_the_candidates():
     """The suffix 5 6 occurs twice before the end, followed by 7 8 the first time and 40 41 the second: the latest
     occurrence continues."""

@@ -17,7 +17,7 @@ from .batch import Batch, InvariantError, check_invariants, prefill
 from .drafters.base import Proposal
 from .layouts.slotmask import SlotMask
 from .params import Stats
-from .policy import FixedLength
+from .policy import FixedLength, row_values
 from .sampling import ACCEPT, TARGET
 from .sequences import Sequences
 from .verify import emitted_block, greedy_accept, rejection_sample
@@ -273,6 +273,8 @@ class Engine:
             go, drafter.costs = policy.drafter_length(rows, k_max, drafter.kinds)
             return go, None
         units = min(k_max * rows, pack)
+        # with no request waiting, the batch runs until its last row is done: the rows behind are worth more
+        drafter.row_value = row_values(batch.seqs) if not self.waiting else None
         go, drafter.costs = policy.drafter_length(rows, units, drafter.kinds, step=rows)
         return min(go, k_max), units  # a policy may offer fewer than all
 

@@ -49,6 +49,25 @@ def expected_tokens(alpha: torch.Tensor, k_max: int) -> torch.Tensor:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
+FIXED_SHARE = 0.5  # share of a batch-8 step that does not grow with its rows (CPU, Spec-Bench 8 contexts: ~0.54)
+CRITICAL_SPREAD = 0.1  # rows within this share of the most rounds left count as the batch's last rows
+
+
+def row_values(seqs, fixed: float = FIXED_SHARE, spread: float = CRITICAL_SPREAD) -> torch.Tensor:
+    """``[B]`` what a token of each row is worth, 1 each on average, where the batch runs until its last row is done
+    (no request waits to take a finished row's place): a batch's remaining time is about a step's fixed share
+    (``fixed``) times the rounds its slowest row needs plus the rest of a step times every row's rounds. A token
+    saves its row one round's share of the rest, and a token of the rows that will take the most rounds to finish
+    (their tokens left at their own pace so far) also saves a share of the fixed part: the fixed part goes to the
+    rows by a softmax over rounds left, ``spread`` x the most rounds left wide. Rows equally far from the end are
+    worth 1 each (tokens per second, the value without the batch's end in view)."""
+    done = seqs.generated().double()
+    pace = (done / seqs.rounds.clamp(min=1)).clamp(min=1.0)  # tokens a round so far
+    left = (seqs.limit - done).clamp(min=0) / pace  # rounds left, if no stop token comes first
+    last = (left / (left.max() * spread).clamp(min=1.0)).softmax(0)
+    return (1 - fixed) + fixed * len(left) * last
+
+
 class AdaptiveLength:
     """Choose k in 0..K to maximise the batch's expected tokens per second (goodput, as in SmartSpec).
 

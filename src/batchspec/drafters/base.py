@@ -44,6 +44,9 @@ class Drafter:
     # (each row's slots past its own drafts are not computed), not a block of width m + 1
     packs_rows = False
     per_token = False
+    # with ``per_token``: what a token of each row is worth ``[B]`` (``policy.row_values``; 1 each on average), or
+    # None for 1 each; a row's drafts count for their expected tokens times its worth
+    row_value: torch.Tensor | None = None
     # rounds of different kinds that cost differently (the policy measures each width per kind and ``costs`` is then
     # a dict kind -> list, or None for "draft K your default way"); None: one kind. With kinds, ``costs["work"]``
     # is a dict kind -> measured cost of one unit of a round's ``work`` (``Proposal.work``) in plain steps, or None
