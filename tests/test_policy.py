@@ -288,6 +288,28 @@ def test_a_drafter_priced_out_is_probed_on_its_own_prior():
     assert rounds_to_a_probe(step=4) == 4  # rows sized one by one (4 rows): at most 2 drafts in all
 
 
+def test_plain_step_asked_for_only_when_none_came_of_itself():
+    """A drafter that sizes its rounds gets a plain step (k = 0) after 2 x ``probe_every`` rounds in a row that
+    drafted, to keep the plain step's cost fresh; a round it sized to nothing measured one already, so the count
+    starts again from there."""
+    p = AdaptiveLength(explore=0.0, probe_every=4)
+    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
+    p.observe(1, 0, 1, 0.010, None)
+
+    def plain_steps(rounds, sized_to_nothing=()):
+        asked = []
+        for n in range(rounds):
+            k, _ = p.drafter_length(1, 5)
+            if not k:
+                asked.append(n)
+            p.observe(1, k, 1 if not k or n in sized_to_nothing else 2, 0.010 if not k else 0.011, None)
+        return asked
+
+    assert plain_steps(24) == [7, 15, 23]
+    assert plain_steps(24, sized_to_nothing={5}) == [13, 21]  # 8 drafting rounds after round 5, not 7 after 23
+    assert plain_steps(24, sized_to_nothing={2, 9, 16}) == []  # never 8 in a row
+
+
 def test_drafter_costs_are_relative_to_the_plain_step_of_their_time():
     """The machine slows down 1.5x after width 6 was last run: width 6 keeps its cost relative to a plain step (2x),
     instead of looking cheap against the slower step."""

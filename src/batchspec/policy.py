@@ -165,8 +165,8 @@ class AdaptiveLength:
         seconds over the plain step's cost when each ran, so the machine's drifting speed does not skew widths run at
         different times; a width not run at this batch size yet takes the nearest size's within a third. None
         instead of the list before a plain step was measured. The plain-step measurements stay: first a round that
-        drafts nothing, and again after ``2 * probe_every`` rounds that drafted (and every round that verified
-        nothing). After ``probe_every`` rounds in a row that verified nothing, one round is priced by the drafter's own
+        drafts nothing, and again after ``2 * probe_every`` rounds in a row that drafted (every round that verified
+        nothing measures one, and the count starts again). After ``probe_every`` rounds in a row that verified nothing, one round is priced by the drafter's own
         prior (None) up to half a draft a row (``step // 2`` drafts, at least 1; per kind, with kinds) and measured:
         one slow round could price every size out of reach for ``stale`` rounds, nothing drafting to correct it
         (traced at 8 rows, 0.14-0.25 plain steps a draft from a first round where rounds took 0.03); the prior's own
@@ -304,6 +304,7 @@ class AdaptiveLength:
             return
         if drafted == 0:  # a plain step (k = 0, or a drafter that sized its round to nothing)
             _ema(self.t0, rows, seconds, self.smoothing)
+            self.busy = 0  # measured: the next plain step the policy asks for waits its whole interval again
         else:
             self.fill += self.smoothing * (drafted / k - self.fill)
             if (t0 := self.t0.get(rows)) is not None:
