@@ -166,8 +166,9 @@ class AdaptiveLength:
         different times; a width not run at this batch size yet takes the nearest size's within a third. None
         instead of the list before a plain step was measured. The plain-step measurements stay: first a round that
         drafts nothing, and again after ``2 * probe_every`` rounds in a row that drafted (every round that verified
-        nothing measures one, and the count starts again). After ``probe_every`` rounds in a row that verified nothing, one round is priced by the drafter's own
-        prior (None) up to half a draft a row (``step // 2`` drafts, at least 1; per kind, with kinds) and measured:
+        nothing measures one, and the count starts again). After ``probe_every`` rounds in a row that verified
+        nothing, one round is priced by the drafter's own prior (None) up to half a draft a row (``step // 2``
+        drafts, at least 1; per kind, with kinds) and measured:
         one slow round could price every size out of reach for ``stale`` rounds, nothing drafting to correct it
         (traced at 8 rows, 0.14-0.25 plain steps a draft from a first round where rounds took 0.03); the prior's own
         sizes could cost 1.65-1.85 plain steps where it said 1.25 (8-10 drafts at 8 rows over short contexts); while

@@ -53,14 +53,9 @@ class TargetOutput:
 
     def tokens(self) -> torch.Tensor:
         if self._tokens is None:
-            if self._packing is None:
-                self._tokens = greedy(self._logits)
-            else:
-                real, b, n = self._packing
-                best = greedy(self._logits)
-                self._tokens = best.new_zeros(b * n).index_copy_(0, real, best).view(b, n)
+            best = greedy(self._logits)
+            self._tokens = best if self._packing is None else fused_llama.unpack(best, *self._packing)
         return self._tokens
-
 
 
 class FewRowLinear(torch.nn.Linear):

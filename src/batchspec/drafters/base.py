@@ -52,6 +52,10 @@ class Drafter:
     # is a dict kind -> measured cost of one unit of a round's ``work`` (``Proposal.work``) in plain steps, or None
     kinds: tuple | None = None
 
+    def worth(self, chance: torch.Tensor) -> torch.Tensor:
+        """``[B, ...]`` each row's expected tokens ``chance`` at what its tokens are worth (``row_value``)."""
+        return chance if self.row_value is None else chance * self.row_value[:, None]
+
     def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None):
         """The state of rows starting with ``prompts`` (None for drafters that keep no per-row state). A drafter
         that ``needs_hidden`` gets the target's final hidden states at every prompt token but the last, ``[B, W,

@@ -378,9 +378,8 @@ class EagleDrafter(Drafter):
         mixed = torch.where(col < n_copies[:, None], copied, last * head[(col - n_copies[:, None]).clamp(min=0)])
         mixed = torch.where(use[:, None], mixed, head[None, :])
         per = b if self.per_token else 1  # drafts verified per unit of a head round's width
-        if per > 1 and self.row_value is not None:  # each row's expected tokens at what its tokens are worth
-            copied, mixed = copied * self.row_value[:, None], mixed * self.row_value[:, None]
         if per > 1:  # a copy round's m copies of the batch worth most: E(m), m = 0..b*k
+            copied, mixed = self.worth(copied), self.worth(mixed)  # each row's expected tokens at its worth
             gain, rank = likeliest(copied)
         else:  # one width for the batch: E(j), j = 0..k, from each column's expected accepted drafts
             gain = copied.sum(0).cumsum(0)

@@ -107,7 +107,7 @@ class PromptLookup(Drafter):
             offered = torch.arange(k, device=dev)[None, :] < n_drafts[:, None]
             chance = self.survival(k, dev)[match] * offered  # [B, k]: P(draft j of row b is accepted)
             if self.per_token:  # each row sized on its own: the batch's m drafts worth most, m = 0..B*k
-                gain, rank = likeliest(chance if self.row_value is None else chance * self.row_value[:, None])
+                gain, rank = likeliest(self.worth(chance))
                 tokens = torch.cat([chance.new_full((1,), float(b)), b + gain])  # E(m)
                 most = min(b * k, len(self.costs) - 1) if self.costs else b * k  # what the runner packs
                 m = (tokens[: most + 1] / self.round_costs(most, dev, b)).argmax()
