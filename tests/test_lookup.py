@@ -161,24 +161,29 @@ def test_rows_sized_by_what_their_tokens_are_worth():
 
 
 def test_row_values_favour_the_rows_that_finish_last():
-    """Rows as far from the end are worth 1 each; a row that will take the most rounds (tokens left at its own pace)
-    shares the step's fixed part; the values average 1."""
+    """A row that will take the most rounds (tokens left at its own pace) moves the batch's end by a round a token
+    and is worth its row's share and every row's fixed share; rows well ahead only their row's share; rows level
+    with others little more than that when their pace is sure (all of them would have to gain to move the end), about
+    a token each when it is not (the first rounds, or rows whose accepted drafts vary)."""
     from batchspec.policy import FIXED_SHARE, row_values
 
     def seqs(done, rounds, limit=64):
         done = torch.tensor(done)
         return SimpleNamespace(generated=lambda: done, rounds=torch.tensor(rounds), limit=torch.full_like(done, limit))
 
-    assert row_values(seqs([10, 10, 10], [10, 10, 10])).tolist() == pytest.approx([1.0] * 3)
-    assert row_values(seqs([0, 0], [0, 0])).tolist() == pytest.approx([1.0] * 2)  # before the first round
+    own = 1 - FIXED_SHARE  # a token's saving for its own row
+    level = row_values(seqs([10] * 3, [10] * 3))  # level rows at a sure pace of 1: 54 rounds left each
+    assert len(set(level.tolist())) == 1 and own < level[0].item() < 0.7
+    assert row_values(seqs([10] * 8, [10] * 8))[0] < level[0]  # the more rows level, the less one token moves the end
+    assert row_values(seqs([20] * 3, [10] * 3))[0] > 0.9  # level, but at a pace of 2 that varies: unsure
+    assert row_values(seqs([0, 0], [0, 0])).tolist() == pytest.approx([0.98] * 2, abs=0.01)  # before the first round
     v = row_values(seqs([40, 40, 10], [20, 20, 20]))  # 12, 12 and 54 rounds left
-    assert v.mean().item() == pytest.approx(1.0)
-    assert v[2].item() == pytest.approx(1 - FIXED_SHARE + 3 * FIXED_SHARE, abs=0.01)
-    assert v[:2].tolist() == pytest.approx([1 - FIXED_SHARE] * 2, abs=0.01)
-    v = row_values(seqs([20, 20], [10, 20]))  # the same tokens left, the first row at twice the pace
-    assert v[1] > 1.4 and v[0] < 0.6
-    v = row_values(seqs([20, 21, 60], [20, 20, 20]))  # rows close to the most rounds left share the fixed part
-    assert v[0] > v[1] > 1.0 > v[2]
+    assert v[2].item() == pytest.approx(own + 3 * FIXED_SHARE, abs=0.01)
+    assert v[:2].tolist() == pytest.approx([own] * 2, abs=0.01)
+    v = row_values(seqs([20, 20], [10, 20]), fixed=0.7)  # the same tokens left, the first row at twice the pace
+    assert v.tolist() == pytest.approx([0.3, 0.3 + 2 * 0.7], abs=0.01)
+    v = row_values(seqs([20, 21, 60], [20, 20, 20]))  # 44, 41 and 1.3 rounds left: the second close behind
+    assert v[0] > 1.5 and own + 0.02 < v[1] < 1.0 and v[2].item() == pytest.approx(own, abs=0.001)
 
 
 def test_latest_occurrence_gives_the_candidates():

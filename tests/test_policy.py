@@ -11,7 +11,7 @@ import torch
 import batchspec
 import tiny
 from batchspec import SamplingParams
-from batchspec.policy import AdaptiveLength, FixedLength, expected_tokens, get_policy, split_speculation
+from batchspec.policy import FIXED_SHARE, AdaptiveLength, FixedLength, expected_tokens, get_policy, split_speculation
 
 
 class Scripted(FixedLength):
@@ -308,6 +308,44 @@ def test_plain_step_asked_for_only_when_none_came_of_itself():
     assert plain_steps(24) == [7, 15, 23]
     assert plain_steps(24, sized_to_nothing={5}) == [13, 21]  # 8 drafting rounds after round 5, not 7 after 23
     assert plain_steps(24, sized_to_nothing={2, 9, 16}) == []  # never 8 in a row
+
+
+def test_drafter_asked_every_few_rounds_while_nothing_is_verified():
+    """After ``probe_every`` rounds in a row that verified nothing, the drafter is asked every ``look_every``-th round
+    only (the others are plain steps, without its work); a round that verifies drafts has it asked every round again."""
+    def asked(rounds, verified=()):
+        p = AdaptiveLength(explore=0.0, probe_every=4, look_every=3)
+        p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
+        p.observe(1, 0, 1, 0.010, None)
+        p.unverified, p.dry_interval = 0, 10 ** 6  # counted from here; no probes on the drafter's own prior
+        out = []
+        for n in range(rounds):
+            k, _ = p.drafter_length(1, 5)
+            if k:
+                out.append(n)
+            p.observe(1, k, 2 if k and n in verified else 1, 0.010, None)
+        return out
+
+    assert asked(16) == [0, 1, 2, 3, 6, 9, 12, 15]
+    # the round asked at 6 verified drafts: asked every round again, and (drafting resumed) 4 dry rounds later a probe
+    # on the drafter's own prior (11)
+    assert asked(16, verified={6}) == [0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 13]
+    assert AdaptiveLength(look_every=1).look_every == 1  # asked every round: the classic behaviour
+
+
+def test_fixed_share_from_plain_steps_at_two_sizes():
+    """The share of a step that does not grow with its rows: a line through plain steps at the batch's size and at
+    the smallest size measured at most half of it; the prior until there is one."""
+    p = AdaptiveLength()
+    assert p.fixed_share(8) == FIXED_SHARE and FixedLength().fixed_share(8) == FIXED_SHARE
+    p.t0 = {8: 0.031, 6: 0.030}
+    assert p.fixed_share(8) == FIXED_SHARE  # 6 rows is too close to 8 to tell
+    p.t0[3] = 0.0248
+    assert p.fixed_share(8) == pytest.approx(1 - (0.031 - 0.0248) / 5 * 8 / 0.031)
+    p.t0[1] = 0.0227  # the smallest counts
+    assert p.fixed_share(8) == pytest.approx(1 - (0.031 - 0.0227) / 7 * 8 / 0.031)
+    p.t0 = {8: 0.031, 2: 0.040}  # a slower small batch (the machine drifted): nothing grows with the rows
+    assert p.fixed_share(8) == 1.0
 
 
 def test_drafter_costs_are_relative_to_the_plain_step_of_their_time():

@@ -273,9 +273,10 @@ class Engine:
             go, drafter.costs = policy.drafter_length(rows, k_max, drafter.kinds)
             return go, None
         units = min(k_max * rows, pack)
-        # with no request waiting, the batch runs until its last row is done: the rows behind are worth more
-        drafter.row_value = row_values(batch.seqs) if not self.waiting else None
         go, drafter.costs = policy.drafter_length(rows, units, drafter.kinds, step=rows)
+        # with no request waiting, the batch runs until its last row is done: the rows behind are worth more
+        wait = self.waiting or not go  # (a round the drafter is not asked needs none)
+        drafter.row_value = None if wait else row_values(batch.seqs, policy.fixed_share(rows))
         return min(go, k_max), units  # a policy may offer fewer than all
 
     def _slot_states(self):

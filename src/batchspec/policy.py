@@ -40,6 +40,10 @@ class FixedLength:
     def observe(self, rows: int, k: int, width: int, seconds: float, values, kind=None, work=0, base=None) -> None:
         pass
 
+    def fixed_share(self, rows: int) -> float:
+        """The share of a step of ``rows`` rows that does not grow with its rows (``row_values``)."""
+        return FIXED_SHARE
+
 
 def expected_tokens(alpha: torch.Tensor, k_max: int) -> torch.Tensor:
     """``[B, k_max + 1]``: tokens a row emits in a round that drafts k tokens, when each draft is accepted with
@@ -49,23 +53,36 @@ def expected_tokens(alpha: torch.Tensor, k_max: int) -> torch.Tensor:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-FIXED_SHARE = 0.5  # share of a batch-8 step that does not grow with its rows (CPU, Spec-Bench 8 contexts: ~0.54)
-CRITICAL_SPREAD = 0.1  # rows within this share of the most rounds left count as the batch's last rows
+FIXED_SHARE = 0.5  # share of a step that does not grow with its rows, until two batch sizes were measured apart
+FIRST_PACE = 0.5  # tokens a round past the first a row is taken to gain while it has run few rounds (``SETTLED``)
+SETTLED = 4
+NARROWEST = 0.3  # the least spread of the rows' rounds left (Gumbel scale, rounds)
 
 
-def row_values(seqs, fixed: float = FIXED_SHARE, spread: float = CRITICAL_SPREAD) -> torch.Tensor:
-    """``[B]`` what a token of each row is worth, 1 each on average, where the batch runs until its last row is done
-    (no request waits to take a finished row's place): a batch's remaining time is about a step's fixed share
-    (``fixed``) times the rounds its slowest row needs plus the rest of a step times every row's rounds. A token
-    saves its row one round's share of the rest, and a token of the rows that will take the most rounds to finish
-    (their tokens left at their own pace so far) also saves a share of the fixed part: the fixed part goes to the
-    rows by a softmax over rounds left, ``spread`` x the most rounds left wide. Rows equally far from the end are
-    worth 1 each (tokens per second, the value without the batch's end in view)."""
-    done = seqs.generated().double()
-    pace = (done / seqs.rounds.clamp(min=1)).clamp(min=1.0)  # tokens a round so far
+def row_values(seqs, fixed: float = FIXED_SHARE) -> torch.Tensor:
+    """``[B]`` what a token of each row is worth, in tokens of a row, where the batch runs until its last row is done
+    (no request waits to take a finished row's place). A batch's remaining time is about a step's fixed share
+    (``fixed``) times the rounds its last row needs plus the rest of a step times every row's rounds: a token saves its
+    row one round's share of the rest (``1 - fixed``), and moves the batch's end by what it takes off the most rounds
+    left (``end``) times every row's share of the fixed part (``fixed * B``).
+
+    The rounds a row has left (its tokens left at its own pace) are uncertain by how its rounds' tokens vary (a
+    geometric count of accepted drafts: variance ``e (1 + e)`` for ``e`` extra tokens a round): the batch's end is
+    the expected maximum of the rows' rounds left under Gumbel noise of that spread, ``tau * logsumexp(left / tau)``,
+    and a token moves it by the difference one round less makes. Rows well behind the others move it by a round a
+    token; rows level with others by little, as all of them would have to gain (on the built-in prompts at 8 rows,
+    where nothing drafts much, every row is level all the way and a token saves little more than its row's share); a
+    row far ahead not at all. Rows with fewer than ``SETTLED`` rounds gain ``FIRST_PACE`` a round as far as the
+    spread goes."""
+    done, rounds = seqs.generated().double(), seqs.rounds.double()
+    pace = (done / rounds.clamp(min=1)).clamp(min=1.0)  # tokens a round so far
     left = (seqs.limit - done).clamp(min=0) / pace  # rounds left, if no stop token comes first
-    last = (left / (left.max() * spread).clamp(min=1.0)).softmax(0)
-    return (1 - fixed) + fixed * len(left) * last
+    extra = torch.where(rounds < SETTLED, FIRST_PACE, pace - 1)
+    spread = (left * extra * (1 + extra)).sqrt() / pace
+    tau = (spread.max() * math.sqrt(6) / math.pi).clamp(min=NARROWEST)  # the Gumbel scale of that spread
+    last = (left / tau).softmax(0)
+    end = -tau * torch.log1p(-last * -torch.expm1(-1 / tau))  # rounds off the expected end, one round less
+    return (1 - fixed) + fixed * len(left) * end
 
 
 class AdaptiveLength:
@@ -97,7 +114,7 @@ class AdaptiveLength:
     def __init__(self, prior_weight: float = 3.0, probe_every: int = 8, smoothing: float = 0.3,
                  initial_rate: float = 0.5, costs: tuple | None = None, decay: float = 0.7,
                  width_smoothing: float = 0.1, rate_smoothing: float = 0.05, stale: int = 200,
-                 explore: float = 0.2):
+                 explore: float = 0.2, look_every: int = 4):
         """``costs``: ``(T0, D)`` or ``(T0, F, D)`` in seconds, used for every batch size instead of measured ones
         (tests, or a machine whose costs are known). ``stale``: rounds after which a width's measured cost is
         forgotten (the next round of that width measures it afresh). ``explore``: a width's cost measured n times
@@ -130,6 +147,9 @@ class AdaptiveLength:
         # a drafter sizing its own rounds: rounds in a row that verified nothing, how many make a probe (doubling up to
         # 8x while only probes draft), and whether the round being run is a probe
         self.dry, self.dry_interval, self.probing = 0, probe_every, False
+        # rounds in a row that verified nothing (probes included); past ``probe_every`` such rounds the drafter is asked
+        # every ``look_every``-th round only
+        self.unverified, self.look_every = 0, look_every
 
     # ---------------------------------------------------------------------------------------------- choose
     def length(self, rows: int, k_max: int, sampling: bool = False) -> int:
@@ -192,6 +212,8 @@ class AdaptiveLength:
             small = max(1, step // 2)
             prior = [1.0] + [None if j <= small else math.inf for j in range(1, k_max + 1)]
             return k_max, {**dict.fromkeys(kinds, prior), "work": dict.fromkeys(kinds, None)} if kinds else prior
+        if self.unverified >= self.probe_every and self.unverified % self.look_every:
+            return 0, None  # nothing verified for a while: a plain step, without asking the drafter
         if not kinds:
             return k_max, self._explored(rows, None, k_max, step)
         costs = {kind: self._explored(rows, kind, k_max, step) for kind in kinds}
@@ -264,6 +286,17 @@ class AdaptiveLength:
         t0, line = self.t0.get(rows), _nearest(fresh, rows)
         return (t0, *(line.solve() if line is not None else (None, None)))
 
+    def fixed_share(self, rows: int) -> float:
+        """The share of a step of ``rows`` rows that does not grow with its rows: a line through the plain steps
+        measured at ``rows`` and at the smallest size measured that is at most half of it, else ``FIXED_SHARE``
+        (measured on a 2-core CPU at 8 rows: ~0.7 over the built-in prompts, ~0.54 over Spec-Bench 8's)."""
+        t, small = self.t0.get(rows), [b for b in self.t0 if 2 * b <= rows]
+        if t is None or not small:
+            return FIXED_SHARE
+        r = min(small)
+        per_row = (t - self.t0[r]) / (rows - r)
+        return min(max(1 - per_row * rows / t, 0.0), 1.0)
+
     def tokens(self, k: int) -> float:
         """Expected tokens per row for a round drafting k (from the last estimates, else the running rate)."""
         if self.expected is not None and k < len(self.expected):
@@ -301,6 +334,7 @@ class AdaptiveLength:
         if drafted and not self.probing:  # drafting resumed: the next probe waits the shortest time again
             self.dry_interval = self.probe_every
         self.dry, self.probing = 0 if drafted else self.dry + 1, False
+        self.unverified = 0 if drafted else self.unverified + 1
         if self.seen == 1 or self.costs is not None:  # the first round pays one-time costs (kernels, buffers)
             return
         if drafted == 0:  # a plain step (k = 0, or a drafter that sized its round to nothing)

@@ -44,7 +44,7 @@ class Drafter:
     # (each row's slots past its own drafts are not computed), not a block of width m + 1
     packs_rows = False
     per_token = False
-    # with ``per_token``: what a token of each row is worth ``[B]`` (``policy.row_values``; 1 each on average), or
+    # with ``per_token``: what a token of each row is worth ``[B]``, in tokens of a row (``policy.row_values``), or
     # None for 1 each; a row's drafts count for their expected tokens times its worth
     row_value: torch.Tensor | None = None
     # rounds of different kinds that cost differently (the policy measures each width per kind and ``costs`` is then
