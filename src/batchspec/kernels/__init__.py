@@ -2,8 +2,9 @@
 
 - ``skinny.c``: linear layers over a few rows. For a handful of rows MKL's fp32 products stream a large weight at
   ~6 GB/s on this project's reference CPU (AVX2); reading each weight row once for all rows, with the weights
-  prefetched ahead, streams it at ~13-14 GB/s. Rows go in register blocks of 4, 3, 2 or 1, each row summed in one
-  order whatever its block, so a token's outputs have the same bits in a verification block as in a decode step.
+  prefetched ahead, streams it at ~13-14 GB/s. Rows go in register blocks (AVX2, or two rows a register with
+  AVX-512), each row summed in one order whatever its block, so a token's outputs have the same bits in a
+  verification block as in a decode step.
 - ``layer.c``: one Llama decoder layer per call (driven by ``llama.py``), attention over visible slots only.
 - ``match.c``: prompt lookup's matching, a row at a time (``lookup_match``).
 

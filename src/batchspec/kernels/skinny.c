@@ -6,8 +6,10 @@
  * logits do not depend on how many tokens share its forward (a verification block gives the bits a decode step
  * gives).
  *
- * Rows of x go in blocks of 8, then one block of the 1-7 left (with AVX-512, 9-16 rows in one block, ``zpass``: a
- * whole forward of SmolLM2-135M at batch 8 verifying 1-2 / 3-6 / 7-8 / 9-16 drafts then cost 1.00-1.02 / 1.07-1.13 /
+ * Rows of x go in blocks of 8, then one block of the 1-7 left (with AVX-512, 4-7 rows in one block of 4, 6 or 8 and
+ * 9-16 rows in one block, ``zpass``: SmolLM2-135M at batch 1 over a 100-token context verifying 3 / 4 / 5 / 6 drafts
+ * then cost 1.11-1.13 / 1.18-1.21 / 1.19-1.22 / 1.26-1.29 decode steps, where the AVX2 blocks cost 1.15-1.19 /
+ * 1.19-1.26 / 1.26-1.30 / 1.38-1.43, and a decode step at batch 4 / 6 0.94 / 0.91 of theirs; a whole forward of SmolLM2-135M at batch 8 verifying 1-2 / 3-6 / 7-8 / 9-16 drafts then cost 1.00-1.02 / 1.07-1.13 /
  * 1.19-1.20 / 1.42-1.59 decode steps, in blocks of 8 and the rest 1.20-1.39 / 1.35-1.71 / 1.56-1.71 / 1.75-2.17), each
  * against a few weight rows at a time with every sum in a register: 8 x 1 weight row, 7 x 1, 6 x 2, 5 x 2, 4 x 2, 3 x
  * 4, 2 x 4, 1 x 2 (at most 12 accumulators, so the x rows or the weight rows of a step stay in registers too). Weight
@@ -112,6 +114,8 @@ BLOCK(rows8, 8, 1)
                 }                                                                                             \
     }
 
+ZBLOCK(rows4z, 2, 6)
+ZBLOCK(rows6z, 3, 6)
 ZBLOCK(rows8z, 4, 6)
 ZBLOCK(rows10z, 5, 4)
 ZBLOCK(rows12z, 6, 4)
@@ -140,7 +144,8 @@ int skinny_avx512(int on) {
     for (long n = n0; n < n1; n += C) F(X, w + n * K, Y, N, K, n, n1 - n < C ? (int)(n1 - n) : C)
 
 /* The rows of the AVX-512 pass over x's rows m .. M - 1, or 0: the rows left go to the AVX2 blocks. With ``fill``,
- * 9-16 rows go in one pass (rounded up to even with a zero row), more in blocks of 8 until 16 or fewer are left:
+ * 4-16 rows go in one pass (rounded up to even with a zero row), more in blocks of 8 until 16 or fewer are left
+ * (1-3 rows stay with the AVX2 blocks: as fast there, as the weights' reads bound them):
  * with 8 rows a pass waits on the weights from memory, and up to 16 rows cost little more, where a second pass over a
  * chunk, even from L1, costs a good part of the first (the model's matrices, 2 threads: 9-15 rows 0.69-0.96 of the
  * time of blocks of 8 and the rest; its output head over 10-16 rows 3.3-3.8 ms, over 8 rows 3.5). Past 16 rows, a
@@ -148,8 +153,8 @@ int skinny_avx512(int on) {
  * (xi holds no padding). */
 static long zpass(long M, long m, int fill) {
     long left = M - m;
-    if (!fill || left <= 8) return left >= 8 ? 8 : 0;
-    return left > 16 ? 8 : (left + 1) / 2 * 2;
+    if (!fill) return left >= 8 ? 8 : 0;
+    return left > 16 ? 8 : left >= 4 ? (left + 1) / 2 * 2 : 0;
 }
 
 /* Rows 2p, 2p+1 of x interleaved for the AVX-512 blocks into xi (``zpass``'s blocks; with ``fill``, room for M
@@ -186,6 +191,8 @@ void skinny_rows(const float *x, const float *xi, int fill, const float *w, floa
                 case 14: ZPASS(rows14z, 3); break;
                 case 12: ZPASS(rows12z, 4); break;
                 case 10: ZPASS(rows10z, 4); break;
+                case 6: ZPASS(rows6z, 6); break;
+                case 4: ZPASS(rows4z, 6); break;
                 default: ZPASS(rows8z, 6); break;
             }
     else
@@ -204,7 +211,7 @@ void skinny_rows(const float *x, const float *xi, int fill, const float *w, floa
 }
 
 void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K) {
-    float *xi = M >= 8 ? malloc(sizeof(float) * ((M + 7) / 8 * 8) * K) : NULL;  /* what xi may cover */
+    float *xi = M >= 4 ? malloc(sizeof(float) * ((M + 7) / 8 * 8) * K) : NULL;  /* what xi may cover */
     if (xi && !skinny_interleave(x, xi, M, K, 1)) {
         free(xi);
         xi = NULL;  /* the AVX2 blocks */
