@@ -104,7 +104,9 @@ class AdaptiveLength:
       verifies on average (``fill``: verified / offered, a moving average). The first rounds measure: k = 0, then k = 1.
     - A row's rate only updates when it drafts: after ``probe_every`` rounds in a row without drafting, one round
       drafts a single token (the interval doubles, up to 8x, while such probes change nothing); after twice as many
-      rounds in a row that drafted, one round drafts nothing (the cost of a plain step grows with the context).
+      rounds in a row that drafted, one round drafts nothing (the cost of a plain step grows with the context). A
+      drafter that sizes its own rounds and verified nothing for ``probe_every`` rounds in a row is asked every
+      ``look_every``-th round only (the others are plain steps without its work), until a round verifies drafts.
     - With temperature > 0 the length stays K: the tokens a seed yields depend on how many were drafted, and a length
       chosen from timings would make seeded outputs depend on the machine's speed.
     """
