@@ -274,9 +274,9 @@ class Engine:
             return go, None
         units = min(k_max * rows, pack)
         go, drafter.costs = policy.drafter_length(rows, units, drafter.kinds, step=rows)
-        # with no request waiting, the batch runs until its last row is done: the rows behind are worth more
-        wait = self.waiting or not go  # (a round the drafter is not asked needs none)
-        drafter.row_value = None if wait else row_values(batch.seqs, policy.fixed_share(rows))
+        # with no request waiting, the batch runs until its last row is done: the rows behind are worth more (a round
+        # the drafter is not asked needs no values)
+        drafter.row_value = row_values(batch.seqs, policy.fixed_share(rows)) if go and not self.waiting else None
         return min(go, k_max), units  # a policy may offer fewer than all
 
     def _slot_states(self):

@@ -81,7 +81,7 @@ def row_values(seqs, fixed: float = FIXED_SHARE) -> torch.Tensor:
     spread = (left * extra * (1 + extra)).sqrt() / pace
     tau = (spread.max() * math.sqrt(6) / math.pi).clamp(min=NARROWEST)  # the Gumbel scale of that spread
     last = (left / tau).softmax(0)
-    end = -tau * torch.log1p(-last * -torch.expm1(-1 / tau))  # rounds off the expected end, one round less
+    end = -tau * torch.log1p(last * torch.expm1(-1 / tau))  # rounds off the expected end, one round less
     return (1 - fixed) + fixed * len(left) * end
 
 

@@ -9,8 +9,9 @@
  * Rows of x go in blocks of 8, then one block of the 1-7 left (with AVX-512, 4-7 rows in one block of 4, 6 or 8 and
  * 9-16 rows in one block, ``zpass``: SmolLM2-135M at batch 1 over a 100-token context verifying 3 / 4 / 5 / 6 drafts
  * then cost 1.11-1.13 / 1.18-1.21 / 1.19-1.22 / 1.26-1.29 decode steps, where the AVX2 blocks cost 1.15-1.19 /
- * 1.19-1.26 / 1.26-1.30 / 1.38-1.43, and a decode step at batch 4 / 6 0.94 / 0.91 of theirs; a whole forward of SmolLM2-135M at batch 8 verifying 1-2 / 3-6 / 7-8 / 9-16 drafts then cost 1.00-1.02 / 1.07-1.13 /
- * 1.19-1.20 / 1.42-1.59 decode steps, in blocks of 8 and the rest 1.20-1.39 / 1.35-1.71 / 1.56-1.71 / 1.75-2.17), each
+ * 1.19-1.26 / 1.26-1.30 / 1.38-1.43, and a decode step at batch 4 / 6 0.94 / 0.91 of theirs; a whole forward at
+ * batch 8 verifying 1-2 / 3-6 / 7-8 / 9-16 drafts then cost 1.00-1.02 / 1.07-1.13 / 1.19-1.20 / 1.42-1.59 decode
+ * steps, in blocks of 8 and the rest 1.20-1.39 / 1.35-1.71 / 1.56-1.71 / 1.75-2.17), each
  * against a few weight rows at a time with every sum in a register: 8 x 1 weight row, 7 x 1, 6 x 2, 5 x 2, 4 x 2, 3 x
  * 4, 2 x 4, 1 x 2 (at most 12 accumulators, so the x rows or the weight rows of a step stay in registers too). Weight
  * rows go to the threads in chunks of 12, so a chunk stays in L1 while each block of x rows passes over it. Blocks
