@@ -50,8 +50,8 @@ def head_drafts(target, draft: str, refs: dict, k: int) -> dict:
     """Per set and sequence, ``[k, n]`` twice: the head's d-th draft of token t (-1 where none), teacher-forced,
     and its probability."""
     from batchspec.drafters import EagleDrafter
-    from batchspec.drafters.eagle import head_unrolled
-    from batchspec.models import resolve
+    from batchspec.model.loading import resolve
+    from batchspec.training.head import head_unrolled
 
     head = EagleDrafter.load(resolve(draft, "draft"), target, copy=False)
     out = {}

@@ -127,7 +127,7 @@ def generate(model, tok, texts: list[str], max_new: int, batch: int, topk: int, 
 
 
 def cmd_gen(args) -> None:
-    from batchspec.models import load_model, load_tokenizer
+    from batchspec.model.loading import load_model, load_tokenizer
 
     torch.set_num_threads(1)
     seed_all(args.seed)
@@ -363,7 +363,7 @@ def agreement(draft, records, pad: int, max_tokens: int = 4096) -> float:
 
 
 def cmd_train(args) -> None:
-    from batchspec.models import load_model
+    from batchspec.model.loading import load_model
 
     torch.set_num_threads(1)
     work = Path(args.work)
@@ -428,7 +428,7 @@ def cmd_train(args) -> None:
 def cmd_export(args) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from batchspec.models import load_tokenizer
+    from batchspec.model.loading import load_tokenizer
 
     work = Path(args.work)
     draft = AutoModelForCausalLM.from_pretrained(work / "draft", dtype=torch.float32)

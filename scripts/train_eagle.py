@@ -195,8 +195,8 @@ def collate(rows, seqs, feats, starts, where):
 
 
 def cmd_train(args) -> None:
-    from batchspec.drafters.eagle import build_head, head_unrolled
-    from batchspec.models import load_model
+    from batchspec.model.loading import load_model
+    from batchspec.training.head import build_head, head_unrolled
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -324,8 +324,9 @@ def portable(info):
 
 
 def cmd_export(args) -> None:
-    from batchspec.drafters.eagle import EagleDrafter, build_head
-    from batchspec.models import load_model
+    from batchspec.drafters.eagle import EagleDrafter
+    from batchspec.model.loading import load_model
+    from batchspec.training.head import build_head
 
     work, out = Path(args.work), Path(args.out)
     ck = torch.load(args.save or work / "head.pt")
@@ -341,7 +342,7 @@ def cmd_export(args) -> None:
     fc.half()
     model.generation_config.eos_token_id = target.generation_config.eos_token_id
     EagleDrafter.save(out, model, fc, ck["token_map"], portable(ck["info"]))
-    from batchspec.models import load_tokenizer
+    from batchspec.model.loading import load_tokenizer
 
     load_tokenizer(TARGET).save_pretrained(out)
     log(f"exported to {out}")
@@ -359,8 +360,8 @@ def step_costs(llm, batch_sizes=(1, 8), context: int = 256, repeats: int = 40) -
     """Measured time of one drafting step (a draft model's decode step; a head's ``fc`` and layer over one pair per
     row, with its restricted output head) against one target decode step (one token per row), both through their
     runners over caches of ``context`` positions, interleaved; medians of ``repeats`` pairs."""
-    from batchspec.kv import new_cache
-    from batchspec.runner import Runner
+    from batchspec.model.kv import new_cache
+    from batchspec.model.runner import Runner
 
     d, target = llm.drafter, llm.target
     runner, eagle = Runner(target), d.name == "eagle"
@@ -409,7 +410,7 @@ def cmd_eval(args) -> None:
     draft = args.draft
     if args.no_copy:  # the head alone, without prompt lookup's copies
         from batchspec.drafters import EagleDrafter
-        from batchspec.models import load_model, resolve
+        from batchspec.model.loading import load_model, resolve
 
         draft = EagleDrafter.load(resolve(args.draft, "draft"), load_model(TARGET, None, "cpu", "target"), copy=False)
     llm = batchspec.LLM(TARGET, draft=draft, num_draft_tokens=args.k, batch_size=args.batch_size,

@@ -17,8 +17,8 @@ import time
 import torch
 
 import batchspec
-from batchspec.batch import prefill
-from batchspec.runner import Runner
+from batchspec.engine.batch import prefill
+from batchspec.model.runner import Runner
 
 
 def main() -> None:

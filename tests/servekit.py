@@ -3,9 +3,9 @@
 import time
 
 import openai
+import tiny
 
 import batchspec
-import tiny
 
 
 def tokenizer():

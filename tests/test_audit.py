@@ -5,13 +5,13 @@ import copy
 import json
 
 import pytest
+import tiny
 import torch
 
 import batchspec
-import tiny
 from batchspec.audit import audit
 from batchspec.audit.oracle import Oracle, default_cache_dir, fingerprint
-from batchspec.faults import FAULTS, SAMPLING_FAULTS
+from batchspec.engine.faults import FAULTS, SAMPLING_FAULTS
 
 MAX_TOKENS = 32
 BATCH_SIZES = (2, 8)

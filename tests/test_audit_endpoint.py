@@ -4,10 +4,10 @@ concurrency; clean for batchspec's server, not clean (exit status 1) for a serve
 import json
 
 import pytest
-
-import batchspec
 import servekit
 import tiny
+
+import batchspec
 from batchspec.audit.endpoint import RETOKENIZED, TOKEN_IDS, EndpointClient, audit_endpoint, endpoint_markdown
 from batchspec.cli import main
 from batchspec.serve.app import create_app

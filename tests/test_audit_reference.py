@@ -5,13 +5,13 @@ import copy
 import json
 
 import pytest
+import tiny
 import torch
 
-import tiny
 from batchspec.audit import attribution as attr
 from batchspec.audit import audit, oracle
 from batchspec.audit.oracle import Oracle, fingerprint, weights_digest
-from batchspec.models import eos_ids
+from batchspec.model.loading import eos_ids
 
 MAX_TOKENS = 16
 

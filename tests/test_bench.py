@@ -2,8 +2,8 @@
 
 import json
 
-import batchspec
 import tiny
+
 from batchspec.bench import bench, parse_engine, plot, to_markdown
 from batchspec.cli import main
 
@@ -57,7 +57,7 @@ def test_bench_flags_a_faulty_engine():
 
 def test_parse_engine():
     assert parse_engine("plain", None)["draft"] is None
-    assert parse_engine("eqspec-lookup@static", None) == {"draft": "prompt-lookup", "layout": "eqspec",
+    assert parse_engine("eqspec-lookup@static", None) == {"draft": "prompt-lookup", "layout": "eqspec", "fault": None,
                                                            "scheduler": "static", "speculation": "adaptive"}
     assert parse_engine("slotmask-lookup:fixed@continuous", None)["speculation"] == "fixed"
     assert parse_engine("fault:bsp-stale-positions", "d")["speculation"] == "fixed"  # as the engines it reproduces
@@ -66,7 +66,7 @@ def test_parse_engine():
 
     with pytest.raises(ValueError, match="needs a draft"):
         parse_engine("slotmask", None)
-    with pytest.raises(ValueError, match="unknown bench engine"):
+    with pytest.raises(ValueError, match="unknown engine"):
         parse_engine("paged", None)
 
 

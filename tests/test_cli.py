@@ -3,10 +3,10 @@
 import json
 
 import pytest
+import tiny
 import torch
 
 import batchspec
-import tiny
 from batchspec.cli import main
 from batchspec.prompts import read_prompts
 

@@ -1,4 +1,4 @@
-"""The feature-reading draft head (``drafters/eagle.py``): greedy output equals HF generate at batch size 1 for every
+"""The feature-reading draft head (``drafters/eagle/``): greedy output equals HF generate at batch size 1 for every
 layout x batch size x K, with rows joining and leaving and rounds that draft nothing; its drafts are exactly what
 the head predicts from the target's features (an exact output alone would not show a drafter that drafts badly);
 sampling keeps the target's distribution although the head scores only part of the vocabulary; checkpoints round
@@ -8,25 +8,25 @@ import collections
 import inspect
 import itertools
 import json
-
 import math
 
 import pytest
+import tiny
 import torch
+from test_engine_exact import MAX_TOKENS, PROMPTS, _stop_token  # 13 prompts of 1..60 tokens, incl. 1 and 2
+from test_kv import needs_kernel
+from test_lookup import _reference
+from test_policy import Scripted
 
 import batchspec
-import tiny
 from batchspec import SamplingParams as SP
-from batchspec.batch import InvariantError, prefill
 from batchspec.drafters import EagleDrafter
-from batchspec.drafters.eagle import EagleState, head_forward, head_unrolled, is_checkpoint
-from batchspec.kv import new_cache
-from batchspec.runner import Runner
-from batchspec.schedulers import ExSpec
-from test_engine_exact import MAX_TOKENS, PROMPTS, _stop_token  # 13 prompts of 1..60 tokens, incl. 1 and 2
-from test_lookup import _reference
-from test_kv import needs_kernel
-from test_policy import Scripted
+from batchspec.drafters.eagle import EagleState, is_checkpoint
+from batchspec.engine.batch import InvariantError, prefill
+from batchspec.engine.schedulers import ExSpec
+from batchspec.model.kv import new_cache
+from batchspec.model.runner import Runner
+from batchspec.training.head import head_forward, head_unrolled
 
 JOIN_PROMPTS = tiny.prompts(13, seed=9) + [[4]]
 JOIN_MAX = [3, 25, 8, 14, 1, 20, 6, 25, 11, 2, 17, 9, 25, 5]
@@ -273,7 +273,7 @@ def test_copy_rounds_sized_row_by_row_leave_the_head_in_step(monkeypatch):
     different numbers of copies, padding not computed, the features still returned), and the head, catching up on
     the features of such rounds, still drafts its predictions from the true history; outputs exact, invariants
     held."""
-    from batchspec.kernels import llama as fused
+    from batchspec.model.kernels import llama as fused
 
     packed, real = collections.Counter(), fused.forward
 
@@ -326,7 +326,7 @@ def test_head_rounds_draft_as_deep_as_the_head_is_sure_one_row(sure, monkeypatch
     """One row, greedy rounds sized by the drafter: a head round planned one draft wide drafts on while the head is
     sure of its drafts (here: always, to K; of copies only; never), and stops when it is not; the output equals the
     oracle, the invariants hold."""
-    from batchspec.drafters import eagle
+    from batchspec.drafters.eagle import drafter as eagle
 
     monkeypatch.setattr(eagle, "DEPTH_CONFIDENCE", sure)
     seen = _head_rounds(monkeypatch)
@@ -352,7 +352,7 @@ def test_head_rounds_draft_as_deep_as_the_head_is_sure_row_by_row(sure, monkeypa
     some row is sure of its drafts, and each row verifies its drafts up to the first it is not sure of (rows with
     copies through them and one more, the others one); every draft is still the head's prediction from the true
     history, outputs exact, invariants held."""
-    from batchspec.drafters import eagle
+    from batchspec.drafters.eagle import drafter as eagle
 
     monkeypatch.setattr(eagle, "DEPTH_CONFIDENCE", sure)
     seen = _head_rounds(monkeypatch)
@@ -380,30 +380,30 @@ def test_copy_rounds_sized_row_by_row():
     d.copy._tables(k, "cpu")
     d.copy.offered[8], d.copy.hits[8] = 100.0, 97.0  # copies of 8-token matches: nearly always right
     d.copy.offered[1], d.copy.hits[1] = 100.0, 10.0
-    d.table = torch.tensor([10.0, 100.0], dtype=torch.float64)  # the head: seldom right
+    d.planner.table = torch.tensor([10.0, 100.0], dtype=torch.float64)  # the head: seldom right
     d.costs = {"copy": [1 + 0.1 * j for j in range(k + 1)], "head": [9.0] * (k + 1)}  # a column of the rectangle
-    assert d._plan(copies, n_copies, match, k)[:2] == ("copy", 3)
-    kind, width, _, n = d._plan(copies, n_copies, match, k)
+    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[:2] == ("copy", 3)
+    kind, width, _, n = d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)
     assert n.tolist() == [3] * 4  # one width: every row verifies 3
     d.per_token = True
     d.costs = {"copy": [1 + 0.08 * m for m in range(rows * k + 1)], "head": [9.0] * (rows * k + 1)}  # per draft
-    kind, width, _, n = d._plan(copies, n_copies, match, k)
+    kind, width, _, n = d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)
     assert (kind, width, n.tolist()) == ("copy", 3, [0, 3, 0, 0])
     d.row_value = torch.tensor([1.0, 0.1, 1.0, 1.0], dtype=torch.float64)  # the strong row far ahead: worth little
-    assert d._plan(copies, n_copies, match, k)[:2] == ("copy", 0)  # a plain step
+    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[:2] == ("copy", 0)  # a plain step
     d.row_value = torch.tensor([0.2, 1.6, 1.0, 1.2], dtype=torch.float64)
     d.costs["copy"][2:] = [c + 0.3 for c in d.costs["copy"][2:]]  # past 1 draft, only the strong row's pay
-    assert d._plan(copies, n_copies, match, k)[3].tolist() == [0, 3, 0, 0]
+    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[3].tolist() == [0, 3, 0, 0]
     d.row_value = torch.tensor([0.2, 0.1, 1.0, 3.0], dtype=torch.float64)  # a weak row's copy worth the most
-    assert d._plan(copies, n_copies, match, k)[3].tolist() == [0, 0, 0, 1]
+    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[3].tolist() == [0, 0, 0, 1]
     d.row_value = None
     d.costs["copy"] = [1 + 0.08 * m for m in range(3)]  # the runner packs at most 2 drafts
-    assert d._plan(copies, n_copies, match, k)[3].tolist() == [0, 2, 0, 0]
+    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[3].tolist() == [0, 2, 0, 0]
     # the head right every time: a head round of width j costs its entry at rows x j (the others would be cheaper)
-    d.table = torch.tensor([100.0, 100.0], dtype=torch.float64)
+    d.planner.table = torch.tensor([100.0, 100.0], dtype=torch.float64)
     d.costs = {"copy": [1.0] + [9.0] * rows * k, "head": [1.0] * (rows * k + 1)}
     d.costs["head"][rows:: rows] = [1.1, 9.0, 9.0]
-    assert d._plan(copies, n_copies, match, k)[:2] == ("head", 1)
+    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[:2] == ("head", 1)
 
 
 def test_copies_used_where_they_earned_it():
@@ -414,7 +414,7 @@ def test_copies_used_where_they_earned_it():
     chosen, propose = [], drafter.propose
 
     def spy(seqs, state, k):
-        head_rate = drafter._head_survival(k, seqs.length.device)[0]
+        head_rate = drafter.planner.head_survival(k, seqs.length.device)[0]
         copy_rate = drafter.copy.survival(k, seqs.length.device)[:, 0]
         proposal = propose(seqs, state, k)
         assert proposal.kind in ("head", "catch-up")  # fixed length: the head runs every round
@@ -433,7 +433,7 @@ def test_copies_used_where_they_earned_it():
     assert all(got == want for got, want, _, _ in chosen)
     assert sum(c[2] for c in chosen) > 10, "no row copied"
     assert sum(c[3] for c in chosen) > 10, "every match was copied: the rule never refused one"
-    head_hits, head_scored = drafter.table
+    head_hits, head_scored = drafter.planner.table
     assert head_scored == llm.stats.row_rounds and 0 < head_hits < head_scored
     assert 0 < drafter.copy.hits[:, 0].sum() < drafter.copy.offered[:, 0].sum()
 
@@ -446,7 +446,8 @@ def test_copy_off_and_under_sampling():
         drafter.propose = lambda seqs, state, k: seen.append(propose(seqs, state, k)) or seen[-1]
         _llm(3, 4, draft=drafter, speculation="fixed").generate(JOIN_PROMPTS, params)
         assert seen and all(p.match is None for p in seen)
-        assert drafter.table is None and (drafter.copy is None or drafter.copy.offered is None)
+        assert drafter.planner is None or drafter.planner.table is None
+        assert drafter.copy is None or drafter.copy.offered is None
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -657,42 +658,42 @@ def test_round_costs_per_kind():
     """What the policy gives per kind (measured, or that kind's line); a head width it says nothing of costs the
     copy round of that width plus the head's steps; a copy width it says nothing of, ``1 + 0.2 j``; never falling
     with the width."""
-    from batchspec.drafters.eagle import CATCH_UP_PAIR, CATCH_UP_SHARED, HEAD_STEP
+    from batchspec.drafters.eagle.plan import CATCH_UP_PAIR, CATCH_UP_SHARED, HEAD_STEP
 
     d = tiny.eagle()
     d.costs = {"copy": [1.0, 1.1, None, 1.2], "head": [1.0, None, 1.9, None]}
-    copy, head = d._round_costs(3, torch.device("cpu")).tolist()
+    copy, head = d.planner.round_costs(3, torch.device("cpu"), d.costs).tolist()
     assert copy == pytest.approx([1.0, 1.1, 1.4, 1.4])  # given, given, the prior, given (never falling)
     assert head == pytest.approx([1.0, 1.1 + HEAD_STEP, 1.9, 1.9])  # copy + head steps, given, never falling
     # after a long wait: a head round plus each waiting pair's cost as measured (whatever one catch-up round of a
     # width cost once: its wait's cost, not this one's), else CATCH_UP_PAIR, shared by CATCH_UP_SHARED rounds
     d.costs["catch-up"], d.costs["work"] = [1.0, 4.0, None, None], {"catch-up": 0.004 * CATCH_UP_SHARED}
-    assert d._round_costs(3, torch.device("cpu"), catch_up=200)[1].tolist() == pytest.approx(
+    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=200)[1].tolist() == pytest.approx(
         [1.8, 1.1 + HEAD_STEP + 0.8, 2.7, 2.7])
-    assert d._round_costs(3, torch.device("cpu"), catch_up=20)[1].tolist() == pytest.approx(
+    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=20)[1].tolist() == pytest.approx(
         [1.08, 1.1 + HEAD_STEP + 0.08, 1.98, 1.98])  # a short wait is cheap, whatever a long one cost
     d.costs["work"] = {"catch-up": None}  # none measured
     c = 2000 * CATCH_UP_PAIR / CATCH_UP_SHARED
-    assert d._round_costs(3, torch.device("cpu"), catch_up=2000)[1].tolist() == pytest.approx(
+    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=2000)[1].tolist() == pytest.approx(
         [1.0 + c, 1.1 + HEAD_STEP + c, 1.9 + c, 1.9 + c])
     # near the end, shared by no more rounds than are left (the most tokens a row may still generate)
     c2 = 2000 * CATCH_UP_PAIR / 2
-    assert d._round_costs(3, torch.device("cpu"), catch_up=2000, left=torch.tensor(2))[1].tolist() == pytest.approx(
+    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=2000, left=torch.tensor(2))[1].tolist() == pytest.approx(
         [1.0 + c2, 1.1 + HEAD_STEP + c2, 1.9 + c2, 1.9 + c2])
-    assert d._round_costs(3, torch.device("cpu"), catch_up=2000, left=torch.tensor(50))[1].tolist() == pytest.approx(
+    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=2000, left=torch.tensor(50))[1].tolist() == pytest.approx(
         [1.0 + c, 1.1 + HEAD_STEP + c, 1.9 + c, 1.9 + c])
     d.costs = {"copy": None, "head": None}  # nothing measured: the priors
-    copy, head = d._round_costs(3, torch.device("cpu")).tolist()
+    copy, head = d.planner.round_costs(3, torch.device("cpu"), d.costs).tolist()
     assert copy == pytest.approx([1.0 + 0.2 * j for j in range(4)])
     assert head == pytest.approx([1.0 + (0.2 + HEAD_STEP) * j for j in range(4)])
     # widths the policy has not let a kind explore yet (inf) stay out of reach; a head round's fallback still reads
     # the copy round's prior, and a catch-up round is a head round of its width plus its pairs
     inf = math.inf
     d.costs = {"copy": [1.0, 1.5, inf, inf], "head": [1.0, None, inf, inf], "catch-up": [1.0, inf, inf, inf]}
-    copy, head = d._round_costs(3, torch.device("cpu")).tolist()
+    copy, head = d.planner.round_costs(3, torch.device("cpu"), d.costs).tolist()
     assert copy == [1.0, 1.5, inf, inf] and head == pytest.approx([1.0, 1.5 + HEAD_STEP, inf, inf])
-    assert d._round_costs(3, torch.device("cpu"), catch_up=40)[1].tolist() == [
+    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=40)[1].tolist() == [
         pytest.approx(1.0 + 40 * CATCH_UP_PAIR / CATCH_UP_SHARED),
         pytest.approx(1.5 + HEAD_STEP + 40 * CATCH_UP_PAIR / CATCH_UP_SHARED), inf, inf]
     d.costs["copy"] = [1.0, None, inf, inf]
-    assert d._round_costs(3, torch.device("cpu"))[1].tolist() == pytest.approx([1.0, 1.2 + HEAD_STEP, inf, inf])
+    assert d.planner.round_costs(3, torch.device("cpu"), d.costs)[1].tolist() == pytest.approx([1.0, 1.2 + HEAD_STEP, inf, inf])

@@ -3,12 +3,12 @@
 import itertools
 
 import pytest
+import tiny
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import batchspec
-import tiny
 
 PROMPTS = tiny.prompts(11, seed=3) + [[7], [5, 9]]  # lengths ~1..60, incl. 1- and 2-token prompts
 MAX_TOKENS = 23  # not a multiple of K+1 for any K tested
@@ -98,7 +98,7 @@ def test_eager_attention_matches():
 def test_slotmask_compacts_and_keeps_holes():
     """Both slotmask paths run: holes stay in place for a while, and compaction happens when they pile up."""
     t, d = tiny.target("llama"), tiny.draft("llama")
-    from batchspec.layouts import SlotMask
+    from batchspec.engine.layouts import SlotMask
 
     calls = {"align": 0, "compact": 0}
     layout = SlotMask()

@@ -6,11 +6,10 @@ was aborted with tokens already streamed, a waiting one was aborted before any w
 import itertools
 
 import pytest
-
-import batchspec
-from batchspec import SamplingParams
-from batchspec.engine import Finished, StepOutput
 import tiny
+
+from batchspec import SamplingParams
+from batchspec.engine.engine import Finished, StepOutput
 
 EARLY = tiny.prompts(3, seed=21, lo=3, hi=40)
 LATE = tiny.prompts(4, seed=22, lo=1, hi=50)

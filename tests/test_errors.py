@@ -1,10 +1,10 @@
 """Bad input gives a clear error and nothing else is lost."""
 
 import pytest
+import tiny
 import torch
 
 import batchspec
-import tiny
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
 """The invariant checker: silent on correct runs, and it names the right invariant when a state is corrupted."""
 
 import pytest
+import tiny
 import torch
 
 import batchspec
-import tiny
-from batchspec.batch import InvariantError, check_invariants, compact_index, prefill
+from batchspec.engine.batch import InvariantError, check_invariants, compact_index, prefill
 
 
 def _state(prompts):

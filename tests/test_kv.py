@@ -1,13 +1,15 @@
 """The model runner's CPU fast paths: few-row linear layers and attention split into runs of rows, the C kernels."""
 
 import inspect
+
 import pytest
+import tiny
 import torch
 
 import batchspec
-import tiny
-from batchspec import engine, kernels, runner
-from batchspec.policy import FixedLength
+from batchspec.engine import engine
+from batchspec.model import kernels, runner
+from batchspec.speculation import FixedLength
 
 
 def _visible(firsts, width):
@@ -182,7 +184,7 @@ def test_skinny_kernel_builds_into_the_cache_dir(tmp_path, monkeypatch):
 
 def _spy_on_fused(monkeypatch) -> list[bool]:
     """Record, per forward, whether the fused Llama path ran (True) or declined (False)."""
-    from batchspec.kernels import llama as fused
+    from batchspec.model.kernels import llama as fused
 
     calls = []
     real = fused.forward
@@ -198,7 +200,7 @@ def _spy_on_fused(monkeypatch) -> list[bool]:
 
 def _ragged_state(model, seed):
     """A left-padded batch of prompts of 1-30 tokens, with one hidden (rejected) slot in the middle of one row."""
-    from batchspec.batch import prefill
+    from batchspec.engine.batch import prefill
 
     st = prefill(runner.Runner(model), tiny.prompts(5, seed=seed, lo=1, hi=30))
     st.append(torch.tensor([[3, 4]] * 5), torch.tensor([[True, True]] * 3 + [[False, True]] * 2))
@@ -228,7 +230,7 @@ def test_fused_llama_layer_matches_the_model(monkeypatch, q, arch):
     """One forward through the C layers equals the model's own forward (fp32): logits and every cached key/value,
     over ragged rows, a hidden slot, and a hidden new slot. Heads of 8 and of 128 dimensions (two register blocks);
     widths that are not multiples of 8 and heads x head_dim != hidden (like the default draft's 162)."""
-    from batchspec.kernels import llama as fused
+    from batchspec.model.kernels import llama as fused
 
     t = {"tiny": lambda: tiny.target(dtype=torch.float32), "wide": lambda: _llama(128, 128, 2, 256),
          "odd": lambda: _llama(36, 16, 2, 76)}[arch]()
@@ -263,7 +265,7 @@ def test_fused_llama_packs_rows_with_fewer_real_tokens(monkeypatch, arch):
     logits, final hidden states (asked for by a drafter that reads the target's features) and cached keys/values
     equal the model's own forward over the whole rectangle; the padding slots are hidden, their logits and states
     0."""
-    from batchspec.kernels import llama as fused
+    from batchspec.model.kernels import llama as fused
 
     t = {"tiny": lambda: tiny.target(dtype=torch.float32), "odd": lambda: _llama(36, 16, 2, 76)}[arch]()
     ids = torch.tensor([[5, 6, 7, 8]] * 5)
@@ -307,7 +309,7 @@ def test_fused_llama_packs_rows_with_fewer_real_tokens(monkeypatch, arch):
 def test_engine_with_packed_verification_stays_exact(monkeypatch):
     """Prompt lookup on an fp32 Llama: rows propose different numbers of drafts, so verification blocks are packed
     (only real tokens computed); the output equals the oracle, with the invariants checked each round."""
-    from batchspec.kernels import llama as fused
+    from batchspec.model.kernels import llama as fused
 
     t = tiny.target(dtype=torch.float32)
     packed = []
@@ -371,7 +373,7 @@ def test_fused_llama_avx512_gives_the_avx2_bits(q):
 
 
 def test_fused_llama_declines_what_it_does_not_cover(monkeypatch):
-    from batchspec.kernels import llama as fused
+    from batchspec.model.kernels import llama as fused
 
     assert fused.plan(tiny.target()) is None  # float64
     assert fused.plan(tiny.target("qwen3", dtype=torch.float32)) is None  # other architecture
@@ -383,7 +385,6 @@ def test_fused_llama_declines_what_it_does_not_cover(monkeypatch):
 def test_engine_with_fused_llama_stays_exact(monkeypatch):
     """fp32 Llama target and draft, every few-token forward through the C layers: output equals the oracle for both
     layouts, with the invariants checked each round."""
-    from batchspec.kernels import llama as fused
 
     t, d = tiny.target(dtype=torch.float32), tiny.draft(dtype=torch.float32)
     calls = _spy_on_fused(monkeypatch)
@@ -401,7 +402,7 @@ def test_select_rows_moves_rows_into_place(rows):
     """``kv.select_rows`` makes ``new[i] = old[rows[i]]`` in every layer: rows moving from the tail into the places of
     leaving ones are copied row by row in place; orders where a row would be read after it was written (a
     permutation) take the gathered copy."""
-    from batchspec import kv
+    from batchspec.model import kv
 
     g = torch.Generator().manual_seed(0)
     cache = kv.SlotCache(2)
@@ -419,7 +420,7 @@ def test_select_rows_moves_rows_into_place(rows):
 def test_move_rows_is_indexing(rows):
     """``kv.move_rows(t, rows)`` equals ``t[rows]``: in place (a view of t's first rows) where rows only move from the
     tail into the places of leaving ones, a gathered copy otherwise."""
-    from batchspec import kv
+    from batchspec.model import kv
 
     t = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(1))
     want = t[rows].clone()

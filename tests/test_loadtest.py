@@ -4,8 +4,8 @@ load shedding (429) that loses no accepted request."""
 import json
 
 import pytest
-
 import servekit
+
 from batchspec.cli import main
 from batchspec.serve.app import create_app
 from batchspec.serve.loadtest import LoadConfig, in_flight_at_arrival, percentiles, run_load, write_report

@@ -6,15 +6,15 @@ from types import SimpleNamespace
 from unittest import mock
 
 import pytest
+import tiny
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchspec
-import tiny
-from batchspec import kernels
 from batchspec.drafters import PromptLookup, lookup
 from batchspec.drafters.lookup import PRIOR_WEIGHT, survival
+from batchspec.model import kernels
 
 
 def _seqs(rows, sampling=False):
@@ -165,7 +165,7 @@ def test_row_values_favour_the_rows_that_finish_last():
     and is worth its row's share and every row's fixed share; rows well ahead only their row's share; rows level
     with others little more than that when their pace is sure (all of them would have to gain to move the end), about
     a token each when it is not (the first rounds, or rows whose accepted drafts vary)."""
-    from batchspec.policy import FIXED_SHARE, row_values
+    from batchspec.speculation.row_values import FIXED_SHARE, row_values
 
     def seqs(done, rounds, limit=64):
         done = torch.tensor(done)

@@ -1,9 +1,9 @@
 """Audit metrics, margin classification and signature rules on hand-made sequences."""
 
 import pytest
+import tiny
 import torch
 
-import tiny
 from batchspec.audit import attribution as attr
 from batchspec.audit import metrics as m
 

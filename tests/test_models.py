@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import batchspec.models as models
-from batchspec import kv
+import batchspec.model.loading as models
 from batchspec.data import builtin_prompts, builtin_records
+from batchspec.model import kv
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 96
@@ -230,8 +229,8 @@ def test_builtin_prompts():
                     "translation", "summarization", "qa", "math_reasoning", "rag"}
     assert all(set(r) == {"question_id", "category", "turns"} and len(r["turns"]) == 1 for r in recs)
     # the CLI reads the same file format
-    from batchspec.prompts import read_prompts
     from batchspec.data import PROMPTS_FILE
+    from batchspec.prompts import read_prompts
 
     assert read_prompts(PROMPTS_FILE) == pairs
 

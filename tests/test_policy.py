@@ -6,12 +6,14 @@ import math
 import random
 
 import pytest
+import tiny
 import torch
 
 import batchspec
-import tiny
 from batchspec import SamplingParams
-from batchspec.policy import FIXED_SHARE, AdaptiveLength, FixedLength, expected_tokens, get_policy, split_speculation
+from batchspec.engine.names import split_speculation
+from batchspec.speculation import AdaptiveLength, FixedLength, expected_tokens, get_policy
+from batchspec.speculation.row_values import FIXED_SHARE
 
 
 class Scripted(FixedLength):
@@ -427,8 +429,9 @@ def test_changing_lengths_keep_the_sampling_distribution():
     """Speculative sampling with lengths that change every round (0..3; the adaptive policy keeps K when sampling,
     so this covers any length policy): the first three tokens follow the exact distribution of plain sampling
     (chi-square at 1e-4; the same test rejects an injected sampler fault)."""
-    from batchspec.audit.distribution import compare, exact_distribution
     from test_sampling_audit import small_draft, small_target
+
+    from batchspec.audit.distribution import compare, exact_distribution
 
     t = small_target()
     prompt, n = [3, 9, 14, 2, 7, 1, 18, 11], 3

@@ -1,4 +1,4 @@
-"""``batchspec.ray`` on a local 2-CPU Ray: outputs equal batch-size-1 greedy decoding (the HF ``generate`` oracle) for
+"""``batchspec.integrations.ray`` on a local 2-CPU Ray: outputs equal batch-size-1 greedy decoding (the HF ``generate`` oracle) for
 any number of workers and block size, ids and order survive, per-row sampling columns apply, JSONL / Parquet round
 trips, ``generate --ray``, a worker killed mid-run, and the one-line error without Ray."""
 
@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray  # installed by scripts/setup (the ray extra): these tests must run, not skip
+import tiny
 
 import batchspec
-import tiny
-from batchspec import ray as bray
 from batchspec.cli import main
+from batchspec.integrations import ray as bray
 
 TESTS = str(Path(__file__).resolve().parent)
 MODELS = {"target": tiny.target, "draft": tiny.draft, "num_draft_tokens": 3, "batch_size": 3, "speculation": "fixed"}

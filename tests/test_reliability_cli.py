@@ -3,11 +3,11 @@ devices and model paths are refused at once with one line and exit status 2, bef
 
 import numpy as np
 import pytest
+import tiny
 import torch
 
 import batchspec
-import batchspec.models as models
-import tiny
+import batchspec.model.loading as models
 from batchspec.cli import main
 
 

@@ -5,13 +5,12 @@ count what was emitted. Each test fails on commit c74d2e9 (the code before the r
 import copy
 
 import pytest
+import tiny
 import torch
 from transformers import GPT2LMHeadModel
 
-import batchspec
 from batchspec import SamplingParams
 from batchspec.params import RequestOutput
-import tiny
 
 K = 3
 

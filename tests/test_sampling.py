@@ -3,15 +3,15 @@
 The distributional audit of whole engines is in test_sampling_audit.py."""
 
 import pytest
+import tiny
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import batchspec
-import tiny
-from batchspec.sampling import ACCEPT, DRAFT, TARGET, draw, greedy, uniforms, warp
-from batchspec.verify import rejection_sample
+from batchspec.engine.sampling import ACCEPT, DRAFT, TARGET, draw, greedy, uniforms, warp
+from batchspec.engine.verify import rejection_sample
 
 SP = batchspec.SamplingParams
 

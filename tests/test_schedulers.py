@@ -3,10 +3,10 @@
 import itertools
 
 import pytest
+import tiny
 
 import batchspec
-from batchspec.schedulers import ExSpec
-import tiny
+from batchspec.engine.schedulers import ExSpec
 
 PROMPTS = tiny.prompts(13, seed=9) + [[4]]
 MAX = [3, 25, 8, 14, 1, 20, 6, 25, 11, 2, 17, 9, 25, 5]

@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
 import servekit
 import tiny
+
 from batchspec.serve.app import create_app
 from batchspec.serve.protocol import TextStream
 from batchspec.serve.server import ServerThread

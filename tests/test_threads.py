@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 
 import batchspec
-from batchspec import SamplingParams, kernels
-import tiny
+from batchspec import SamplingParams
+from batchspec.model import kernels
 
 SRC = Path(batchspec.__file__).parent
 ENV = "TRANSFORMERS_SDPA_FORCE_GQA"

@@ -1,14 +1,14 @@
 """Hand-built cases for the round's pieces: greedy acceptance, the emitted block, cutting at stop tokens and limits,
 slot buffers (append in place, hide, compact), and the running batch's row operations."""
 
+import tiny
 import torch
 
-import tiny
-from batchspec.batch import Batch, SlotState, compact_index, prefill
-from batchspec.engine import Request
-from batchspec.runner import Runner
-from batchspec.sequences import Sequences
-from batchspec.verify import emitted_block, greedy_accept
+from batchspec.engine.batch import Batch, SlotState, compact_index, prefill
+from batchspec.engine.engine import Request
+from batchspec.engine.sequences import Sequences
+from batchspec.engine.verify import emitted_block, greedy_accept
+from batchspec.model.runner import Runner
 
 T = torch.tensor
 

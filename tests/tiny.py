@@ -134,7 +134,7 @@ def eagle_head(arch: str = "llama", dtype=torch.float64, vocab: int = 80, steps:
 @functools.lru_cache(maxsize=None)
 @torch.enable_grad()
 def _eagle_head(arch, dtype, vocab, steps):
-    from batchspec.drafters.eagle import build_head, head_forward
+    from batchspec.training.head import build_head, head_forward
 
     t = target(arch)
     g = torch.Generator().manual_seed(5)

@@ -9,17 +9,18 @@ import time
 
 import torch
 
-from . import kv
 from .drafters import EagleDrafter, ModelDrafter, NoDrafter, PromptLookup
 from .drafters.eagle import is_checkpoint as is_eagle
-from .engine import Engine, Parts, Request
-from .faults import apply_fault
-from .layouts import get_layout
-from .models import context_length, eos_ids, load_model, load_tokenizer, resolve, vocab_size
+from .engine.engine import Engine, Parts, Request
+from .engine.faults import apply_fault
+from .engine.layouts import get_layout
+from .engine.schedulers import get_scheduler
+from .model import kv
+from .model.loading import context_length, eos_ids, load_model, load_tokenizer, resolve, vocab_size
+from .model.runner import Runner
 from .params import RequestOutput, SamplingParams, Stats
-from .policy import get_policy
-from .runner import Runner
-from .schedulers import get_scheduler
+from .progress import Progress
+from .speculation import get_policy
 
 
 class LLM:
@@ -189,19 +190,18 @@ class LLM:
             return []
         ids, requests = self.requests(prompts, sampling_params)
         results: list[RequestOutput | None] = [None] * len(ids)
-        bar = _progress(progress, len(ids))
         engine = self.engine()
         for r in requests:
             engine.add_request(r)
         t0 = time.perf_counter()
         try:
-            while engine.has_work():
-                for o in engine.step():
-                    if on_tokens is not None and (o.new_token_ids or o.finished):
-                        on_tokens(o.request_id, o.new_token_ids, o.finished is not None)
-                    if o.finished is not None:
-                        results[o.request_id] = self.output(ids[o.request_id], o.finished)
-                        if bar:
+            with Progress(progress, len(ids), "generating") as bar:
+                while engine.has_work():
+                    for o in engine.step():
+                        if on_tokens is not None and (o.new_token_ids or o.finished):
+                            on_tokens(o.request_id, o.new_token_ids, o.finished is not None)
+                        if o.finished is not None:
+                            results[o.request_id] = self.output(ids[o.request_id], o.finished)
                             bar.advance()
         except BaseException as exc:
             engine.reset()
@@ -212,8 +212,6 @@ class LLM:
             raise
         finally:
             self.stats.total += time.perf_counter() - t0
-            if bar:
-                bar.close()
         return results
 
 
@@ -233,25 +231,3 @@ def _token_id(t, prompt: int) -> int:
             return int(t)
         raise ValueError(f"prompt {prompt} has token {t!r} of type {type(t).__name__}; token ids are integers")
     return int(t)
-
-
-class _progress:
-    """A rich progress bar over requests (a no-op object when disabled)."""
-
-    def __new__(cls, enabled: bool, total: int):
-        if not enabled:
-            return None
-        return super().__new__(cls)
-
-    def __init__(self, enabled, total):
-        from rich.progress import Progress
-
-        self.p = Progress(transient=True)
-        self.p.start()
-        self.task = self.p.add_task("generating", total=total)
-
-    def advance(self):
-        self.p.advance(self.task)
-
-    def close(self):
-        self.p.stop()

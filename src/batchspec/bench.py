@@ -25,17 +25,17 @@ Definitions:
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .audit.oracle import greedy_generate
-from .models import eos_ids
-from .policy import split_speculation
+from .engine.names import parse_engines
+from .model.loading import eos_ids
+from .progress import Progress
 
 
 @dataclass
@@ -59,25 +59,16 @@ class BenchRow:
     vs_plain_range: list | None = None  # [min, max] of those ratios
 
 
-def parse_engine(name: str, draft, speculation: str = "adaptive"):
-    base, _, scheduler = name.partition("@")
-    scheduler = scheduler or "static"
-    base, chosen = split_speculation(base)
-    if base.startswith("fault:"):
-        if draft is None:
-            raise ValueError(f"engine {name!r} needs a draft model (--draft)")
-        return dict(draft=draft, layout="eqspec", scheduler=scheduler, fault=base.removeprefix("fault:"),
-                    speculation=chosen or "fixed")
-    if base == "plain":
-        return dict(draft=None, layout="slotmask", scheduler=scheduler, speculation="fixed")
-    layout, _, drafter = base.partition("-")
-    if layout not in ("slotmask", "eqspec") or drafter not in ("", "lookup"):
-        raise ValueError(f"unknown bench engine {name!r}; e.g. plain, slotmask, eqspec, slotmask-lookup, "
-                         "slotmask:fixed, slotmask@continuous")
-    if drafter == "" and draft is None:
+def parse_engine(name: str, draft, speculation: str = "adaptive") -> dict:
+    """The ``LLM`` arguments of the engine ``name`` (grammar: ``engine.names``), given the run's ``draft``."""
+    specs = parse_engines([name])
+    if len(specs) != 1:
+        raise ValueError(f"engine {name!r} names several engines; list them one by one")
+    spec = specs[0]
+    if spec.drafter == "draft" and draft is None:
         raise ValueError(f"engine {name!r} needs a draft model (--draft)")
-    return dict(draft="prompt-lookup" if drafter else draft, layout=layout, scheduler=scheduler,
-                speculation=chosen or speculation)
+    return dict(draft=spec.draft(draft), layout=spec.layout, scheduler=spec.scheduler, fault=spec.fault,
+                speculation=spec.policy(speculation))
 
 
 def hf_generate(model, prompts, max_tokens, stops, batch_size):
@@ -124,72 +115,72 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
     if isinstance(draft, str) and any(s["draft"] is draft for s in specs.values()):
         draft = shared_draft(draft, model)  # load once, share between engines
         specs = {e: parse_engine(e, draft, speculation) for e in engines}
-    bar = _Bar(progress, 1 + (sum(b != 1 for b in batch_sizes) if hf else 0) + repeats * len(batch_sizes))
-    params = batchspec.SamplingParams(max_tokens=max_tokens)
-    rows, hf_tps, plain = [], {}, {}
-    oracle, secs = hf_generate(model, ids, max_tokens, stops, 1)
-    n_oracle = sum(map(len, oracle))
-    hf_tps[1] = n_oracle / secs
-    rows.append(BenchRow("hf", 1, n_oracle, secs, hf_tps[1], 1.0, 1.0, exact_match=1.0))
-    bar.advance()
-    if hf:
+    total = 1 + (sum(b != 1 for b in batch_sizes) if hf else 0) + repeats * len(batch_sizes)
+    with Progress(progress, total, "benchmarking") as bar:
+        params = batchspec.SamplingParams(max_tokens=max_tokens)
+        rows, hf_tps, plain = [], {}, {}
+        oracle, secs = hf_generate(model, ids, max_tokens, stops, 1)
+        n_oracle = sum(map(len, oracle))
+        hf_tps[1] = n_oracle / secs
+        rows.append(BenchRow("hf", 1, n_oracle, secs, hf_tps[1], 1.0, 1.0, exact_match=1.0))
+        bar.advance()
+        if hf:
+            for bs in batch_sizes:
+                if bs == 1:
+                    continue
+                outs, secs = hf_generate(model, ids, max_tokens, stops, bs)
+                n = sum(map(len, outs))
+                hf_tps[bs] = n / secs
+                exact = sum(o == r for o, r in zip(outs, oracle)) / len(ids)
+                rows.append(BenchRow("hf", bs, n, secs, hf_tps[bs], hf_tps[bs] / hf_tps[1], 1.0, exact_match=exact))
+                bar.advance()
         for bs in batch_sizes:
-            if bs == 1:
-                continue
-            outs, secs = hf_generate(model, ids, max_tokens, stops, bs)
-            n = sum(map(len, outs))
-            hf_tps[bs] = n / secs
-            exact = sum(o == r for o, r in zip(outs, oracle)) / len(ids)
-            rows.append(BenchRow("hf", bs, n, secs, hf_tps[bs], hf_tps[bs] / hf_tps[1], 1.0, exact_match=exact))
-            bar.advance()
-    for bs in batch_sizes:
-        llms = {name: batchspec.LLM(model, draft=spec["draft"], tokenizer=tokenizer, num_draft_tokens=num_draft_tokens,
-                                    layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs,
-                                    fault=spec.get("fault"), speculation=spec["speculation"],
-                                    profile=True)  # exact stage seconds on CUDA too
-                for name, spec in specs.items()}
-        for llm in llms.values():  # warm-up: kernels, buffers, and the adaptive policy's first costs
-            llm.generate(ids, params)
-        runs = {name: [] for name in llms}
-        for _ in range(repeats):  # interleaved: the machine's drift falls on every engine alike
-            for name, llm in llms.items():
-                llm.reset_stats()
-                t0 = time.perf_counter()
-                outs = llm.generate(ids, params)
-                secs = time.perf_counter() - t0
-                exact = sum(o.token_ids == r for o, r in zip(outs, oracle)) / len(ids)
-                runs[name].append((secs, copy.deepcopy(llm.stats), exact))
-            bar.advance()
-        for name, spec in specs.items():
-            rs = runs[name]
-            secs, s, _ = sorted(rs, key=lambda r: r[0])[len(rs) // 2]  # the median run (stages, accepted length)
-            decode = s.draft + s.verify + s.align + s.schedule
-            row = BenchRow(
-                name, bs, s.generated, secs, s.generated / secs,
-                speedup_vs_hf_bs1=s.generated / secs / hf_tps[1],
-                speedup_vs_hf_same_bs=(s.generated / secs / hf_tps[bs]) if bs in hf_tps else None,
-                mean_accepted_length=s.mean_accepted_length,
-                exact_match=min(r[2] for r in rs),
-                stages={k: round(getattr(s, k), 4) for k in ("prefill", "draft", "verify", "align", "schedule")
-                        if hasattr(s, k)},
-                alignment_overhead=(s.align + s.schedule) / decode if decode else None,
-                grouping_rate=getattr(s, "grouping_rate", None),
-                repeats=repeats,
-            )
-            if "plain" in runs:  # per repetition: this engine's tokens/s over plain's in the same repetition
-                ratios = [p[0] / r[0] * r[1].generated / p[1].generated for p, r in zip(runs["plain"], rs)]
-                row.vs_plain, row.vs_plain_range = statistics.median(ratios), [min(ratios), max(ratios)]
-            if row.exact_match < 1.0:
-                row.signature = _signature(model, spec, ids, bs, max_tokens, num_draft_tokens)
-            else:
-                row.signature = "clean"
-            if name == "plain":
-                plain[bs] = (s.generated / decode, s.verify / max(s.row_rounds, 1))
-            elif bs in plain and s.row_rounds and decode:
-                ideal = s.mean_accepted_length * plain[bs][1] / ((s.verify + s.draft) / s.row_rounds)
-                row.efficiency = (s.generated / decode / plain[bs][0]) / ideal
-            rows.append(row)
-    bar.close()
+            llms = {name: batchspec.LLM(model, draft=spec["draft"], tokenizer=tokenizer, num_draft_tokens=num_draft_tokens,
+                                        layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs,
+                                        fault=spec.get("fault"), speculation=spec["speculation"],
+                                        profile=True)  # exact stage seconds on CUDA too
+                    for name, spec in specs.items()}
+            for llm in llms.values():  # warm-up: kernels, buffers, and the adaptive policy's first costs
+                llm.generate(ids, params)
+            runs = {name: [] for name in llms}
+            for _ in range(repeats):  # interleaved: the machine's drift falls on every engine alike
+                for name, llm in llms.items():
+                    llm.reset_stats()
+                    t0 = time.perf_counter()
+                    outs = llm.generate(ids, params)
+                    secs = time.perf_counter() - t0
+                    exact = sum(o.token_ids == r for o, r in zip(outs, oracle)) / len(ids)
+                    runs[name].append((secs, copy.deepcopy(llm.stats), exact))
+                bar.advance()
+            for name, spec in specs.items():
+                rs = runs[name]
+                secs, s, _ = sorted(rs, key=lambda r: r[0])[len(rs) // 2]  # the median run (stages, accepted length)
+                decode = s.draft + s.verify + s.align + s.schedule
+                row = BenchRow(
+                    name, bs, s.generated, secs, s.generated / secs,
+                    speedup_vs_hf_bs1=s.generated / secs / hf_tps[1],
+                    speedup_vs_hf_same_bs=(s.generated / secs / hf_tps[bs]) if bs in hf_tps else None,
+                    mean_accepted_length=s.mean_accepted_length,
+                    exact_match=min(r[2] for r in rs),
+                    stages={k: round(getattr(s, k), 4) for k in ("prefill", "draft", "verify", "align", "schedule")
+                            if hasattr(s, k)},
+                    alignment_overhead=(s.align + s.schedule) / decode if decode else None,
+                    grouping_rate=getattr(s, "grouping_rate", None),
+                    repeats=repeats,
+                )
+                if "plain" in runs:  # per repetition: this engine's tokens/s over plain's in the same repetition
+                    ratios = [p[0] / r[0] * r[1].generated / p[1].generated for p, r in zip(runs["plain"], rs)]
+                    row.vs_plain, row.vs_plain_range = statistics.median(ratios), [min(ratios), max(ratios)]
+                if row.exact_match < 1.0:
+                    row.signature = _signature(model, spec, ids, bs, max_tokens, num_draft_tokens)
+                else:
+                    row.signature = "clean"
+                if name == "plain":
+                    plain[bs] = (s.generated / decode, s.verify / max(s.row_rounds, 1))
+                elif bs in plain and s.row_rounds and decode:
+                    ideal = s.mean_accepted_length * plain[bs][1] / ((s.verify + s.draft) / s.row_rounds)
+                    row.efficiency = (s.generated / decode / plain[bs][0]) / ideal
+                rows.append(row)
     return rows
 
 
@@ -253,74 +244,3 @@ def plot(rows: list[BenchRow], out_dir: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths
-
-
-class _Bar:
-    def __init__(self, enabled, total):
-        self.p = None
-        if enabled:
-            from rich.progress import Progress
-
-            self.p = Progress(transient=True)
-            self.p.start()
-            self.t = self.p.add_task("benchmarking", total=total)
-
-    def advance(self):
-        if self.p:
-            self.p.advance(self.t)
-
-    def close(self):
-        if self.p:
-            self.p.stop()
-
-
-def add_arguments(parser, model_args):
-    model_args(parser)
-    parser.add_argument("--engines", default="plain,slotmask,eqspec,slotmask-lookup")
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--no-hf", action="store_true", help="skip HF generate at batch sizes above 1")
-    parser.add_argument("--limit", type=positive_int, default=None, help="benchmark only the first N prompts")
-    parser.add_argument("--truncate", type=positive_int, default=None, metavar="N",
-                        help="an identical-length set: keep prompts of at least N tokens, cut to their first N")
-    parser.add_argument("--repeats", type=positive_int, default=3,
-                        help="timed runs per engine and batch size, interleaved after a warm-up run (default 3)")
-    parser.add_argument("--out", default="out/bench")
-    parser.set_defaults(func=run, max_tokens=128)
-
-
-def run(args) -> int:
-    from rich.console import Console
-    from rich.markdown import Markdown
-
-    from .cli import _dtype, encode_prompts, int_list, prepare_out, read_prompt_set, resolve_draft
-    import batchspec
-
-    draft = resolve_draft(args.target, args.draft)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    for e in engines:  # unknown engine names fail here, before any model loads
-        parse_engine(e, draft, args.speculation)
-    sizes = int_list(args.batch_sizes, "--batch-sizes")
-    pairs = read_prompt_set(args.prompts)
-    out = prepare_out(args.out, folder=True)
-    llm = batchspec.LLM(args.target, dtype=_dtype(args.dtype), device=args.device)
-    _, _, prompts = encode_prompts(pairs, llm.tokenizer, args.chat_template)
-    if args.truncate:
-        prompts = [p[: args.truncate] for p in prompts if len(p) >= args.truncate]
-        if not prompts:
-            raise ValueError(f"no prompt has {args.truncate} tokens or more to truncate to")
-    prompts = prompts[: args.limit]
-    rows = bench(llm.target, draft, prompts, engines, sizes, args.max_tokens, args.num_draft_tokens,
-                 llm.tokenizer, hf=not args.no_hf, progress=True, speculation=args.speculation,
-                 repeats=args.repeats)
-    (out / "bench.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    md = to_markdown(rows)
-    (out / "bench.md").write_text(md)
-    pngs = plot(rows, out)
-    Console().print(Markdown(md))
-    Console().print(f"wrote {out}/bench.json, bench.md, " + ", ".join(p.name for p in pngs))
-    return 0
-
-
-from .cli import COMMANDS, positive_int  # noqa: E402
-
-COMMANDS["bench"] = (add_arguments, run)

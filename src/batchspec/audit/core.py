@@ -4,28 +4,18 @@ size."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..progress import Progress
 from . import attribution as attr
 from . import metrics
 from .engines import resolve
+from .inputs import Context, load_inputs
 from .oracle import Oracle
 from .report import AuditReport, AuditRow
 
 if TYPE_CHECKING:
     from .distribution import DistributionReport
-
-
-@dataclass
-class Context:
-    target: object
-    draft: object
-    tokenizer: object
-    num_draft_tokens: int
-    max_tokens: int
-    extra_stops: list[int]
 
 
 def audit(
@@ -77,7 +67,7 @@ def audit(
             n_tokens=n_tokens, batch_size=max([int(b) for b in batch_sizes] or [1]), alpha=alpha, tokenizer=tokenizer,
             progress=progress, dtype=dtype, device=device,
         )
-    from batchspec.models import eos_ids
+    from batchspec.model.loading import eos_ids
 
     batch_sizes = [int(b) for b in batch_sizes]
     if not batch_sizes or any(b < 1 for b in batch_sizes):
@@ -91,7 +81,7 @@ def audit(
     stops = sorted(eos_ids(model) | {int(s) for s in stop_token_ids})
     ctx = Context(model, draft, tok, num_draft_tokens, max_tokens, [int(s) for s in stop_token_ids])
 
-    with _progress(progress, len(ids) + len(specs) * len(batch_sizes)) as bar:
+    with Progress(progress, len(ids) + len(specs) * len(batch_sizes), "audit") as bar:
         bar.describe("oracle (HF greedy, batch size 1)")
         oracle = Oracle(model, max_tokens, stops, cache_dir)
         ref = oracle(ids, bar.advance)
@@ -176,33 +166,6 @@ def _black_box_records(engine, ctx, ids, outs, ref, sync, batches, stops, probe,
     return recs
 
 
-def load_inputs(target, draft, tokenizer, prompts, dtype, device):
-    """(target model, draft model or drafter name, tokenizer, token-id prompts) as ``batchspec.LLM`` resolves them."""
-    from batchspec.api import shared_draft
-    from batchspec.models import load_model, load_tokenizer
-
-    model = load_model(target, dtype, device, "target")
-    tok = load_tokenizer(tokenizer if tokenizer is not None else target if isinstance(target, str) else None)
-    draft = shared_draft(draft, model)
-    return model, draft, tok, _encode(list(prompts), tok)
-
-
-def _encode(prompts, tokenizer) -> list[list[int]]:
-    if not prompts:
-        raise ValueError("no prompts to audit")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ValueError("string prompts need a tokenizer; pass tokenizer= or token-id prompts")
-            p = tokenizer(p)["input_ids"]
-        p = [int(t) for t in p]
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        out.append(p)
-    return out
-
-
 def _tolerance_table(tolerance) -> dict:
     if isinstance(tolerance, (int, float)):
         return {"all": float(tolerance)}
@@ -210,28 +173,3 @@ def _tolerance_table(tolerance) -> dict:
     if tolerance:
         table.update({str(k).removeprefix("torch."): float(v) for k, v in tolerance.items()})
     return table
-
-
-class _Bar:
-    def __init__(self, p=None, task=None):
-        self.p, self.task = p, task
-
-    def describe(self, text):
-        if self.p:
-            self.p.update(self.task, description=text)
-
-    def advance(self):
-        if self.p:
-            self.p.advance(self.task)
-
-
-@contextmanager
-def _progress(enabled: bool, total: int):
-    if not enabled:
-        yield _Bar()
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  transient=True) as p:
-        yield _Bar(p, p.add_task("audit", total=total))

@@ -38,6 +38,9 @@ from pathlib import Path
 
 import torch
 
+from ..progress import Progress
+from .inputs import Context, load_inputs
+
 OTHER = "other"
 IMPOSSIBLE = "impossible"
 
@@ -422,9 +425,8 @@ def distribution_audit(
     enumeration cap of the reference (``exact_distribution``; prefixes rarer than ``1 / samples`` are not extended). ``alpha``: the false-alarm rate per engine (see the
     module docstring). Returns a ``DistributionReport``.
     """
-    import batchspec
+    from ..params import SamplingParams
 
-    from .core import Context, _progress, load_inputs
 
     if sampling is None or not sampling.temperature > 0:
         raise ValueError("the distributional audit needs SamplingParams with temperature > 0")
@@ -442,7 +444,7 @@ def distribution_audit(
     base = int(sampling.seed or 0)
     # request r = s * len(ids) + i: sample s of prompt i (prompts interleaved, so every batch mixes lengths)
     requests = [(i, s) for s in range(samples) for i in range(len(ids))]
-    params = [batchspec.SamplingParams(max_tokens=n_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    params = [SamplingParams(max_tokens=n_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                        seed=base + s, ignore_eos=True) for _, s in requests]
     tests = len(ids) * n_tokens
     threshold = alpha / tests
@@ -451,7 +453,7 @@ def distribution_audit(
     ctx = Context(model, draft, tok, num_draft_tokens, n_tokens, [])
     rows: list[DistributionRow] = []
     engine_meta = {}
-    with _progress(progress, len(ids) + len(specs) * len(requests)) as bar:
+    with Progress(progress, len(ids) + len(specs) * len(requests), "audit") as bar:
         bar.describe("exact reference (HF warpers, batch size 1)")
         refs = []
         for p in ids:
@@ -470,7 +472,7 @@ def distribution_audit(
                 for _ in part:
                     bar.advance()
             seconds = time.perf_counter() - t0
-            engine_meta[spec.name] = {"layout": spec.layout, "fault": spec.fault, "draft": spec.use_draft,
+            engine_meta[spec.name] = {"layout": spec.spec.layout, "fault": spec.spec.fault, "draft": spec.spec.drafter,
                                       "seconds": seconds, "mean_accepted_length": llm.stats.mean_accepted_length}
             for i, ref in enumerate(refs):
                 mine = outs[i::len(ids)]

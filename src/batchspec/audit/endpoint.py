@@ -215,7 +215,7 @@ def audit_endpoint(url: str, target, prompts, concurrency=(1, 8, 32), model: str
     ids; ``api="chat"`` needs strings. ``model``: the server's model id (default: the first of ``/v1/models``).
     ``cache_dir``: the oracle cache, as for ``audit`` (the oracle runs once and is read back for the other levels;
     with False it runs at every level)."""
-    from batchspec.models import load_model, load_tokenizer
+    from batchspec.model.loading import load_model, load_tokenizer
 
     from .core import audit
     from .report import AuditReport

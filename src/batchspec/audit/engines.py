@@ -1,10 +1,8 @@
 """What the audit can run: batchspec's own engines by name, or any callable ``list[list[int]] -> list[list[int]]``.
 
-Names: ``"slotmask"`` and ``"eqspec"`` (the layouts, with the audit's draft), ``"plain"`` (no draft: batched greedy
-decoding), ``"fault:<name>"`` (the EQSPEC engine with one injected fault from ``batchspec.faults.FAULTS``) and
-``"faults"`` (every injected fault that greedy decoding can show); each may end in ``:fixed`` or ``:adaptive`` (the
-speculation length policy; default adaptive, as ``LLM``, and fixed for injected faults, as the engines they
-reproduce). A third-party engine is given as ``(name, fn)``, ``(name, fn, dtype)``, an object
+Names follow ``batchspec.engine.names`` (the grammar ``bench`` uses too): ``plain``, ``slotmask``, ``eqspec``,
+``slotmask-lookup``, ``fault:<name>``, ``faults``, each with an optional ``:fixed`` / ``:adaptive`` and ``@<scheduler>``;
+the layouts draft with the audit's draft. A third-party engine is given as ``(name, fn)``, ``(name, fn, dtype)``, an object
 with ``.name`` that is callable, or a named function; it receives one batch of prompt ids per call and returns the
 generated ids of each (the audit cuts them at the first stop token and at ``max_tokens``). An optional ``dtype``
 (attribute or third tuple item) says which precision it computes in, for the margin tolerance.
@@ -16,38 +14,39 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..policy import split_speculation
-
-LAYOUT_ENGINES = ("slotmask", "eqspec")
+from ..engine.names import EngineSpec, parse_engines
 
 
 @dataclass
 class BatchspecEngine:
-    name: str
-    layout: str
-    fault: str | None
-    use_draft: bool
-    speculation: str = "adaptive"
+    """A batchspec engine named in the grammar of ``batchspec.engine.names``."""
+
+    spec: EngineSpec
     white_box = True
 
-    def llm(self, ctx, batch_size: int, check: bool = False):
-        import batchspec
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
-        return batchspec.LLM(
-            ctx.target, draft=ctx.draft if self.use_draft else None, tokenizer=ctx.tokenizer,
-            num_draft_tokens=ctx.num_draft_tokens, layout=self.layout, batch_size=batch_size,
-            check_invariants=check, fault=self.fault, speculation=self.speculation,
+    def llm(self, ctx, batch_size: int, check: bool = False):
+        from ..api import LLM
+
+        s = self.spec
+        return LLM(
+            ctx.target, draft=s.draft(ctx.draft), tokenizer=ctx.tokenizer, num_draft_tokens=ctx.num_draft_tokens,
+            layout=s.layout, scheduler=s.scheduler, batch_size=batch_size, check_invariants=check, fault=s.fault,
+            speculation=s.policy(),
         )
 
     def dtype(self, ctx):
         return ctx.target.dtype
 
     def run(self, ctx, prompts, batch_size: int) -> tuple[list[list[int]], float]:
-        import batchspec
+        from ..params import SamplingParams
 
         llm = self.llm(ctx, batch_size)
         t = time.perf_counter()
-        outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=ctx.max_tokens, stop_token_ids=ctx.extra_stops))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=ctx.max_tokens, stop_token_ids=ctx.extra_stops))
         return [o.token_ids for o in outs], time.perf_counter() - t
 
     def batches(self, n: int, batch_size: int) -> list[list[int]]:
@@ -55,13 +54,14 @@ class BatchspecEngine:
 
     def first_violation(self, ctx, prompts, batch: list[int]):
         """Rerun one batch with the invariant checker on; the ``InvariantError`` raised, or None."""
-        import batchspec
+        from ..engine.batch import InvariantError
+        from ..params import SamplingParams
 
         llm = self.llm(ctx, len(batch), check=True)
         try:
             llm.generate([prompts[i] for i in batch],
-                         batchspec.SamplingParams(max_tokens=ctx.max_tokens, stop_token_ids=ctx.extra_stops))
-        except batchspec.InvariantError as e:
+                         SamplingParams(max_tokens=ctx.max_tokens, stop_token_ids=ctx.extra_stops))
+        except InvariantError as e:
             return e
         return None
 
@@ -97,35 +97,12 @@ class CallableEngine:
 def resolve(specs, sampling: bool = False) -> list:
     """Engine objects for the ``engines=`` argument of ``audit``. ``"faults"`` expands to every injected fault that
     the audit can show: with ``sampling``, the rejection sampler's own faults too (they are invisible when greedy)."""
-    from batchspec.faults import FAULTS, SAMPLING_FAULTS
-
     if isinstance(specs, str):
         specs = [s.strip() for s in specs.split(",") if s.strip()]
     out = []
     for spec in specs:
         if isinstance(spec, str):
-            base, speculation = split_speculation(spec)
-            suffix = f":{speculation}" if speculation else ""
-            if base in LAYOUT_ENGINES:
-                found = [BatchspecEngine(spec, base, None, True)]
-            elif base == "plain":
-                found = [BatchspecEngine(spec, "slotmask", None, False)]
-            elif base == "faults":
-                found = [BatchspecEngine(f"fault:{f}{suffix}", "eqspec", f, True) for f in FAULTS
-                         if sampling or f not in SAMPLING_FAULTS]
-            elif base.startswith("fault:"):
-                name = base.removeprefix("fault:")
-                if name not in FAULTS:
-                    raise ValueError(f"unknown fault {name!r}; choose one of {sorted(FAULTS)}")
-                found = [BatchspecEngine(spec, "eqspec", name, True)]
-            else:
-                raise ValueError(
-                    f"unknown engine {spec!r}; use 'slotmask', 'eqspec', 'plain', 'faults', 'fault:<name>' (each may "
-                    "end in ':fixed' or ':adaptive') or a callable"
-                )
-            for e in found:  # injected faults reproduce fixed-length engines unless told otherwise
-                e.speculation = speculation or ("fixed" if e.fault else "adaptive")
-            out += found
+            out += [BatchspecEngine(e) for e in parse_engines([spec], sampling)]
         elif isinstance(spec, tuple) and len(spec) in (2, 3) and isinstance(spec[0], str) and callable(spec[1]):
             out.append(CallableEngine(spec[0], spec[1], spec[2] if len(spec) == 3 else None))
         elif callable(spec):

@@ -20,7 +20,7 @@ from .metrics import truncate
 
 
 def default_cache_dir() -> Path:
-    from batchspec.models import cache_base
+    from batchspec.model.loading import cache_base
 
     return cache_base() / "oracle"
 

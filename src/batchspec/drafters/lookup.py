@@ -27,7 +27,7 @@ by arithmetic (8 rows on a 2-core CPU), a width shared by every row paid for dra
 
 import torch
 
-from ..kernels import lookup_match
+from ..model.kernels import lookup_match
 from .base import Drafter, Proposal
 
 PRIOR_WEIGHT = 5.0

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import prefill
-from ..runner import Runner
-from ..sampling import DRAFT, draw, greedy
+from ..engine.batch import prefill
+from ..engine.sampling import DRAFT, draw, greedy
+from ..model.runner import Runner
 from .base import Drafter, Proposal
 
 

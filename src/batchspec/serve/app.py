@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import SamplingParams
-from ..models import vocab_size
+from ..model.loading import vocab_size
+from ..params import SamplingParams
 from . import protocol as P
 from .metrics import ServerMetrics
 from .worker import EngineWorker, QueueFull, Unavailable

@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..progress import Progress
 from .protocol import DONE, sse_data
 
 PERCENTILES = (50, 90, 99)
@@ -174,7 +175,7 @@ async def run_load_async(cfg: LoadConfig, progress: bool = False) -> dict:
     rng = random.Random(cfg.seed)
     records: list[Record] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    bar = _Bar(progress, cfg.requests)
+    bar = Progress(progress, cfg.requests, "loadtest")
     async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout) as client:
         model = cfg.model or await first_model(client, cfg.url, cfg.api_key)
         t0 = time.perf_counter()
@@ -183,7 +184,9 @@ async def run_load_async(cfg: LoadConfig, progress: bool = False) -> dict:
         async def send(i: int):
             rec = await _one(client, cfg, model, i, cfg.prompts[i % len(cfg.prompts)], t0)
             records.append(rec)
-            bar.update(records)
+            ok = sum(r.status == "ok" for r in records)
+            shed = sum(r.status in ("429", "503") for r in records)
+            bar.update(len(records), f"ok {ok} shed {shed} errors {len(records) - ok - shed}")
 
         with bar:
             if cfg.rate is not None:
@@ -291,34 +294,6 @@ def plot(summary: dict, path) -> Path:
     fig.savefig(path, dpi=110)
     return Path(path)
 
-
-class _Bar:
-    """A rich progress bar over requests, with the counts so far (a no-op when disabled)."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.p = None
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), transient=True)
-            self.task = self.p.add_task("loadtest", total=total)
-
-    def __enter__(self):
-        if self.p:
-            self.p.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.p:
-            self.p.stop()
-
-    def update(self, records):
-        if self.p:
-            ok = sum(r.status == "ok" for r in records)
-            shed = sum(r.status in ("429", "503") for r in records)
-            err = len(records) - ok - shed
-            self.p.update(self.task, completed=len(records), description=f"ok {ok} shed {shed} errors {err}")
 
 
 def rich_table(summary: dict):

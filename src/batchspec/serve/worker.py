@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import Request
+from ..engine.engine import Request
 
 log = logging.getLogger("batchspec.serve")
 

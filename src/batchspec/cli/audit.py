@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import os
 
-from batchspec.cli import COMMANDS, positive_int
+from .common import (
+    encode_prompts,
+    int_list,
+    model_args,
+    positive_int,
+    prepare_out,
+    read_prompt_set,
+    resolve_draft,
+    sampling_flags,
+)
+
+HELP = "audit engines (or a running server) against the batch-size-1 oracle"
 
 
-def add_arguments(parser, model_args) -> None:
+def add_arguments(parser) -> None:
     model_args(parser)
     parser.description = (
         "Compare engines with HF greedy decoding at batch size 1 (exact match, partial match, ROUGE-L, repetition), "
@@ -20,7 +31,8 @@ def add_arguments(parser, model_args) -> None:
     )
     parser.add_argument(
         "--engines", default="slotmask,eqspec",
-        help="comma list of slotmask, eqspec, plain, fault:<name>, or 'faults' for every injected fault "
+        help="comma list of engine names: plain, slotmask, eqspec, slotmask-lookup, fault:<name>, or 'faults' for "
+             "every injected fault, each with an optional :fixed / :adaptive and @static / @continuous / @exspec "
              "(default slotmask,eqspec)",
     )
     parser.add_argument(
@@ -65,19 +77,16 @@ def add_arguments(parser, model_args) -> None:
     sampling.add_argument("--alpha", type=float, default=1e-3,
                           help="false-alarm rate per engine, Bonferroni-split over prompts and prefix lengths "
                                "(default 0.001)")
-    parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     import torch
     from rich.console import Console
 
-    from batchspec.cli import encode_prompts, int_list, prepare_out, read_prompt_set, resolve_draft, sampling_flags
-    from batchspec.models import load_model, load_tokenizer
-
-    from ..policy import split_speculation
-    from .core import audit
-    from .engines import resolve
+    from ..audit.core import audit
+    from ..audit.engines import resolve
+    from ..engine.names import with_speculation
+    from ..model.loading import load_model, load_tokenizer
 
     if args.endpoint is not None:
         return _run_endpoint(args)
@@ -85,7 +94,7 @@ def run(args) -> int:
     sampling = sampling_flags(args, max_tokens=args.n_tokens if sampled else args.max_tokens)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.speculation == "fixed":  # names without their own suffix take --speculation
-        engines = [e if split_speculation(e)[1] else f"{e}:fixed" for e in engines]
+        engines = [with_speculation(e, "fixed") for e in engines]
     resolve(engines, sampling=sampled)  # unknown engine names fail here, before any model loads
     batch_sizes = int_list(args.batch_sizes or ("64" if sampled else "1,4,8"), "--batch-sizes")
     pairs = read_prompt_set(args.prompts)[: args.limit]
@@ -121,9 +130,7 @@ def _run_endpoint(args) -> int:
     import torch
     from rich.console import Console
 
-    from batchspec.cli import int_list, prepare_out, read_prompt_set
-
-    from .endpoint import audit_endpoint, endpoint_markdown
+    from ..audit.endpoint import audit_endpoint, endpoint_markdown
 
     if args.temperature > 0:
         raise ValueError("--endpoint audits greedy decoding: leave --temperature at 0")
@@ -169,9 +176,7 @@ def _run_endpoint(args) -> int:
 def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling, out) -> int:
     from rich.console import Console
 
-    from batchspec.cli import resolve_draft
-
-    from .core import audit
+    from ..audit.core import audit
 
     report = audit(
         model, resolve_draft(args.target, args.draft), prompts, engines=engines, batch_sizes=batch_sizes,
@@ -191,5 +196,3 @@ def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling
         return 1
     return 0
 
-
-COMMANDS["audit"] = (add_arguments, run)

@@ -35,7 +35,7 @@ _tried = False
 
 
 def cache_dir() -> Path:
-    from batchspec.models import cache_base
+    from batchspec.model.loading import cache_base
 
     return cache_base() / "kernels"
 

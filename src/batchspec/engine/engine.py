@@ -13,11 +13,13 @@ from typing import Callable
 
 import torch
 
+from ..drafters.base import Proposal
+from ..model.runner import Runner
+from ..params import Stats
+from ..speculation import FixedLength, row_values
 from .batch import Batch, InvariantError, check_invariants, prefill
-from .drafters.base import Proposal
 from .layouts.slotmask import SlotMask
-from .params import Stats
-from .policy import FixedLength, row_values
+from .protocols import Drafter, Layout, Scheduler, SpeculationPolicy
 from .sampling import ACCEPT, TARGET
 from .sequences import Sequences
 from .verify import emitted_block, greedy_accept, rejection_sample
@@ -56,17 +58,18 @@ class StepOutput:
 
 @dataclass
 class Parts:
-    """The swappable components of a round (an injected fault replaces exactly one of them). ``target`` is the
-    target's ``Runner``; ``policy`` chooses the speculation length of each round (``policy.py``)."""
+    """The swappable components of a round (an injected fault replaces exactly one of them; what each must provide:
+    ``protocols.py``). ``target`` is the target's ``Runner``; ``policy`` chooses the speculation length of each round
+    (``batchspec.speculation``)."""
 
-    target: object
-    drafter: object
-    layout: object
+    target: Runner
+    drafter: Drafter
+    layout: Layout
     k: int
     accept: Callable = greedy_accept
     sample: Callable = rejection_sample
     prefill: Callable = prefill
-    policy: object = field(default_factory=FixedLength)
+    policy: SpeculationPolicy = field(default_factory=FixedLength)
     context: int | None = None  # positions a verification block may reach (None: unlimited)
 
 
@@ -150,7 +153,7 @@ class Engine:
     round's batch (``select``; the others wait in the window). If a step raises, the engine drops every request
     (running and waiting) and stays usable."""
 
-    def __init__(self, parts: Parts, scheduler, batch_size: int, stats: Stats | None = None, check: bool = False,
+    def __init__(self, parts: Parts, scheduler: Scheduler, batch_size: int, stats: Stats | None = None, check: bool = False,
                  profile: bool = False):
         self.parts, self.batch_size, self.check = parts, batch_size, check
         self.scheduler = copy.deepcopy(scheduler)  # a scheduler may remember rows: one per engine

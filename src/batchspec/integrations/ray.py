@@ -28,7 +28,7 @@ import re
 import time
 from pathlib import Path
 
-from .params import SamplingParams
+from ..params import SamplingParams
 
 INSTALL = 'pip install "batchspec[ray]"'
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
@@ -117,7 +117,7 @@ class LLMPredictor:
         params = [self._params(cols, i, ids[i]) for i in range(cols.n)]
         tok = self.llm.tokenizer
         if tok is not None:
-            from .prompts import encode
+            from ..prompts import encode
 
             prompts = [encode(tok, [p], self.chat_template)[0] if isinstance(p, str) else p for p in prompts]
         try:
@@ -448,66 +448,3 @@ def _count(out: Path, fmt: str) -> dict:
                             ("accepted", t["num_accepted"])):
             totals[key] += int(pc.sum(column).as_py() or 0)
     return totals
-
-
-# --------------------------------------------------------------------------------------------------- the command line
-
-
-def cmd_generate(args) -> int:
-    """``batchspec generate --ray``: ``run`` with the command's flags, on a local Ray or the cluster at
-    ``--ray-address``. Prompt files ending in .jsonl / .json / .ndjson / .parquet (or a folder of them) are read by Ray
-    with any per-row sampling columns; plain text files and the built-in set are read here first."""
-    from .cli import prepare_out, read_prompt_set, resolve_draft, sampling_flags
-
-    try:
-        ray = require_ray()
-    except RayNotInstalled as e:
-        raise ValueError(str(e)) from None
-    sp = sampling_flags(args, max_tokens=args.max_tokens)
-    if not args.out:
-        raise ValueError("--ray writes its files into a folder: give --out DIR")
-    out = prepare_out(args.out, folder=True).resolve()
-    if any(out.iterdir()):
-        raise ValueError(f"--out {args.out} is not empty; give a new or empty folder")
-    if args.prompts is not None and (Path(args.prompts).is_dir() or Path(args.prompts).suffix.lower() in FORMATS):
-        if not Path(args.prompts).exists():
-            raise FileNotFoundError(f"prompt file {args.prompts} does not exist")
-        source = os.path.abspath(args.prompts)  # workers need not share this process's working directory
-    else:
-        pairs = read_prompt_set(args.prompts)
-        source = [{"id": i, "prompt_id": pid, "prompt": text} for i, (pid, text) in enumerate(pairs)]
-    draft = resolve_draft(args.target, args.draft)
-    if args.ray_address is None:  # a local Ray: check the models (fetch or convert a built-in once) before workers
-        from .models import resolve
-
-        resolve(args.target, "target")
-        if isinstance(draft, str) and draft != "prompt-lookup":
-            resolve(draft, "draft")
-    gpus = 1 if (args.device or "").startswith("cuda") else 0
-    started = not ray.is_initialized()
-    if started:
-        local = args.ray_address is None
-        ray.init(address=args.ray_address, **({"include_dashboard": False} if local else {}))
-        slots = ray.cluster_resources().get("CPU", 0)
-        if local and args.workers * args.cpus_per_worker > slots:
-            ray.shutdown()
-            raise ValueError(f"--workers {args.workers} x --cpus-per-worker {args.cpus_per_worker} needs "
-                             f"{args.workers * args.cpus_per_worker} CPU slots; this machine has {slots:g}")
-    try:
-        s = run(
-            source, out, output_format=args.out_format, workers=args.workers, block_size=args.block_size,
-            seed=args.seed, cpus_per_worker=args.cpus_per_worker, gpus_per_worker=gpus,
-            target=args.target, draft=draft, num_draft_tokens=args.num_draft_tokens,
-            layout=args.layout, scheduler=args.scheduler, batch_size=args.batch_size, dtype=args.dtype,
-            device=args.device, speculation=args.speculation, chat_template=args.chat_template, sampling=sp,
-        )
-    finally:
-        if started:
-            ray.shutdown()
-    rate = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
-    print(
-        f"{s['rows']} prompts, {s['tokens']} tokens in {s['seconds']:.1f} s: {s['tokens'] / s['seconds']:.1f} tok/s "
-        f"on {s['workers']} Ray worker{'s' if s['workers'] > 1 else ''} (block size {s['block_size']}), "
-        f"draft acceptance {rate:.2f}; wrote {s['out']} ({s['format']})"
-    )
-    return 0

@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 
-from . import kv
+from ..model import kv
 from .batch import SlotState
 from .verify import greedy_accept, rejection_sample
 

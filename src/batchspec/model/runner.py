@@ -25,10 +25,10 @@ from itertools import chain
 import torch
 from transformers.modeling_utils import AttentionInterface
 
+from ..engine.sampling import greedy
 from . import graphs, kv
 from .kernels import llama as fused_llama
 from .kernels import skinny_linear
-from .sampling import greedy
 
 FEW_ROWS = 256  # up to this many rows (batch x new tokens), linear layers run as ``W @ x^T``
 SLOT_SDPA = "batchspec_slot_sdpa"

@@ -67,7 +67,7 @@ def cache_root() -> Path:
 
 def draft_dir(name: str = DEFAULT_DRAFT) -> Path:
     """A shipped draft's directory (package data): the default draft, or ``DRAFT_MODEL``."""
-    return Path(__file__).resolve().parent / "data" / name
+    return Path(__file__).resolve().parents[1] / "data" / name
 
 
 def _complete(d: Path) -> bool:

@@ -11,8 +11,8 @@ import copy
 
 import torch
 
-from . import kv
-from .runner import Runner
+from ..model import kv
+from ..model.runner import Runner
 
 
 class InvariantError(AssertionError):

@@ -17,7 +17,6 @@ import threading
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 

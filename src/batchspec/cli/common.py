@@ -1,0 +1,148 @@
+"""What the commands share: the model flags, argument types, prompt files, output paths, and the errors that are the
+user's (one line on stderr, exit status 2)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_DRAFT = "smollm2-135m-draft"
+
+
+def model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: path, model id or built-in name (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=None, help=f"draft: a model or draft-head path, a built-in name ({DEFAULT_DRAFT}: the "
+                   f"feature-reading head; {DEFAULT_DRAFT}-model), 'prompt-lookup' or 'none' (default {DEFAULT_DRAFT} with "
+                   "the default target, else none)")
+    p.add_argument("--prompts", default=None, help="Spec-Bench style JSONL (turns[0]) or plain text, one prompt per line (default: the built-in prompt set)")
+    p.add_argument("--num-draft-tokens", type=positive_int, default=5)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True, help="apply the tokenizer's chat template")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
+                   help="speculation length: chosen each round from measured cost and acceptance (adaptive, default) "
+                        "or always --num-draft-tokens (fixed)")
+
+
+def resolve_draft(target: str, draft: str | None):
+    if draft is None:
+        return DEFAULT_DRAFT if target == DEFAULT_TARGET else None
+    return None if draft == "none" else draft
+
+
+def dtype(name):
+    import torch
+
+    return getattr(torch, name) if name else None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def int_list(text: str, what: str) -> list[int]:
+    """A comma list of integers >= 1 (``--batch-sizes``)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = [0]
+    if not out or min(out) < 1:
+        raise ValueError(f"{what} must be a comma list of integers >= 1, got {text!r}")
+    return out
+
+
+def sampling_flags(args, **kwargs):
+    """``SamplingParams`` from --temperature, --top-k and --top-p (plus ``kwargs``), checked by its own rules first;
+    --top-k and --top-p without --temperature > 0 would do nothing, so they are refused."""
+    from ..params import SamplingParams
+
+    sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, **kwargs)
+    if sp.temperature == 0 and (sp.top_k or sp.top_p != 1.0):
+        raise ValueError("--top-k and --top-p apply to sampling: give --temperature > 0 as well")
+    return sp
+
+
+def prepare_out(path, folder: bool) -> Path:
+    """Check an output location and create its folder before any model loads, so a bad ``--out`` costs nothing.
+    ``folder``: ``path`` is a folder to write into; else a file to write."""
+    out = Path(path).expanduser()
+    where = out if folder else out.parent
+    if not folder and out.is_dir():
+        raise ValueError(f"--out {path} is a folder; give a file path, e.g. {out / 'out.jsonl'}")
+    blocker = next((p for p in (where, *where.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"--out {path}: {blocker} is a file, not a folder; give another path")
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create the folder {where} ({e.strerror}); give another path") from None
+    if not os.access(where, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"--out {path}: {out if out.exists() else where} is not writable; give another path")
+    return out
+
+
+def read_prompt_set(path) -> list[tuple[str, str]]:
+    """``(prompt id, text)`` pairs from a prompt file, or the built-in set when ``path`` is None; never empty."""
+    from ..prompts import read_prompts
+
+    if path is None:
+        try:
+            from ..data import builtin_prompts
+        except ImportError:
+            raise ValueError("no --prompts file given and this install has no built-in prompt set") from None
+        pairs = builtin_prompts()
+    else:
+        pairs = read_prompts(path)
+    if not pairs:
+        raise ValueError(f"no prompts in {path if path is not None else 'the built-in prompt set'}")
+    return pairs
+
+
+def encode_prompts(pairs, tokenizer, chat_template: bool):
+    """(ids, texts, token-id prompts) for ``read_prompt_set``'s pairs."""
+    from ..prompts import encode
+
+    if tokenizer is None:
+        raise ValueError("the target has no tokenizer to encode text prompts; pass a model directory with one")
+    return [i for i, _ in pairs], [t for _, t in pairs], encode(tokenizer, [t for _, t in pairs], chat_template)
+
+
+
+# What bad input raises (a flag, a prompt file, an --out path, a model path): one line on stderr, exit status 2.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
+               NotImplementedError)
+
+SERVE_HINT = "install the serve extra: pip install 'batchspec[serve]'"
+
+
+def need(*modules: str) -> None:
+    """Refuse a command whose optional dependencies (the serve extra) are not installed, naming them."""
+    missing = []
+    for m in modules:
+        try:
+            __import__(m)
+        except ImportError:
+            missing.append(m)
+    if missing:
+        raise ValueError(f"this command needs {', '.join(missing)}: {SERVE_HINT}")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value

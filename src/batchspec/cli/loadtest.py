@@ -1,0 +1,68 @@
+"""``batchspec loadtest``: a load generator for any OpenAI-compatible server (streamed requests at a Poisson rate or
+from a fixed number of clients); writes loadtest.json and loadtest.png."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .common import need, positive_float, positive_int, prepare_out, read_prompt_set
+
+HELP = "send a load to an OpenAI-compatible server and report throughput and latency"
+
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Send streamed requests to an OpenAI-compatible server at a Poisson rate (--rate) or with a fixed number of "
+        "clients (--concurrency); report throughput, TTFT, time per output token and end-to-end latency (P50/P90/"
+        "P99) and the requests shed (429/503) or failed; write loadtest.json and loadtest.png to --out."
+    )
+    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)")
+    p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rate", type=positive_float, help="requests per second, Poisson arrivals")
+    load.add_argument("--concurrency", type=positive_int, help="clients sending one request after another")
+    p.add_argument("--requests", type=positive_int, default=100, help="requests to send at most (default 100)")
+    p.add_argument("--duration", type=positive_float, default=600.0,
+                   help="seconds of sending at most (default 600); requests under way then finish")
+    p.add_argument("--prompts", default=None, help="prompt file, JSONL or one prompt per line (default: built-in set)")
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--api", default="chat", choices=["chat", "completions"])
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens tokens (vLLM extension)")
+    p.add_argument("--api-key", default=os.environ.get("BATCHSPEC_API_KEY"))
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per request at most")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--out", default="out/loadtest", help="folder for loadtest.json and loadtest.png")
+
+
+def run(args) -> int:
+    need("httpx")
+    from rich.console import Console
+
+    from ..serve.loadtest import LoadConfig, rich_table, run_load, write_report
+
+    out = prepare_out(args.out, folder=True)
+    prompts = [t for _, t in read_prompt_set(args.prompts)]
+    cfg = LoadConfig(url=args.url, model=args.model, prompts=prompts, rate=args.rate, concurrency=args.concurrency,
+                     requests=args.requests, duration=args.duration, max_tokens=args.max_tokens, api=args.api,
+                     temperature=args.temperature, api_key=args.api_key, timeout=args.timeout, seed=args.seed,
+                     ignore_eos=args.ignore_eos)
+    try:
+        summary = run_load(cfg, progress=True)
+    except OSError as e:
+        raise ValueError(f"cannot reach {args.url}: {e}") from None
+    js, png = write_report(summary, out)
+    console = Console()
+    console.print(rich_table(summary))
+    c, t = summary["requests"], summary["throughput"]
+    console.print(
+        f"{c['sent']} sent in {summary['wall_s']:.1f} s: {c['ok']} ok, {c['rejected_429']} x 429, "
+        f"{c['rejected_503']} x 503, {c['errors']} errors; {t['requests_per_s']:.2f} req/s, "
+        f"{t['output_tokens_per_s']:.1f} output tok/s; wrote {js}, {png}"
+    )
+    if c["errors"]:
+        console.print(f"[red]{c['errors']} requests failed, e.g. {summary['errors_sample'][0]}[/red]")
+        return 1
+    return 0

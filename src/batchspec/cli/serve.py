@@ -1,0 +1,78 @@
+"""``batchspec serve``: the OpenAI-compatible server. The web stack is imported only when the command runs, so the rest
+of the command line works without the ``serve`` extra."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .common import DEFAULT_TARGET, need, positive_int, resolve_draft
+
+HELP = "serve the target over an OpenAI-compatible HTTP API"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Serve the target (with its draft) over an OpenAI-compatible HTTP API: /v1/completions, "
+        "/v1/chat/completions (streaming with Server-Sent Events), /v1/models, /health, /metrics. Requests are "
+        "batched continuously in one engine thread; greedy outputs (temperature 0) are token-for-token those of "
+        "batch-size-1 decoding whatever the load."
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"target model: path, model id or built-in name (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=None,
+                   help="draft: a model or draft-head path, a built-in name (smollm2-135m-draft: the feature-reading "
+                        "head; smollm2-135m-draft-model), 'prompt-lookup' or 'none' (default smollm2-135m-draft with "
+                        "the default target, else none)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    p.add_argument("--num-draft-tokens", type=positive_int, default=5)
+    p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
+    p.add_argument("--layout", default="slotmask", choices=["slotmask", "eqspec"])
+    p.add_argument("--batch-size", type=positive_int, default=32, help="most rows in the running batch (default 32)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait beyond the batch; more get 429 (default 64)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("BATCHSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $BATCHSPEC_API_KEY; none: open)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the last part of --target)")
+    p.add_argument("--default-max-tokens", type=positive_int, default=256,
+                   help="chat's max_tokens when a request gives none (completions: 16, as OpenAI)")
+    p.add_argument("--default-temperature", type=float, default=1.0,
+                   help="temperature when a request gives none (default 1.0, as OpenAI; 0: greedy)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build_app(args):
+    """The app for parsed ``serve`` arguments (loads the models)."""
+    import torch
+
+    import batchspec
+
+    from ..serve.app import create_app
+
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.default_temperature < 0:
+        raise ValueError(f"--default-temperature must be >= 0, got {args.default_temperature}")
+    llm = batchspec.LLM(
+        args.target, draft=resolve_draft(args.target, args.draft), tokenizer=args.tokenizer,
+        num_draft_tokens=args.num_draft_tokens, layout=args.layout, scheduler="continuous",
+        batch_size=args.batch_size, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
+        speculation=args.speculation,
+    )
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
+    return create_app(llm, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
+                      default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature)
+
+
+def run(args) -> int:
+    need("fastapi", "uvicorn", "prometheus_client")
+    from ..serve.server import serve_forever
+
+    app = build_app(args)
+    serve_forever(app, args.host, args.port, args.log_level)
+    return 0

@@ -1,0 +1,215 @@
+"""A draft head that reads the target's features (EAGLE, Li et al. 2024, arXiv 2401.15077), with a vocabulary-
+restricted output head (FR-Spec, arXiv 2502.14856).
+
+The target's final hidden state at position i (its *feature* f_i, what its head reads to predict token i+1) and the
+embedding of token i+1 go through ``fc`` into one Llama decoder layer, whose normalised output predicts f_(i+1); the
+head scores only the ``N`` most frequent tokens (``token_map``: head row -> token id). Drafting feeds the predicted
+feature back in with the drafted token.
+
+Its cache holds one slot per *pair* (f_i, x_(i+1)), filed under position i and token x_i, so it obeys the same
+invariants as the target's: at rest it holds positions 0..processed-1 of the row's history. The verification forward
+returns the target's features (``TargetOutput.hidden``); the state keeps the last ``W`` of them per row (the
+features of positions length-1-W .. length-2), and a drafting round's first forward catches up on the pairs the
+head has not cached (right-aligned, rows missing fewer have hidden holes on the left), ending with the pair of the
+pending token, whose output gives the first draft. Pairs built from predicted features (the drafts') are hidden after
+verification: their true features replace them in the next round's catch-up. Prefill runs nothing: the prompt's
+features wait for the first round that runs the head.
+
+Copies (greedy): text that repeats (a passage being summarised, code being edited) is better drafted by prompt
+lookup than by any small head, and the two fail in different places. Each row's longest earlier match gives
+candidate copies; a row drafts them first when copies of its match length have been accepted more often than the
+head's first drafts, and the head drafts on after them, fed the copied tokens. Each round is sized like prompt
+lookup's (expected tokens over measured cost, per width): a "head" round runs the head, a "copy" round verifies only
+the copies and leaves the head alone (its features wait, and its next round catches up on them), and a round where
+neither pays is a plain step. Where the target's runner packs verification (each row's real tokens only), a copy
+round sizes each row on its own, as prompt lookup does (``per_token``): the batch's likeliest copies, the features of
+the real tokens coming back all the same.
+
+Depth (greedy, sized rounds): a head round drafts on while the head is sure. A row is *sure* of its drafts while the
+product of the probabilities the head gave them (copies count 1) is at least ``DEPTH_CONFIDENCE``; the round stops
+drafting once no row is sure, before the planned width if need be, and drafts past it, up to K, while one is, where
+rows are verified one by one (one row, or ``per_token``); there each row verifies its drafts up to the first it is
+not sure of. The head's probability of its first draft predicts its acceptance well (first drafts scored 0.0-0.1:
+2% accepted, 0.3-0.4: 27%, 0.6-0.7: 64%, 0.8-1.0: 100%), where the plan prices every round from one running rate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ...engine.batch import SlotState
+from ...engine.sampling import DRAFT, draw, greedy
+from ...model.kv import new_cache
+from ...model.runner import Runner
+from ..base import Drafter, Proposal
+from ..lookup import PromptLookup
+from .plan import CATCH_UP, DEPTH_CONFIDENCE, KINDS, RoundPlanner
+from .state import EagleState
+
+EXTRA = "eagle.safetensors"  # fc and token_map; the decoder layer, norm and head are a Llama checkpoint beside it
+
+
+def is_checkpoint(path) -> bool:
+    return Path(path, EXTRA).is_file()
+
+
+class EagleDrafter(Drafter):
+    """``model``: a one-layer ``LlamaForCausalLM`` whose vocabulary is the ``N`` tokens of ``token_map`` (its
+    embedding table is its head); ``fc``: ``Linear(2H, H)`` over [embedding of the next token, feature];
+    ``embedding``: the target's input embedding (shared, not copied)."""
+
+    name = "eagle"
+    needs_hidden = True
+    packs_rows = True  # copy rounds are sized row by row where the runner packs verification
+
+    def __init__(self, model, fc: torch.nn.Linear, token_map: torch.Tensor, embedding: torch.nn.Embedding,
+                 graphs: str = "auto", copy: bool = True):
+        """``copy``: under greedy decoding, a row whose text repeats (prompt lookup finds a match) drafts the tokens
+        that followed the match instead of the head's, while that match's first draft has been accepted more often
+        than the head's; the head drafts on from where the copied tokens end."""
+        self.model, self.fc, self.embedding = model, fc, embedding
+        self.token_map = token_map.to(model.device)
+        self.vocab = embedding.num_embeddings
+        self.runner = Runner(model, graphs)
+        # with copies, greedy rounds are planned here: each width of each kind of round priced by the policy
+        self.planner = RoundPlanner(PromptLookup()) if copy else None
+        self.copy = self.planner.copy if copy else None
+        self.sizes_own_drafts, self.kinds, self.costs = copy, KINDS if copy else None, None
+
+    # ------------------------------------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path, target, dtype=None, graphs: str = "auto", copy: bool = True) -> "EagleDrafter":
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        dtype = dtype or target.dtype
+        model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype, attn_implementation="sdpa",
+                                                     local_files_only=True).to(target.device).eval()
+        extra = load_file(os.fspath(Path(path, EXTRA)))
+        hidden = model.config.hidden_size
+        fc = torch.nn.Linear(2 * hidden, hidden, bias="fc.bias" in extra, dtype=dtype, device=target.device)
+        with torch.no_grad():
+            fc.weight.copy_(extra["fc.weight"])
+            if fc.bias is not None:
+                fc.bias.copy_(extra["fc.bias"])
+        fc.requires_grad_(False)
+        emb = target.get_input_embeddings()
+        if emb.embedding_dim != hidden:
+            raise ValueError(f"draft head {os.fspath(path)!r} has hidden size {hidden}; the target has "
+                             f"{emb.embedding_dim}")
+        token_map = extra["token_map"].long()
+        if int(token_map.max()) >= emb.num_embeddings:
+            raise ValueError(f"draft head {os.fspath(path)!r} maps to token ids beyond the target's vocabulary")
+        return cls(model, fc, token_map, emb, graphs, copy)
+
+    @staticmethod
+    def save(path, model, fc: torch.nn.Linear, token_map: torch.Tensor, card: dict | None = None) -> None:
+        """Write a checkpoint ``load`` reads: the Llama part (``save_pretrained``), ``fc`` and ``token_map``."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        model.save_pretrained(path)
+        tensors = {"fc.weight": fc.weight.detach().contiguous(), "token_map": token_map.to(torch.int64).contiguous()}
+        if fc.bias is not None:
+            tensors["fc.bias"] = fc.bias.detach().contiguous()
+        save_file(tensors, os.fspath(path / EXTRA))
+        if card is not None:
+            (path / "eagle.json").write_text(json.dumps(card, indent=1))
+
+    # ------------------------------------------------------------------------------------------------ rounds
+    def _inputs(self, next_tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.embedding(next_tokens), feats.to(self.fc.weight.dtype)], -1))
+
+    def prefill(self, prompts, hidden=None):
+        """Nothing runs yet: the prompt's features f_0 .. f_(n-2) wait (right-aligned), like those of rounds that did
+        not run the head, and the first round that runs it catches up on them (rows that leave before the head pays
+        never pay for their prompt)."""
+        b, dev = hidden.shape[0], self.runner.device
+        none = torch.zeros((b, 0), dtype=torch.long, device=dev)
+        state = SlotState(self.runner, new_cache(self.model), none.bool(), none, none, "draft")
+        feats = hidden if hidden.shape[1] else hidden.new_zeros((b, 1, hidden.shape[-1]))  # one-token prompts: a hole
+        return EagleState(state, torch.zeros(b, dtype=torch.long, device=dev), feats)
+
+    def propose(self, seqs, state: EagleState, k):
+        length, k_max = seqs.length, k
+        pairs = state.waiting * len(length) if state.waiting > CATCH_UP else 0  # a long wait to catch up on
+        if self.copy is not None and not seqs.sampling:
+            copies, n_copies, match = self.copy.candidates(seqs, k)
+            left = (seqs.limit - seqs.generated()).max() if pairs else None  # rounds left, at most
+            kind, k, use, n = self.planner.plan(copies, n_copies, match, k, self.costs, self.per_token,
+                                                self.row_value, pairs, left)
+            if not k:
+                return Proposal.empty(len(length), length.device)
+            if kind == "copy":  # the head does not run: its pairs wait for a round that runs it
+                return Proposal(copies[:, :k], n, match=match, kind=kind)
+        feats = state.feats
+        m = feats.shape[1]
+        at = (length - 1)[:, None] - m + torch.arange(m, device=length.device)[None, :]  # ends at length-2
+        tok = seqs.history.gather(1, at.clamp(min=0))
+        nxt = seqs.history.gather(1, (at + 1).clamp(min=0))
+        out = state.slots.append(tok, at >= state.processed[:, None], logits_to_keep=1, hidden=True,
+                                 embeds=self._inputs(nxt, feats))
+        state.processed = torch.maximum(state.processed, length - 1)
+        u = seqs.uniforms(k, DRAFT) if seqs.sampling else None
+        drafts, qs, first = [], [], None
+        # greedy rounds sized here: the head drafts on while a row is sure (past the plan where rows are verified one
+        # by one), and stops when none is; sures[i] [B]: P(a row's drafts 1..i+1 are right) by the head's probabilities
+        deep = u is None and self.costs is not None and DEPTH_CONFIDENCE is not None
+        sures = []
+        for i in range(k_max if deep and (len(length) == 1 or self.per_token) else k):
+            if deep and i and not bool((sures[-1] >= DEPTH_CONFIDENCE).any()):  # one host read a step
+                break
+            if i:
+                slot = seqs.pending() if i == 1 else drafts[-2]  # the token at this pair's position
+                out = state.slots.append(slot[:, None], logits_to_keep=1, hidden=True,
+                                         embeds=self._inputs(drafts[-1][:, None], out.hidden[:, -1:]))
+            logits = out.logits[:, -1]
+            if u is None:
+                drafts.append(self.token_map[greedy(logits)])
+                if self.copy is not None:  # rows whose copies earned it draft them; the head drafts on after them
+                    if not i:
+                        first = torch.stack([match, n_copies, copies[:, 0], drafts[0], use.long()], 1)
+                    drafts[-1] = torch.where(use & (i < n_copies), copies[:, i], drafts[-1])
+                if deep:  # (rounds are sized here only with copies)
+                    p = torch.where(use & (i < n_copies), 1.0, logits.float().softmax(-1).amax(-1))
+                    sures.append(sures[-1] * p if sures else p)
+            else:  # the head's distribution spread over the whole vocabulary (zero outside the map)
+                full = logits.new_full((logits.shape[0], self.vocab), float("-inf"))
+                full[:, self.token_map] = logits
+                qs.append(seqs.warp(full[:, None])[:, 0])
+                drafts.append(draw(qs[-1], u[:, i]))
+        # a round that caught up on a long wait (a prompt, many rounds without the head) is timed apart: its cost is
+        # once per wait, not what a head round of its width costs: a head round plus the pairs it caches
+        catch_up = first is not None and pairs > 0
+        kind = None if first is None else "catch-up" if catch_up else "head"
+        k = len(drafts)
+        n = torch.full_like(length, k)
+        if deep and self.per_token:  # each row: its drafts up to the first it is not sure of
+            n = ((torch.stack(sures, 1) >= DEPTH_CONFIDENCE).sum(1) + 1).clamp(max=k)
+        return Proposal(torch.stack(drafts, 1), n, torch.stack(qs, 1) if qs else None,
+                        match=first, kind=kind, work=pairs if catch_up else 0, base="head" if catch_up else None)
+
+    def commit(self, state: EagleState, proposal: Proposal, accepted, target) -> None:
+        k = proposal.drafts.shape[1]
+        if proposal.match is not None:
+            self.planner.learn(proposal, accepted, target)
+        if not k or proposal.kind == "copy":  # the head did not run: the new features wait for a round that runs it
+            state.aside.append((target.hidden.to(state._feats.dtype), accepted + 1 if k else None))
+            return
+        if k > 1:  # the drafts' pairs were built from predicted features
+            state.slots.hide_tail(k - 1, torch.zeros_like(accepted))
+        # features of positions length-1-k .. length'-2, where length' = length + accepted + 1 (the head cached
+        # every pair before the pending token's)
+        feats = target.hidden.to(state._feats.dtype)
+        index = (accepted[:, None] + torch.arange(-k, 1, device=accepted.device)[None, :]).clamp(min=0)
+        state.feats = feats.gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))
+
+    def states(self, state):
+        return (state.slots,)
+
+    def processed(self, seqs, state):
+        return state.processed

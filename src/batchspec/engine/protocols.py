@@ -1,0 +1,79 @@
+"""What each swappable part of a round must provide. ``Parts`` (``engine.py``) holds one of each; an injected fault
+(``faults.py``) replaces exactly one. The concrete parts: layouts in ``layouts/``, schedulers in ``schedulers/``,
+drafters in ``batchspec.drafters``, speculation policies in ``batchspec.speculation``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..drafters.base import Proposal
+    from .batch import SlotState
+    from .sequences import Sequences
+
+
+@runtime_checkable
+class Layout(Protocol):
+    """How ragged rows live in one rectangular cache: called after every round for every cache (target and draft);
+    ``width`` is the most valid slots any row needs. It may move slots (compaction) but never changes what a row
+    sees."""
+
+    name: str
+
+    def align(self, state: SlotState, width: int) -> None: ...
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Which requests join and which running rows form each round's batch (``schedulers/base.py``)."""
+
+    name: str
+
+    def admit(self, running: int, waiting: int, batch_size: int) -> int: ...
+
+    def select(self, lengths: list[int], batch_size: int) -> tuple[list[int] | None, bool | None]: ...
+
+    def forget(self, keep: list[int]) -> None: ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes up to k tokens per row each round (``drafters/base.py`` documents each member). Per-row state lives
+    in the object ``prefill`` returns, which the running batch owns and moves with its rows."""
+
+    name: str
+    needs_hidden: bool  # commit reads the target's final hidden states
+    sizes_own_drafts: bool  # greedy rounds are sized by the drafter from the policy's costs
+    packs_rows: bool  # it may size each row on its own where the target's runner packs verification
+
+    def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None): ...
+
+    def propose(self, seqs: Sequences, state, k: int) -> Proposal: ...
+
+    def commit(self, state, proposal: Proposal, accepted: torch.Tensor, target) -> None: ...
+
+    def states(self, state) -> tuple: ...
+
+    def processed(self, seqs: Sequences, state) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    """How many tokens a round drafts (``batchspec.speculation``): chosen before the round, told what the round did
+    after its one host read."""
+
+    name: str
+
+    def length(self, rows: int, k_max: int, sampling: bool = False) -> int: ...
+
+    def drafter_length(self, rows: int, k_max: int, kinds=None, step: int = 1) -> tuple[int, list | dict | None]: ...
+
+    def record(self, seqs: Sequences, accepted: torch.Tensor, k: int) -> None: ...
+
+    def estimates(self, seqs: Sequences, k_max: int) -> torch.Tensor | None: ...
+
+    def observe(self, rows: int, k: int, width: int, seconds: float, values, kind=None, work=0, base=None) -> None: ...
+
+    def fixed_share(self, rows: int) -> float: ...

@@ -1,0 +1,123 @@
+"""The package's shape: no import cycle among its modules (imports inside functions count too), the swappable parts
+satisfy their protocols, and the public names stay where users import them from."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import batchspec
+
+SRC = Path(batchspec.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Lines inside ``if TYPE_CHECKING:`` blocks (never executed)."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the batchspec modules it imports (a package's ``__init__`` counts as the package)."""
+    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph = {m: set() for m in files}
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_lines(tree)
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in files:  # ``import batchspec.x.y`` names the module; an attribute names its module
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert len(graph) > 60 and graph["batchspec.api"]  # the walk really read the package
+    assert cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_parts_satisfy_their_protocols():
+    from batchspec.drafters import NoDrafter, PromptLookup
+    from batchspec.drafters.eagle import EagleDrafter
+    from batchspec.drafters.model import ModelDrafter
+    from batchspec.engine.layouts import LAYOUTS
+    from batchspec.engine.protocols import Drafter, Layout, Scheduler, SpeculationPolicy
+    from batchspec.engine.schedulers import Continuous, ExSpec, Static
+    from batchspec.speculation import POLICIES
+
+    assert all(isinstance(cls(), Layout) for cls in LAYOUTS.values())
+    assert all(isinstance(s, Scheduler) for s in (Static(), Continuous(), ExSpec()))
+    assert all(isinstance(cls(), SpeculationPolicy) for cls in POLICIES.values())
+    assert isinstance(NoDrafter(), Drafter) and isinstance(PromptLookup(), Drafter)
+    for cls in (EagleDrafter, ModelDrafter):  # members checked on the class (building one needs models)
+        assert all(hasattr(cls, m) for m in ("prefill", "propose", "commit", "states", "processed", "needs_hidden"))
+    assert not isinstance(object(), Layout)
+
+
+def test_public_names():
+    import batchspec.audit
+
+    assert batchspec.LLM and batchspec.SamplingParams and batchspec.RequestOutput and batchspec.InvariantError
+    assert callable(batchspec.audit) and batchspec.audit.__module__ == "batchspec.audit.core"
