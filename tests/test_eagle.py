@@ -8,7 +8,7 @@ import collections
 import inspect
 import itertools
 import json
-import math
+from math import inf
 
 import pytest
 import tiny
@@ -26,6 +26,7 @@ from batchspec.engine.batch import InvariantError, prefill
 from batchspec.engine.schedulers import ExSpec
 from batchspec.model.kv import new_cache
 from batchspec.model.runner import Runner
+from batchspec.speculation.budget import DRAFT, NOT_WORTH, DraftBudget
 from batchspec.training.head import head_forward, head_unrolled
 
 JOIN_PROMPTS = tiny.prompts(13, seed=9) + [[4]]
@@ -93,8 +94,8 @@ def test_rows_joining_and_leaving(scheduler, layout, bs, stop):
 
 @pytest.mark.parametrize("speculation", ["adaptive", "scripted"])
 def test_rounds_without_drafting(speculation):
-    """The default adaptive policy (it starts with plain steps, then drafts), and a script with runs of k = 0 rounds
-    (each adds a pair the head must catch up on) among drafting ones, with requests joining: exact, invariants held."""
+    """The default adaptive policy, and a script with runs of k = 0 rounds (each adds a pair the head must catch up on)
+    among drafting ones, with requests joining: exact, invariants held."""
     policy = Scripted((0, 3, 0, 0, 2, 1, 3, 0, 0, 0, 3)) if speculation == "scripted" else "adaptive"
     llm = batchspec.LLM(tiny.target(), draft=tiny.eagle(), num_draft_tokens=3, batch_size=3, scheduler="continuous",
                         check_invariants=True, speculation=policy)
@@ -103,8 +104,7 @@ def test_rounds_without_drafting(speculation):
     outs = llm.generate(prompts, [SP(max_tokens=m) for m in max_tokens])
     assert [o.token_ids for o in outs] == _oracle(prompts, max_tokens)
     s = llm.stats
-    assert s.lengths.get(0, 0) > 0 and sum(v for k, v in s.lengths.items() if k) > 0, s.lengths
-    assert s.rounds_without_drafting == s.lengths[0] and s.drafted > 0 and s.joined_running > 0
+    assert s.rounds_without_drafting == s.lengths.get(0, 0) and s.drafted > 0 and s.joined_running > 0
     if speculation == "scripted":
         assert s.lengths[0] > 5 and s.accepted > 0
         assert max(len(list(g)) for k, g in itertools.groupby(policy.chosen) if k == 0) >= 3
@@ -144,19 +144,28 @@ def _head_drafts(drafter, history: list[int], k: int, forced=(), dtype=torch.flo
 
 class KindScript(Scripted):
     """For a drafter with kinds of rounds: a fixed cycle of plain rounds (None) and rounds where one kind is cheap
-    and the other dear (so the drafter picks the cheap one, as wide as it can; head rounds cheap after a long wait
-    too)."""
+    and the other dear (so the drafter picks the cheap one, as wide as it can). It prices the head's rounds itself:
+    ``bind`` puts ``round_costs`` in the drafter's planner."""
 
     def __init__(self, cycle=(None, "copy", "copy", "head", "copy", None, "head", "copy", "copy", "copy", "head")):
         super().__init__()
-        self.kinds = itertools.cycle(cycle)
+        self.kinds, self.cheap = itertools.cycle(cycle), None
 
-    def drafter_length(self, rows, k_max, kinds=None, step=1):
-        cheap = next(self.kinds)
-        if cheap is None:
-            return 0, None
-        cheap = {cheap, "catch-up"} if cheap == "head" else {cheap}
-        return k_max, {kind: [1.0] + [1.0 if kind in cheap else 9.0] * k_max for kind in kinds}
+    def bind(self, target_runner, drafter, batch_size):
+        drafter.planner.round_costs = self.round_costs
+
+    def budget(self, view):
+        self.cheap = next(self.kinds)
+        if self.cheap is None:
+            return DraftBudget.plain(NOT_WORTH)
+        per_row = view.rows > 1 and view.packed_rows - view.rows >= view.k_max
+        return DraftBudget(view.k_max, [1.0], per_row=per_row, reason=DRAFT)
+
+    def round_costs(self, budget, device, waiting=0, per=1, left=None):
+        n = budget.k * per
+        cheap, dear = [1.0] * (n + 1), [1.0] + [9.0] * n
+        rows = [cheap, dear] if self.cheap == "copy" else [dear, cheap]
+        return torch.tensor(rows, dtype=torch.float64, device=device)
 
 
 def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None, dtype=torch.float64,
@@ -170,7 +179,7 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None,
     drafter = tiny.eagle(copy=copy, dtype=dtype)
     if copy:
         monkeypatch.setattr(drafter.copy, "survival", lambda k, device: torch.ones((9, k), dtype=torch.float64))
-    rounds, propose, commit = [], drafter.propose, drafter.commit
+    rounds, waited, propose, commit = [], [], drafter.propose, drafter.commit
     narrower = {"put": 0, "merge": 0}
     for op in ("put", "merge"):  # count the joins / window write-backs that pad a narrower feature window
         real = getattr(EagleState, op)
@@ -181,8 +190,9 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None,
 
         monkeypatch.setattr(EagleState, op, spy_op)
 
-    def spy(seqs, state, k):
-        proposal = propose(seqs, state, k)
+    def spy(seqs, state, budget):
+        waited.append(state.waiting)
+        proposal = propose(seqs, state, budget)
         rounds.append((seqs.history.tolist(), seqs.length.tolist(), proposal.drafts.tolist(),
                        proposal.n_drafts.tolist(), proposal.kind))
         return proposal
@@ -223,6 +233,7 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None,
                     checked += 1
                     copied += bool(forced) and forced != _head_drafts(drafter, h[:n], len(forced), dtype=dtype)
                     wrong += d != _head_drafts(drafter, h[:n], len(d), forced, dtype=dtype)
+    kinds["most waiting"] = max(waited, default=0)
     return checked, wrong, narrower, copied, kinds
 
 
@@ -263,7 +274,8 @@ def test_copy_rounds_leave_the_head_in_step(monkeypatch):
     checked, wrong, narrower, copied, kinds = _check_drafts("continuous", monkeypatch, copy=True, policy=KindScript(),
                                                             order=(1, 7, 0, 2, 13, 3, 4, 5, 6))
     assert checked > 25 and wrong == 0, (checked, wrong)
-    assert kinds["copy"] > 5 and kinds["head"] + kinds["catch-up"] > 5 and kinds["catch-up"] > 0, kinds
+    # the head caught up on more pairs than a round's block (the features set aside by copy and plain rounds)
+    assert kinds["copy"] > 5 and kinds["head"] > 5 and kinds["most waiting"] > 3 + 1, kinds
     assert copied > 0 and narrower["merge"] > 0
 
 
@@ -288,23 +300,21 @@ def test_copy_rounds_sized_row_by_row_leave_the_head_in_step(monkeypatch):
     checked, wrong, _, _, kinds = _check_drafts("continuous", monkeypatch, copy=True, policy=KindScript(),
                                                 dtype=torch.float32)
     assert checked > 25 and wrong == 0, (checked, wrong)
-    assert kinds["copy"] > 5 and kinds["head"] + kinds["catch-up"] > 5, kinds
+    assert kinds["copy"] > 5 and kinds["head"] > 5, kinds
     assert sum(packed.values()) > 3, packed  # copy rounds whose rows verified different numbers of copies
 
 
-class DepthScript(Scripted):
-    """For a drafter with kinds of rounds: plain rounds among head rounds whose plan is one draft a row wide (wider
-    head rounds dear, copy rounds dearer)."""
+class DepthScript(KindScript):
+    """Plain rounds among head rounds whose plan is one draft a row wide (wider head rounds dear, copy rounds
+    dearer)."""
 
     def __init__(self, cycle=(None, "head", "head", None, "head")):
-        super().__init__()
-        self.kinds = itertools.cycle(cycle)
+        super().__init__(cycle)
 
-    def drafter_length(self, rows, k_max, kinds=None, step=1):
-        if next(self.kinds) is None:
-            return 0, None
-        one = [1.0] * (step + 1) + [9.0] * (k_max - step)  # m drafts in all: one a row (step) or fewer
-        return k_max, {"copy": [1.0] + [99.0] * k_max, "head": one, "catch-up": one}
+    def round_costs(self, budget, device, waiting=0, per=1, left=None):
+        n = budget.k * per
+        one = [1.0] * (per + 1) + [9.0] * (n - per)  # m drafts in all: one a row (per) or fewer
+        return torch.tensor([[1.0] + [99.0] * n, one], dtype=torch.float64, device=device)
 
 
 def _head_rounds(monkeypatch):
@@ -313,7 +323,7 @@ def _head_rounds(monkeypatch):
 
     def spy(self, seqs, state, k):
         p = real(self, seqs, state, k)
-        if p.kind in ("head", "catch-up"):
+        if p.kind == "head":
             seen.append((p.drafts.shape[1], p.n_drafts.tolist()))
         return p
 
@@ -359,7 +369,7 @@ def test_head_rounds_draft_as_deep_as_the_head_is_sure_row_by_row(sure, monkeypa
     checked, wrong, _, copied, kinds = _check_drafts("continuous", monkeypatch, copy=True, policy=DepthScript(),
                                                      dtype=torch.float32)
     assert checked > 25 and wrong == 0, (checked, wrong)
-    assert kinds["head"] + kinds["catch-up"] > 5, kinds
+    assert kinds["head"] > 5, kinds
     if sure == 0.0:
         assert all(w == 3 and n == [3] * len(n) for w, n in seen), seen
     elif sure == 2.0:
@@ -370,9 +380,9 @@ def test_head_rounds_draft_as_deep_as_the_head_is_sure_row_by_row(sure, monkeypa
 
 
 def test_copy_rounds_sized_row_by_row():
-    """Where verification packs (``per_token``): a copy round verifies the batch's likeliest copies (the strong row
-    all of its copies, the weak rows none, where one width made every row verify them), within what the runner packs;
-    a head round of width j is priced as rows x j drafts."""
+    """Where verification packs (``budget.per_row``): a copy round verifies the batch's likeliest copies (the strong
+    row all of its copies, the weak rows none, where one width made every row verify them), within what the runner
+    packs; a head round of width j is priced as rows x j drafts plus j steps of the head."""
     d = tiny.eagle()
     k, rows = 3, 4
     match = torch.tensor([1, 8, 1, 1])
@@ -381,29 +391,28 @@ def test_copy_rounds_sized_row_by_row():
     d.copy.offered[8], d.copy.hits[8] = 100.0, 97.0  # copies of 8-token matches: nearly always right
     d.copy.offered[1], d.copy.hits[1] = 100.0, 10.0
     d.planner.table = torch.tensor([10.0, 100.0], dtype=torch.float64)  # the head: seldom right
-    d.costs = {"copy": [1 + 0.1 * j for j in range(k + 1)], "head": [9.0] * (k + 1)}  # a column of the rectangle
-    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[:2] == ("copy", 3)
-    kind, width, _, n = d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)
+
+    def plan(verify, per_row=False, worth=None, step=9.0):
+        return d.planner.plan(copies, n_copies, match, DraftBudget(k, verify, step, 0.0, per_row, worth, DRAFT))
+
+    assert plan([1 + 0.1 * j for j in range(k + 1)])[:2] == ("copy", 3)  # a column of the rectangle
+    kind, width, _, n = plan([1 + 0.1 * j for j in range(k + 1)])
     assert n.tolist() == [3] * 4  # one width: every row verifies 3
-    d.per_token = True
-    d.costs = {"copy": [1 + 0.08 * m for m in range(rows * k + 1)], "head": [9.0] * (rows * k + 1)}  # per draft
-    kind, width, _, n = d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)
+    per_draft = [1 + 0.08 * m for m in range(rows * k + 1)]  # per draft verified, in all
+    kind, width, _, n = plan(per_draft, per_row=True)
     assert (kind, width, n.tolist()) == ("copy", 3, [0, 3, 0, 0])
-    d.row_value = torch.tensor([1.0, 0.1, 1.0, 1.0], dtype=torch.float64)  # the strong row far ahead: worth little
-    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[:2] == ("copy", 0)  # a plain step
-    d.row_value = torch.tensor([0.2, 1.6, 1.0, 1.2], dtype=torch.float64)
-    d.costs["copy"][2:] = [c + 0.3 for c in d.costs["copy"][2:]]  # past 1 draft, only the strong row's pay
-    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[3].tolist() == [0, 3, 0, 0]
-    d.row_value = torch.tensor([0.2, 0.1, 1.0, 3.0], dtype=torch.float64)  # a weak row's copy worth the most
-    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[3].tolist() == [0, 0, 0, 1]
-    d.row_value = None
-    d.costs["copy"] = [1 + 0.08 * m for m in range(3)]  # the runner packs at most 2 drafts
-    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[3].tolist() == [0, 2, 0, 0]
-    # the head right every time: a head round of width j costs its entry at rows x j (the others would be cheaper)
+    far_ahead = torch.tensor([1.0, 0.1, 1.0, 1.0], dtype=torch.float64)  # the strong row far ahead: worth little
+    assert plan(per_draft, True, far_ahead)[:2] == ("copy", 0)  # a plain step
+    dearer = per_draft[:2] + [c + 0.3 for c in per_draft[2:]]  # past 1 draft, only the strong row's pay
+    assert plan(dearer, True, torch.tensor([0.2, 1.6, 1.0, 1.2], dtype=torch.float64))[3].tolist() == [0, 3, 0, 0]
+    weak_first = torch.tensor([0.2, 0.1, 1.0, 3.0], dtype=torch.float64)  # a weak row's copy worth the most
+    assert plan(dearer, True, weak_first)[3].tolist() == [0, 0, 0, 1]
+    assert plan(per_draft[:3], True)[3].tolist() == [0, 2, 0, 0]  # the runner packs at most 2 drafts
+    # the head right every time: a head round one draft a row wide beats the copies at that cost
     d.planner.table = torch.tensor([100.0, 100.0], dtype=torch.float64)
-    d.costs = {"copy": [1.0] + [9.0] * rows * k, "head": [1.0] * (rows * k + 1)}
-    d.costs["head"][rows:: rows] = [1.1, 9.0, 9.0]
-    assert d.planner.plan(copies, n_copies, match, k, d.costs, d.per_token, d.row_value)[:2] == ("head", 1)
+    one_a_row = [1.0, 1.02, 1.04, 1.06, 1.1] + [9.0] * (rows * k - rows)
+    assert plan(one_a_row, per_row=True, step=0.0)[:2] == ("head", 1)
+    assert plan(one_a_row, per_row=True, step=9.0)[0] == "copy"  # the head's steps dear: copies
 
 
 def test_copies_used_where_they_earned_it():
@@ -413,11 +422,11 @@ def test_copies_used_where_they_earned_it():
     drafter = tiny.eagle()
     chosen, propose = [], drafter.propose
 
-    def spy(seqs, state, k):
-        head_rate = drafter.planner.head_survival(k, seqs.length.device)[0]
-        copy_rate = drafter.copy.survival(k, seqs.length.device)[:, 0]
-        proposal = propose(seqs, state, k)
-        assert proposal.kind in ("head", "catch-up")  # fixed length: the head runs every round
+    def spy(seqs, state, budget):
+        head_rate = drafter.planner.head_survival(budget.k, seqs.length.device)[0]
+        copy_rate = drafter.copy.survival(budget.k, seqs.length.device)[:, 0]
+        proposal = propose(seqs, state, budget)
+        assert proposal.kind == "head"  # fixed length: the head runs every round
         match, n_copies, copied, head, used = proposal.match.unbind(1)
         use = (n_copies > 0) & (copy_rate[match] > head_rate)
         assert use.tolist() == used.bool().tolist()
@@ -443,7 +452,7 @@ def test_copy_off_and_under_sampling():
     for copy, params in ((False, SP(max_tokens=12)), (True, SP(max_tokens=12, temperature=0.8, seed=1))):
         drafter = tiny.eagle(copy=copy)
         seen, propose = [], drafter.propose
-        drafter.propose = lambda seqs, state, k: seen.append(propose(seqs, state, k)) or seen[-1]
+        drafter.propose = lambda seqs, state, budget: seen.append(propose(seqs, state, budget)) or seen[-1]
         _llm(3, 4, draft=drafter, speculation="fixed").generate(JOIN_PROMPTS, params)
         assert seen and all(p.match is None for p in seen)
         assert drafter.planner is None or drafter.planner.table is None
@@ -478,8 +487,8 @@ def test_sampling_keeps_the_target_distribution(setting):
         outside[drafter.token_map] = False
         propose, qs, first = drafter.propose, [], []
 
-        def spy(seqs, state, k):
-            proposal = propose(seqs, state, k)
+        def spy(seqs, state, budget):
+            proposal = propose(seqs, state, budget)
             qs.append(proposal.q)
             assert not outside[proposal.drafts].any()
             rows = seqs.length == len(prompt)  # a request's first round: the same history for every seed
@@ -654,46 +663,27 @@ def test_unrolled_training_forward_is_chained_drafting():
     assert checked == 2 * n - 3 and n > 8
 
 
-def test_round_costs_per_kind():
-    """What the policy gives per kind (measured, or that kind's line); a head width it says nothing of costs the
-    copy round of that width plus the head's steps; a copy width it says nothing of, ``1 + 0.2 j``; never falling
-    with the width."""
-    from batchspec.drafters.eagle.plan import CATCH_UP_PAIR, CATCH_UP_SHARED, HEAD_STEP
+def test_round_costs_from_the_budget():
+    """A copy round costs its verification (never falling with m, unpriced sizes out of reach); a head round of j
+    steps that plus j steps of the head; after a long wait (more pairs than a round's block) each pair beyond it at
+    the budget's price, shared by ``CATCH_UP_SHARED`` rounds or by the rounds left when fewer."""
+    from batchspec.drafters.eagle.plan import CATCH_UP_SHARED
 
-    d = tiny.eagle()
-    d.costs = {"copy": [1.0, 1.1, None, 1.2], "head": [1.0, None, 1.9, None]}
-    copy, head = d.planner.round_costs(3, torch.device("cpu"), d.costs).tolist()
-    assert copy == pytest.approx([1.0, 1.1, 1.4, 1.4])  # given, given, the prior, given (never falling)
-    assert head == pytest.approx([1.0, 1.1 + HEAD_STEP, 1.9, 1.9])  # copy + head steps, given, never falling
-    # after a long wait: a head round plus each waiting pair's cost as measured (whatever one catch-up round of a
-    # width cost once: its wait's cost, not this one's), else CATCH_UP_PAIR, shared by CATCH_UP_SHARED rounds
-    d.costs["catch-up"], d.costs["work"] = [1.0, 4.0, None, None], {"catch-up": 0.004 * CATCH_UP_SHARED}
-    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=200)[1].tolist() == pytest.approx(
-        [1.8, 1.1 + HEAD_STEP + 0.8, 2.7, 2.7])
-    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=20)[1].tolist() == pytest.approx(
-        [1.08, 1.1 + HEAD_STEP + 0.08, 1.98, 1.98])  # a short wait is cheap, whatever a long one cost
-    d.costs["work"] = {"catch-up": None}  # none measured
-    c = 2000 * CATCH_UP_PAIR / CATCH_UP_SHARED
-    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=2000)[1].tolist() == pytest.approx(
-        [1.0 + c, 1.1 + HEAD_STEP + c, 1.9 + c, 1.9 + c])
-    # near the end, shared by no more rounds than are left (the most tokens a row may still generate)
-    c2 = 2000 * CATCH_UP_PAIR / 2
-    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=2000, left=torch.tensor(2))[1].tolist() == pytest.approx(
-        [1.0 + c2, 1.1 + HEAD_STEP + c2, 1.9 + c2, 1.9 + c2])
-    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=2000, left=torch.tensor(50))[1].tolist() == pytest.approx(
-        [1.0 + c, 1.1 + HEAD_STEP + c, 1.9 + c, 1.9 + c])
-    d.costs = {"copy": None, "head": None}  # nothing measured: the priors
-    copy, head = d.planner.round_costs(3, torch.device("cpu"), d.costs).tolist()
-    assert copy == pytest.approx([1.0 + 0.2 * j for j in range(4)])
-    assert head == pytest.approx([1.0 + (0.2 + HEAD_STEP) * j for j in range(4)])
-    # widths the policy has not let a kind explore yet (inf) stay out of reach; a head round's fallback still reads
-    # the copy round's prior, and a catch-up round is a head round of its width plus its pairs
-    inf = math.inf
-    d.costs = {"copy": [1.0, 1.5, inf, inf], "head": [1.0, None, inf, inf], "catch-up": [1.0, inf, inf, inf]}
-    copy, head = d.planner.round_costs(3, torch.device("cpu"), d.costs).tolist()
-    assert copy == [1.0, 1.5, inf, inf] and head == pytest.approx([1.0, 1.5 + HEAD_STEP, inf, inf])
-    assert d.planner.round_costs(3, torch.device("cpu"), d.costs, catch_up=40)[1].tolist() == [
-        pytest.approx(1.0 + 40 * CATCH_UP_PAIR / CATCH_UP_SHARED),
-        pytest.approx(1.5 + HEAD_STEP + 40 * CATCH_UP_PAIR / CATCH_UP_SHARED), inf, inf]
-    d.costs["copy"] = [1.0, None, inf, inf]
-    assert d.planner.round_costs(3, torch.device("cpu"), d.costs)[1].tolist() == pytest.approx([1.0, 1.2 + HEAD_STEP, inf, inf])
+    d, cpu = tiny.eagle(), torch.device("cpu")
+    b = DraftBudget(3, [1.0, 1.1, 1.05, 1.2], 0.1, 0.01, reason=DRAFT)
+    copy, head = d.planner.round_costs(b, cpu).tolist()
+    assert copy == pytest.approx([1.0, 1.1, 1.1, 1.2]) and head == pytest.approx([1.0, 1.2, 1.3, 1.5])
+    assert d.planner.round_costs(b, cpu, waiting=4)[1].tolist() == pytest.approx(head)  # a round's block: no extra
+    extra = 0.01 * (200 - 4) / CATCH_UP_SHARED
+    assert d.planner.round_costs(b, cpu, waiting=200)[1].tolist() == pytest.approx([h + extra for h in head])
+    near_end = 0.01 * (200 - 4) / 2
+    assert d.planner.round_costs(b, cpu, waiting=200, left=torch.tensor(2))[1].tolist() == pytest.approx(
+        [h + near_end for h in head])
+    assert d.planner.round_costs(b, cpu, waiting=200, left=torch.tensor(50))[1].tolist() == pytest.approx(
+        [h + extra for h in head])
+    short = DraftBudget(3, [1.0, 1.5], 0.1, 0.0, reason=DRAFT)  # sizes the budget does not price
+    copy, head = d.planner.round_costs(short, cpu).tolist()
+    assert copy == [1.0, 1.5, inf, inf] and head == pytest.approx([1.0, 1.6, inf, inf])
+    per_row = DraftBudget(2, [1.0 + 0.1 * m for m in range(7)], 0.3, 0.0, per_row=True, reason=DRAFT)
+    copy, head = d.planner.round_costs(per_row, cpu, per=3).tolist()  # 3 rows: a head step every 3 drafts
+    assert head == pytest.approx([c + 0.3 * m / 3 for m, c in enumerate(copy)])

@@ -5,11 +5,11 @@ import inspect
 import pytest
 import tiny
 import torch
+from test_policy import synthetic
 
 import batchspec
-from batchspec.engine import engine
 from batchspec.model import kernels, runner
-from batchspec.speculation import FixedLength
+from batchspec.speculation import AdaptiveLength
 
 
 def _visible(firsts, width):
@@ -324,28 +324,22 @@ def test_engine_with_packed_verification_stays_exact(monkeypatch):
 
     monkeypatch.setattr(fused, "forward", spy)
     prompts = tiny.prompts(8, seed=4)
-    llm = tiny.fixed_llm(t, draft="prompt-lookup", num_draft_tokens=4, batch_size=4, check_invariants=True)
-    sized, propose = [], llm.drafter.propose
-    llm.drafter.propose = lambda *a: sized.append(llm.drafter.per_token) or propose(*a)
-    valued, self_sized = [], engine.Engine._self_sized
-
-    def spy_sized(self, batch, k_max):  # what each row's tokens were worth, and whether a request was waiting
-        out = self_sized(self, batch, k_max)
-        valued.append((bool(self.waiting), len(batch), self.parts.drafter.per_token, self.parts.drafter.row_value))
-        return out
-
-    monkeypatch.setattr(engine.Engine, "_self_sized", spy_sized)
+    policy = AdaptiveLength(synthetic(per_token=0.0001))  # verification cheap: rows draft what they have
+    llm = batchspec.LLM(t, draft="prompt-lookup", num_draft_tokens=4, batch_size=4, check_invariants=True,
+                        speculation=policy)
+    budgets, propose = [], llm.drafter.propose
+    llm.drafter.propose = lambda seqs, state, budget: budgets.append((len(seqs), budget)) or propose(seqs, state,
+                                                                                                     budget)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=24))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 24) for p in prompts]
     assert packed and llm.stats.accepted > 0 and llm.stats.ragged_rounds > 0
-    assert any(sized)  # rows were sized one by one (batches of more than one row, whose runner packs)
-    # rows are valued only where the batch runs to its last row (nothing waiting), and then unequally at times
-    assert all(v is None for waiting, _, per, v in valued if waiting and per)
-    free = [(rows, v) for waiting, rows, per, v in valued if per and not waiting]
-    share = FixedLength().fixed_share(4)  # a token saves its row at least the rest of a step's share
-    assert free and all(len(v) == rows and v.min() >= 1 - share - 1e-9 and v.max() <= 1 + (rows - 1) * share + 1e-9
-                        for rows, v in free)
-    assert any(per and waiting for waiting, _, per, _ in valued)  # rounds with requests waiting were seen too
+    assert any(b.per_row for _, b in budgets)  # rows were sized one by one (batches of several rows; the runner packs)
+    # rows are valued only where the batch runs to its last row (no request waiting), and then unequally at times
+    free = [(rows, b.worth) for rows, b in budgets if b.per_row and b.worth is not None]
+    assert free and any(b.per_row and b.worth is None for _, b in budgets)  # rounds with requests waiting too
+    for rows, v in free:
+        share = policy.costs.fixed_share(rows)  # a token saves its row at least the rest of a step's share
+        assert len(v) == rows and v.min() >= 1 - share - 1e-9 and v.max() <= 1 + (rows - 1) * share + 1e-9
     assert any(v.std() > 0.1 for _, v in free)  # some rows were worth more than others
 
 

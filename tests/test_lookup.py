@@ -2,6 +2,7 @@
 gives the candidates, and learned survival per (match length, draft index) decides how many to offer."""
 
 import contextlib
+from math import inf
 from types import SimpleNamespace
 from unittest import mock
 
@@ -15,6 +16,16 @@ import batchspec
 from batchspec.drafters import PromptLookup, lookup
 from batchspec.drafters.lookup import PRIOR_WEIGHT, survival
 from batchspec.model import kernels
+from batchspec.speculation.budget import DRAFT, FIXED, DraftBudget
+
+
+def B(k, verify=None, per_row=False, worth=None):
+    """A round's budget: ``verify`` costs to size it by (None: every candidate up to k, as a fixed length)."""
+    return DraftBudget(k, verify, per_row=per_row, worth=worth, reason=DRAFT if verify else FIXED)
+
+
+def linear(per, n=6):
+    return [1 + per * j for j in range(n)]
 
 
 def _seqs(rows, sampling=False):
@@ -34,40 +45,36 @@ def test_longest_match_and_its_continuation():
     p = _seqs([WEAK, STRONG]).__dict__
     d = PromptLookup()
     # nothing learned yet: a first copy starts at n / (n + 2) (1/3 after the 1-token match, 2/3 after the 4-token
-    # one), each later index like the one before; at the prior cost of 0.2 per column the tokens per cost peak at 2
+    # one), each later index like the one before; at 0.2 plain steps per column the tokens per cost peak at 2
     # drafts (E(2) / 1.4 = 2.54 against E(1) / 1.2 = 2.50 and E(3) / 1.6 = 2.43)
-    assert d.propose(SimpleNamespace(**p), None, 5).n_drafts.tolist() == [2, 2]
-    d.costs = [1.0] * 6
-    prop = d.propose(SimpleNamespace(**p), None, 5)
+    assert d.propose(SimpleNamespace(**p), None, B(5, linear(0.2))).n_drafts.tolist() == [2, 2]
+    prop = d.propose(SimpleNamespace(**p), None, B(5))
     assert prop.match.tolist() == [1, 4]
     assert prop.n_drafts.tolist() == [5, 5]
     assert prop.drafts[0].tolist() == [20, 21, 22, 23, 24] and prop.drafts[1].tolist() == [30, 31, 32, 33, 34]
 
 
 def test_length_follows_what_each_match_length_earned():
-    d = PromptLookup(default_cost=0.3)
+    d, costs = PromptLookup(), B(5, linear(0.3))
     seqs = _seqs([WEAK, STRONG])
     for _ in range(20):  # weak matches: the first draft is always rejected; strong ones: all accepted
-        prop = d.propose(seqs, None, 5)
+        prop = d.propose(seqs, None, costs)
         d.commit(None, prop, torch.tensor([0, 5]), None)
-    prop = d.propose(seqs, None, 5)
+    prop = d.propose(seqs, None, costs)
     assert prop.n_drafts.tolist() == [5, 5]  # the strong row pays for the columns; the weak one rides along
     assert prop.drafts.shape[1] == 5
-    alone = d.propose(_seqs([WEAK]), None, 5)  # a batch of weak matches only: a plain step
+    alone = d.propose(_seqs([WEAK]), None, costs)  # a batch of weak matches only: a plain step
     assert alone.n_drafts.tolist() == [0] and alone.drafts.shape[1] == 0
-    d.costs = [1.0] * 6  # what speculation="fixed" sets (equal costs): every candidate up to K
-    assert d.propose(seqs, None, 5).n_drafts.tolist() == [5, 5]
+    assert d.propose(seqs, None, B(5)).n_drafts.tolist() == [5, 5]  # a fixed length: every candidate up to K
 
 
 def test_partial_survival_cuts_at_the_first_weak_index():
-    d = PromptLookup(default_cost=0.5)
+    d = PromptLookup()
     seqs = _seqs([STRONG])
-    d.costs = [1.0] * 6  # learn with every candidate offered
-    for _ in range(30):  # the first two drafts always accepted, the third never
-        prop = d.propose(seqs, None, 5)
+    for _ in range(30):  # the first two drafts always accepted, the third never (every candidate offered)
+        prop = d.propose(seqs, None, B(5))
         d.commit(None, prop, torch.tensor([2]), None)
-    d.costs = None  # the prior cost, 0.5 per column
-    assert d.propose(seqs, None, 5).n_drafts.tolist() == [2]
+    assert d.propose(seqs, None, B(5, linear(0.5))).n_drafts.tolist() == [2]
     s = d.survival(5, "cpu")[4]
     assert s[0] > 0.9 and s[1] > 0.9 and s[2] < 0.5 and (s[1:] <= s[:-1]).all()  # a product: never rises
 
@@ -78,9 +85,8 @@ def test_survival_multiplies_conditional_rates():
     already failed as rejections would multiply the first failure in at every index)."""
     d = PromptLookup()
     seqs = _seqs([STRONG])
-    d.costs = [1.0] * 6
     for accepted in [0, 5] * 40:
-        d.commit(None, d.propose(seqs, None, 5), torch.tensor([accepted]), None)
+        d.commit(None, d.propose(seqs, None, B(5)), torch.tensor([accepted]), None)
     s = d.survival(5, "cpu")[4]
     assert 0.4 < s[0] < 0.6 and s[4] > 0.9 * s[0], s
     assert d.offered[4].tolist() == [80, 40, 40, 40, 40] and d.hits[4].tolist() == [40] * 5
@@ -106,17 +112,16 @@ def test_survival_unrolled_equals_the_recurrence(columns, first):
 
 def test_batch_width_weighs_every_row():
     """A column is verified when the rows' summed chances there cover its cost for the whole batch."""
-    d = PromptLookup(default_cost=0.4)
+    d = PromptLookup()
     strong, weak = _seqs([STRONG]), _seqs([WEAK])
-    d.costs = [1.0] * 6  # learn with every candidate offered
-    for _ in range(30):
-        d.commit(None, d.propose(strong, None, 5), torch.tensor([5]), None)  # strong matches: all accepted
-        d.commit(None, d.propose(weak, None, 5), torch.tensor([0]), None)  # weak ones: none
-    d.costs = None  # back to the default cost, 0.4 per column
-    assert d.propose(_seqs([STRONG, WEAK]), None, 5).n_drafts.tolist() == [5, 5]  # ~1 token per column >= 0.8
-    assert d.propose(_seqs([STRONG] + [WEAK] * 3), None, 5).n_drafts.tolist() == [0] * 4  # ~1 < 0.4 x 4 rows
-    d.costs = [1 + 0.2 * j for j in range(6)]  # measured cheaper: (4 + 5) / 2 > 4 / 1
-    assert d.propose(_seqs([STRONG] + [WEAK] * 3), None, 5).n_drafts.tolist() == [5] * 4
+    for _ in range(30):  # learn with every candidate offered
+        d.commit(None, d.propose(strong, None, B(5)), torch.tensor([5]), None)  # strong matches: all accepted
+        d.commit(None, d.propose(weak, None, B(5)), torch.tensor([0]), None)  # weak ones: none
+    dear = B(5, linear(0.4))  # a column: 0.4 plain steps
+    assert d.propose(_seqs([STRONG, WEAK]), None, dear).n_drafts.tolist() == [5, 5]  # (2 + 5) / 3 > 2 / 1
+    assert d.propose(_seqs([STRONG] + [WEAK] * 3), None, dear).n_drafts.tolist() == [0] * 4  # (4 + 5) / 3 < 4 / 1
+    cheaper = B(5, linear(0.2))  # (4 + 5) / 2 > 4 / 1
+    assert d.propose(_seqs([STRONG] + [WEAK] * 3), None, cheaper).n_drafts.tolist() == [5] * 4
 
 
 def test_rows_sized_one_by_one_where_verification_packs():
@@ -125,39 +130,33 @@ def test_rows_sized_one_by_one_where_verification_packs():
     candidate is offered, as with one width."""
     d = PromptLookup()
     strong, weak = _seqs([STRONG]), _seqs([WEAK])
-    d.costs = [1.0] * 6
     for _ in range(30):
-        d.commit(None, d.propose(strong, None, 5), torch.tensor([5]), None)
-        d.commit(None, d.propose(weak, None, 5), torch.tensor([0]), None)
+        d.commit(None, d.propose(strong, None, B(5)), torch.tensor([5]), None)
+        d.commit(None, d.propose(weak, None, B(5)), torch.tensor([0]), None)
     batch = _seqs([WEAK, STRONG, WEAK, WEAK])
-    d.costs = [1 + 0.2 * j for j in range(6)]  # per column of the batch's rectangle
-    assert d.propose(batch, None, 5).n_drafts.tolist() == [5] * 4
-    d.per_token, d.costs = True, [1 + 0.1 * m for m in range(21)]  # per draft verified, in all
-    prop = d.propose(batch, None, 5)
+    assert d.propose(batch, None, B(5, linear(0.2))).n_drafts.tolist() == [5] * 4  # per column of the rectangle
+    prop = d.propose(batch, None, B(5, linear(0.1, 21), per_row=True))  # per draft verified, in all
     assert prop.n_drafts.tolist() == [0, 5, 0, 0] and prop.drafts.shape[1] == 5
-    d.costs = [1 + 0.1 * m for m in range(4)]  # the runner packs at most 3 drafts
-    assert d.propose(batch, None, 5).n_drafts.tolist() == [0, 3, 0, 0]
-    d.costs = [1.0] * 21  # fixed: every candidate
-    assert d.propose(batch, None, 5).n_drafts.tolist() == [5] * 4
+    packs3 = B(5, linear(0.1, 4), per_row=True)  # the runner packs at most 3 drafts
+    assert d.propose(batch, None, packs3).n_drafts.tolist() == [0, 3, 0, 0]
+    assert d.propose(batch, None, B(5)).n_drafts.tolist() == [5] * 4  # fixed: every candidate
 
 
 def test_rows_sized_by_what_their_tokens_are_worth():
-    """With ``row_value`` (where the batch runs to its last row), a row's drafts count at its worth: of two rows with
-    the same candidates, the one worth more drafts first; worth little, neither drafts."""
+    """With ``worth`` (where the batch runs to its last row), a row's drafts count at its worth: of two rows with the
+    same candidates, the one worth more drafts first; worth little, neither drafts."""
     d = PromptLookup()
-    d.costs = [1.0] * 6
     for _ in range(30):
-        d.commit(None, d.propose(_seqs([STRONG]), None, 5), torch.tensor([5]), None)
+        d.commit(None, d.propose(_seqs([STRONG]), None, B(5)), torch.tensor([5]), None)
     batch = _seqs([STRONG, STRONG])
-    d.per_token, d.costs = True, [1 + 0.05 * m for m in range(6)] + [9.0] * 5  # 5 drafts in all, not more
-    assert d.propose(batch, None, 5).n_drafts.tolist() == [3, 2]  # equal chances: the rows take turns
-    d.row_value = torch.tensor([0.5, 1.5], dtype=torch.float64)
-    assert d.propose(batch, None, 5).n_drafts.tolist() == [0, 5]
-    d.costs = [1 + 0.3 * m for m in range(11)]  # 5 sure drafts of a row worth 1 pay, worth 0.2 they do not
-    d.row_value = torch.ones(2, dtype=torch.float64)
-    assert d.propose(batch, None, 5).n_drafts.tolist() == [5, 5]
-    d.row_value = torch.full((2,), 0.2, dtype=torch.float64)
-    assert d.propose(batch, None, 5).n_drafts.tolist() == [0, 0]
+    five = [1 + 0.05 * m for m in range(6)] + [9.0] * 5  # 5 drafts in all, not more
+    assert d.propose(batch, None, B(5, five, True)).n_drafts.tolist() == [3, 2]  # equal chances: they take turns
+    worth = torch.tensor([0.5, 1.5], dtype=torch.float64)
+    assert d.propose(batch, None, B(5, five, True, worth)).n_drafts.tolist() == [0, 5]
+    steep = linear(0.3, 11)  # 5 sure drafts of a row worth 1 pay, worth 0.2 they do not
+    assert d.propose(batch, None, B(5, steep, True, torch.ones(2, dtype=torch.float64))).n_drafts.tolist() == [5, 5]
+    little = torch.full((2,), 0.2, dtype=torch.float64)
+    assert d.propose(batch, None, B(5, steep, True, little)).n_drafts.tolist() == [0, 0]
 
 
 def test_row_values_favour_the_rows_that_finish_last():
@@ -165,24 +164,28 @@ def test_row_values_favour_the_rows_that_finish_last():
     and is worth its row's share and every row's fixed share; rows well ahead only their row's share; rows level
     with others little more than that when their pace is sure (all of them would have to gain to move the end), about
     a token each when it is not (the first rounds, or rows whose accepted drafts vary)."""
-    from batchspec.speculation.row_values import FIXED_SHARE, row_values
+    from batchspec.speculation.row_values import row_values
+
+    FIXED_SHARE = 0.5  # a step's share that does not grow with its rows, as measured at 8 rows on a 2-core CPU
 
     def seqs(done, rounds, limit=64):
         done = torch.tensor(done)
         return SimpleNamespace(generated=lambda: done, rounds=torch.tensor(rounds), limit=torch.full_like(done, limit))
 
     own = 1 - FIXED_SHARE  # a token's saving for its own row
-    level = row_values(seqs([10] * 3, [10] * 3))  # level rows at a sure pace of 1: 54 rounds left each
+    level = row_values(seqs([10] * 3, [10] * 3), FIXED_SHARE)  # level rows at a sure pace of 1: 54 rounds left
     assert len(set(level.tolist())) == 1 and own < level[0].item() < 0.7
-    assert row_values(seqs([10] * 8, [10] * 8))[0] < level[0]  # the more rows level, the less one token moves the end
-    assert row_values(seqs([20] * 3, [10] * 3))[0] > 0.9  # level, but at a pace of 2 that varies: unsure
-    assert row_values(seqs([0, 0], [0, 0])).tolist() == pytest.approx([0.98] * 2, abs=0.01)  # before the first round
-    v = row_values(seqs([40, 40, 10], [20, 20, 20]))  # 12, 12 and 54 rounds left
+    # the more rows level, the less one token moves the end
+    assert row_values(seqs([10] * 8, [10] * 8), FIXED_SHARE)[0] < level[0]
+    assert row_values(seqs([20] * 3, [10] * 3), FIXED_SHARE)[0] > 0.9  # level, but at an unsure pace of 2
+    before = row_values(seqs([0, 0], [0, 0]), FIXED_SHARE)  # before the first round
+    assert before.tolist() == pytest.approx([0.98] * 2, abs=0.01)
+    v = row_values(seqs([40, 40, 10], [20, 20, 20]), FIXED_SHARE)  # 12, 12 and 54 rounds left
     assert v[2].item() == pytest.approx(own + 3 * FIXED_SHARE, abs=0.01)
     assert v[:2].tolist() == pytest.approx([own] * 2, abs=0.01)
     v = row_values(seqs([20, 20], [10, 20]), fixed=0.7)  # the same tokens left, the first row at twice the pace
     assert v.tolist() == pytest.approx([0.3, 0.3 + 2 * 0.7], abs=0.01)
-    v = row_values(seqs([20, 21, 60], [20, 20, 20]))  # 44, 41 and 1.3 rounds left: the second close behind
+    v = row_values(seqs([20, 21, 60], [20, 20, 20]), FIXED_SHARE)  # 44, 41, 1.3 rounds left: a close second
     assert v[0] > 1.5 and own + 0.02 < v[1] < 1.0 and v[2].item() == pytest.approx(own, abs=0.001)
 
 
@@ -190,8 +193,7 @@ def test_latest_occurrence_gives_the_candidates():
     """The suffix 5 6 occurs twice before the end, followed by 7 8 the first time and 40 41 the second: the latest
     occurrence continues."""
     d = PromptLookup()
-    d.costs = [1.0] * 3  # every candidate offered
-    prop = d.propose(_seqs([[5, 6, 7, 8, 5, 6, 40, 41, 5, 6]]), None, 2)
+    prop = d.propose(_seqs([[5, 6, 7, 8, 5, 6, 40, 41, 5, 6]]), None, B(2))  # every candidate offered
     assert prop.match.tolist() == [2] and prop.drafts.tolist() == [[40, 41]]
 
 
@@ -200,14 +202,13 @@ def test_block_width_maximises_tokens_per_cost():
     (E(j) / cost(j): 4 / 1.06 beats 5 / 2); with a linear cost of 0.1 per column it verifies all 5."""
     d = PromptLookup()
     seqs = _seqs([STRONG])
-    d.costs = [1.0] * 6
     for _ in range(30):
-        d.commit(None, d.propose(seqs, None, 5), torch.tensor([5]), None)
-    d.costs = [1.0, 1.02, 1.04, 1.06, 2.0, 3.0]
-    assert d.propose(seqs, None, 5).n_drafts.tolist() == [3]
-    d.costs = [1.0, None, 1.2, None, 1.4, 1.5]  # widths not measured: the prior (1 + 0.2 j), and never falling
-    assert d.round_costs(5, "cpu").tolist() == pytest.approx([1.0, 1.2, 1.2, 1.6, 1.6, 1.6])
-    assert d.propose(seqs, None, 5).n_drafts.tolist() == [5]
+        d.commit(None, d.propose(seqs, None, B(5)), torch.tensor([5]), None)
+    assert d.propose(seqs, None, B(5, [1.0, 1.02, 1.04, 1.06, 2.0, 3.0])).n_drafts.tolist() == [3]
+    assert d.propose(seqs, None, B(5, linear(0.1))).n_drafts.tolist() == [5]
+    # costs never fall with the width, and widths the budget does not price are out of reach
+    assert B(5, [1.0, 1.2, 1.1, 1.6]).verify_tensor(5, "cpu").tolist() == [1.0, 1.2, 1.2, 1.6, inf, inf]
+    assert d.propose(seqs, None, B(5, [1.0, 1.01, 1.02])).n_drafts.tolist() == [2]
 
 
 def _reference(row, max_ngram, min_ngram):
@@ -228,12 +229,11 @@ def test_matching_equals_brute_force(rows, max_ngram, min_ngram):
     scan (where the kernels build) and the tensor version."""
     min_ngram = min(min_ngram, max_ngram)
     d = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
-    d.costs = [1.0] * 4
     seqs = _seqs(rows)
     paths = [False] + [True] * (kernels.lookup_match(seqs.history, seqs.length, max_ngram) is not None)
     for tensors in paths:
         with mock.patch.object(lookup, "lookup_match", lambda *a: None) if tensors else contextlib.nullcontext():
-            prop = d.propose(seqs, None, 3)
+            prop = d.propose(seqs, None, B(3))
         for i, row in enumerate(rows):
             n, start = _reference(row, max_ngram, min_ngram)
             assert prop.match[i] == n
@@ -242,11 +242,12 @@ def test_matching_equals_brute_force(rows, max_ngram, min_ngram):
 
 
 def test_sampling_offers_every_candidate():
-    d = PromptLookup(default_cost=0.3)
+    d, costs = PromptLookup(), B(5, linear(0.3))
     for _ in range(20):
-        prop = d.propose(_seqs([WEAK]), None, 5)
+        prop = d.propose(_seqs([WEAK]), None, costs)
         d.commit(None, prop, torch.tensor([0]), None)
-    assert d.propose(_seqs([WEAK], sampling=True), None, 5).n_drafts.tolist() == [5]
+    assert d.propose(_seqs([WEAK]), None, costs).n_drafts.tolist() == [0]
+    assert d.propose(_seqs([WEAK], sampling=True), None, costs).n_drafts.tolist() == [5]
 
 
 def test_engine_learns_and_stays_exact():

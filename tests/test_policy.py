@@ -1,9 +1,8 @@
 """The speculation length policy: exactness with lengths that change every round (k = 0 included), the adaptive
 policy's choices and its cost model, and injected faults still showing with it on."""
 
+import copy
 import itertools
-import math
-import random
 
 import pytest
 import tiny
@@ -12,8 +11,12 @@ import torch
 import batchspec
 from batchspec import SamplingParams
 from batchspec.engine.names import split_speculation
-from batchspec.speculation import AdaptiveLength, FixedLength, expected_tokens, get_policy
-from batchspec.speculation.row_values import FIXED_SHARE
+from batchspec.speculation import AdaptiveLength, CostModel, Profile, RoundView, expected_tokens, get_policy
+from batchspec.speculation.acceptance import Acceptance
+from batchspec.speculation.adaptive import DRY_ROUNDS, LOOK_EVERY, PROBE_EVERY
+from batchspec.speculation.budget import DRAFT, DRY, FIXED, NO_DRAFTER, NO_ROOM, NOT_WORTH, PROBE, REASONS, Outcome
+from batchspec.speculation.costs import WIDTHS
+from batchspec.speculation.fixed import FixedLength
 
 
 class Scripted(FixedLength):
@@ -82,309 +85,202 @@ def test_expected_tokens():
     assert e[2, 3] > 3.9  # a draft that is always right: about k + 1 tokens
 
 
-def _learned(rate, t0, d):
-    return AdaptiveLength(initial_rate=rate, costs=(t0, d))
+def synthetic(fixed: float = 0.02, per_token: float = 0.002, step: float = 0.0, pair: float = 0.0,
+              rows=(1, 2, 4, 8)) -> Profile:
+    """A profile whose forward of r rows x w tokens takes ``fixed + per_token * r * w`` seconds; the drafter's step
+    ``step`` per row (0: none)."""
+    target = {r: [fixed + per_token * r * w for w in WIDTHS] for r in rows}
+    return Profile(target, {r: step * r for r in rows} if step else {}, pair)
+
+
+def _policy(rate, profile, sizes_own=False):
+    p = AdaptiveLength(profile)
+    p.acceptance.rate, p.sizes_own = rate, sizes_own
+    return p
+
+
+class _Seqs:
+    """What a budget reads of the running rows, for policy tests without an engine."""
+
+    def __init__(self, rows=1, sampling=False):
+        self.sampling = sampling
+        self.limit = torch.full((rows,), 64)
+        self.length = torch.full((rows,), 10)
+        self.prompt_len = torch.full((rows,), 5)
+        self.rounds = torch.full((rows,), 3)
+
+    def generated(self):
+        return self.length - self.prompt_len
+
+
+def _view(rows=8, k_max=5, waiting=False, packed=0, sampling=False):
+    return RoundView(rows, k_max, _Seqs(rows, sampling), waiting, packed)
+
+
+def test_cost_model_reads_the_profile_in_plain_steps():
+    """Verification costs in plain steps of the same rows: per row (a block k+1 wide for every row) or in all (a
+    runner that packs: rows + m tokens); batch sizes between measured ones interpolated, beyond extrapolated; the
+    drafter's step and a cached pair; the share of a plain step that does not grow with its rows."""
+    c = CostModel(synthetic(fixed=0.02, per_token=0.002, step=0.001, pair=0.0005))
+    assert c.plain(4) == pytest.approx(0.028)
+    assert c.verify(4, 0, False) == pytest.approx(1.0)
+    assert c.verify(4, 2, False) == pytest.approx((0.02 + 0.002 * 12) / 0.028)  # 3 tokens a row
+    assert c.verify(4, 2, True) == pytest.approx((0.02 + 0.002 * 6) / 0.028)  # 2 drafts in all: 6 tokens
+    assert c.plain(3) == pytest.approx(0.026) and c.plain(16) == pytest.approx(0.052)  # between; beyond
+    assert c.verify(1, 9, False) == pytest.approx((0.02 + 0.002 * 10) / 0.022)  # past the widest: the line
+    assert c.step(4) == pytest.approx(0.004 / 0.028) and c.pair(4) == pytest.approx(0.002 / 0.028)
+    assert c.fixed_share(8) == pytest.approx(1 - 0.002 * 8 / 0.036) and c.fixed_share(1) == 1.0
+    assert CostModel(synthetic(rows=(1, 2))).step(2) == 0.0  # no drafter model
 
 
 def test_adaptive_picks_zero_when_acceptance_is_low_or_verification_dear():
-    assert _learned(0.1, t0=0.05, d=0.02).length(8, 5) == 0  # the draft is rarely right
-    assert _learned(0.6, t0=0.05, d=0.2).length(8, 5) == 0  # each drafted token costs 4 plain steps
-    assert _learned(0.95, t0=0.05, d=0.002).length(8, 5) == 5  # right almost always, drafting cheap
-    mid = _learned(0.6, t0=0.05, d=0.01).length(8, 5)
-    assert 0 < mid < 5
+    cheap = synthetic(per_token=0.0002, step=0.0001)
+    dear = synthetic(per_token=0.02, step=0.0001)
+    assert _policy(0.1, cheap).best_length(8, 5) == 0  # the draft is rarely right
+    assert _policy(0.6, dear).best_length(8, 5) == 0  # each verified token costs about a plain step
+    assert _policy(0.97, cheap).best_length(8, 5) == 5  # right almost always, verification cheap
+    assert 0 < _policy(0.6, synthetic(per_token=0.0005, step=0.0005)).best_length(8, 5) < 5
 
 
 def test_adaptive_uses_per_row_estimates():
-    p = _learned(0.5, t0=0.05, d=0.005)
-    p.expected = expected_tokens(torch.tensor([0.99, 0.99]), 5).mean(0).tolist()
-    high = p.length(8, 5)
-    p.expected = expected_tokens(torch.tensor([0.05, 0.05]), 5).mean(0).tolist()
-    assert high == 5 and p.length(8, 5) == 0
+    p = _policy(0.5, synthetic(per_token=0.0002))
+    p.acceptance.expected = expected_tokens(torch.tensor([0.99, 0.99]), 5).mean(0).tolist()
+    high = p.best_length(8, 5)
+    p.acceptance.expected = expected_tokens(torch.tensor([0.05, 0.05]), 5).mean(0).tolist()
+    assert high == 5 and p.best_length(8, 5) == 0
 
 
-def test_adaptive_measures_first_then_probes():
-    p = AdaptiveLength()
-    assert p.length(4, 5) == 0  # no cost known: a plain step first
-    p.observe(4, 0, 1, 9.0, None)  # the first round pays one-time costs: not learned
-    assert p.length(4, 5) == 0
-    p.observe(4, 0, 1, 0.04, None)
-    assert p.length(4, 5) == 1  # then one drafted token, for the cost of drafting
-    p.observe(4, 1, 2, 0.05, None)
-    assert p.cost(4) == pytest.approx((0.04, 0.0, 0.01))  # one width seen: all of the extra time per token
-    p.rate = 0.05  # speculation does not pay: k = 0, with a one-token probe after probe_every rounds, then after
-    chosen = [p.length(4, 5) for _ in range(8 * p.probe_every)]  # twice as many while the probes change nothing
-    probes = [i for i, k in enumerate(chosen) if k]
-    assert set(chosen) == {0, 1} and [b - a for a, b in zip(probes, probes[1:])] == [16, 32]
-    p.rate = 0.97  # it pays: drafting, with a plain step now and then to keep the cost of one current
-    chosen = [p.length(4, 5) for _ in range(4 * p.probe_every)]
-    assert chosen.count(0) == 2 and max(chosen) == 5
-    assert p.length(4, 5, sampling=True) == 5 and p.length(4, 0) == 0
+def _state(p) -> dict:
+    """Everything an adaptive policy holds, as plain values."""
+    out = {k: v for k, v in vars(p).items() if k not in ("costs", "acceptance")}
+    return out | {"acceptance": dict(vars(p.acceptance)), "costs": copy.deepcopy(p.costs.profile.to_json())}
 
 
-def test_cost_model_converges_on_synthetic_timings():
-    """Rounds timed as 30 ms, plus 6 ms when drafting at all and 4 ms + 1 ms per row for each token verified, with
-    10% noise; a quarter of the rounds that offered drafts verify none (prompt lookup found no match): they cost a
-    plain step and count as one. Per batch size T0 comes out within a few percent, and the extra cost of drafting
-    rounds (a line over the last few rounds, so that it follows a drifting machine) within 30% at each width run; a
-    batch size not seen borrows the nearest one's costs."""
-    rng = random.Random(0)
-    p = AdaptiveLength()
-    for _ in range(600):
-        rows, k = rng.choice([2, 8]), rng.choice([0, 0, 1, 3, 5])
-        verified = k if rng.random() < 0.75 else 0
-        true = 0.030 + (0.006 + verified * (0.004 + 0.001 * rows) if verified else 0.0)
-        p.observe(rows, k, verified + 1, true * rng.uniform(0.9, 1.1), None)
-    for rows in (2, 8):
-        t0, f, d = p.cost(rows)
-        assert t0 == pytest.approx(0.030, rel=0.08)
-        assert d == pytest.approx(0.004 + 0.001 * rows, rel=0.25)
-        for x in (1, 3, 5):
-            assert f + x * d == pytest.approx(0.006 + x * (0.004 + 0.001 * rows), rel=0.3)
-    assert p.cost(7) == (None, *p.cost(8)[1:])  # a batch size not seen: a plain round first, for its own T0
-    assert p.length(7, 5) == 0
-    p.observe(7, 0, 1, 0.029, None)
-    assert p.cost(7) == (0.029, *p.cost(8)[1:])  # drafting's costs borrowed from the nearest size
+def test_budget_is_a_query():
+    """Asking for a budget changes nothing: the same budget every time, the policy's state untouched."""
+    for p, view in ((_policy(0.1, synthetic()), _view()), (_policy(0.5, synthetic(), sizes_own=True), _view()),
+                    (_policy(0.5, synthetic(), sizes_own=True), _view(rows=4, packed=64))):
+        p.idle, p.unverified = 7, 11
+        before = _state(p)
+        budgets = [p.budget(view) for _ in range(3)]
+        assert all(b.k == budgets[0].k and b.reason == budgets[0].reason and b.verify == budgets[0].verify
+                   for b in budgets)
+        assert _state(p) == before
 
 
-def test_drafter_costs_come_per_block_width():
-    """For prompt lookup the policy reports what a round of each block width cost (relative to a plain step),
-    measured where that width ran, from the fitted line where it did not; none before a plain step was timed."""
-    p = AdaptiveLength(explore=0.0)  # measured costs as they are
-    assert p.drafter_length(1, 5) == (0, None)
-    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
-    p.observe(1, 0, 1, 0.010, None)
-    k, costs = p.drafter_length(1, 5)
-    # no drafting round yet: the drafter's prior for one draft, wider blocks not before narrower ones were priced
-    assert k == 5 and costs[0] == 1.0 and costs[1] is None and costs[2:] == [math.inf] * 4
-    p.observe(1, 5, 2, 0.0104, None)
-    assert p.drafter_length(1, 5)[1][2:] == [pytest.approx(1.08)] + [math.inf] * 3  # the line from width 2
-    for _ in range(30):  # a CPU at batch 1: wider blocks nearly free up to 3 drafts, then dear
-        for width, secs in ((1, 0.0100), (3, 0.0105), (4, 0.0110), (6, 0.0200)):
-            p.observe(1, 5, width, secs, None)  # a round that verified nothing is a plain step
-    k, costs = p.drafter_length(1, 5)
-    assert costs[0] == 1.0 and costs[2] == pytest.approx(1.05) and costs[3] == pytest.approx(1.1)
-    assert costs[5] == pytest.approx(2.0) and p.cost(1)[0] == pytest.approx(0.010)
-    t0, f, d = p.cost(1)
-    assert costs[1] == pytest.approx(1.04) and costs[4] == pytest.approx(1 + (f + 4 * d) / t0)  # width 5: the line
-    assert p.drafter_length(3, 5) == (0, None)  # a batch size not seen: a plain round first (its own T0) ...
-    p.observe(3, 0, 1, 0.012, None)
-    # ... then none of batch 1's widths: too far off (a CPU's steps there are bound by reading the weights)
-    assert p.drafter_length(3, 5)[1] == [1.0, None] + [math.inf] * 4
-    p.observe(3, 5, 3, 0.018, None)
-    p.observe(4, 0, 1, 0.013, None)
-    assert p.drafter_length(4, 5)[1][2] == pytest.approx(1.5)  # batch 3's width 3 serves batch 4 (within a third)
-    assert FixedLength().drafter_length(1, 4) == (4, [1.0] * 5)  # fixed: equal costs, every candidate offered
+def _run(p, rounds, drafted=lambda n, b: 0, rows=8, k_max=5):
+    """Budgets of ``rounds`` rounds, each observed as drafting ``drafted(n, budget)`` in all."""
+    out = []
+    for n in range(rounds):
+        b = p.budget(_view(rows, k_max))
+        out.append(b)
+        p.observe(Outcome(rows, k_max, b, drafted(n, b)))
+    return out
 
 
-def test_rounds_sized_row_by_row_are_priced_from_the_line():
-    """Rounds a drafter sized row by row (``step`` = rows: costs per drafts verified in all) are priced from the line
-    through all of them, a size run once not at its own round's cost less the exploration discount; the sizes
-    measured still bound how far beyond them a round may go (one draft a row)."""
-    p = AdaptiveLength()
-    p.observe(8, 0, 1, 9.0, None)  # one-time costs: not learned
-    p.observe(8, 0, 1, 0.020, None)
-    p.observe(8, 40, 6 + 1, 0.0306, None)  # size 6 ran once, slowly: 1.53 plain steps where the line says 1.3
-    for _ in range(10):
-        for m in (4, 8):  # 1 ms per draft verified
-            p.observe(8, 40, m + 1, 0.020 + 0.001 * m, None)
-    costs = p.drafter_length(8, 40, step=8)[1]
-    assert costs[6] == pytest.approx(1.3, rel=0.05) and costs[16] == pytest.approx(1.8, rel=0.05)
-    assert costs[17:] == [math.inf] * 24  # more than a draft a row beyond the widest measured (8)
-    assert p.drafter_length(8, 40)[1][6] == pytest.approx(1.53 * 0.8)  # a width's own rounds, with step 1
+def test_a_draft_model_is_probed_after_rounds_without_drafting():
+    """Length 0 round after round: every ``PROBE_EVERY``-th round drafts one token a row, so the acceptance
+    estimates stay current; while probes change nothing the wait doubles (up to ``PROBE_LONGEST`` times), and a
+    round that drafts resets it."""
+    p = _policy(0.05, synthetic())
+    budgets = _run(p, 8 * PROBE_EVERY + 8 * PROBE_EVERY)
+    probes = [i for i, b in enumerate(budgets) if b.reason == PROBE]
+    assert all(b.k == 1 for b in budgets if b.reason == PROBE)
+    assert all(b.k == 0 and b.reason == NOT_WORTH for b in budgets if b.reason != PROBE)
+    assert probes[0] == PROBE_EVERY - 1
+    assert [b - a for a, b in zip(probes, probes[1:])][:3] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
+    p.acceptance.rate = 0.97  # it pays now: drafting every round, and the wait is back to PROBE_EVERY
+    assert all(b.reason == DRAFT and b.k == 5 for b in _run(p, 3, lambda n, b: 8 * b.k))
+    p.acceptance.rate = 0.05
+    assert [b.reason for b in _run(p, PROBE_EVERY)][-1] == PROBE
 
 
-def test_rounds_that_verify_nothing_are_plain_steps():
-    """A drafter that sized its round to nothing ran a plain step: it times the plain step (the slow first round at a
-    batch size fades) and fits no drafting line (which, fed only such rounds, would price every width as free)."""
-    p = AdaptiveLength(smoothing=1.0)
-    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
-    p.observe(1, 0, 1, 0.010, None)
-    p.observe(1, 5, 1, 0.012, None)
-    assert p.cost(1) == (0.012, None, None)
-    assert p.drafter_length(1, 3) == (3, [1.0, None, math.inf, math.inf])
+def test_a_dry_drafter_is_asked_every_few_rounds():
+    """A drafter that sizes its own rounds and verified nothing for ``DRY_ROUNDS`` rounds in a row is asked every
+    ``LOOK_EVERY``-th round only (the others are plain steps without its work); a round that verifies drafts has it
+    asked every round again."""
+    p = _policy(0.5, synthetic(), sizes_own=True)
+    budgets = _run(p, DRY_ROUNDS + 3 * LOOK_EVERY)
+    asked = [i for i, b in enumerate(budgets) if b.k]
+    assert asked == list(range(DRY_ROUNDS)) + [DRY_ROUNDS + LOOK_EVERY * j - 1 for j in (1, 2, 3)]
+    assert all(b.reason == DRY for b in budgets if not b.k)
+    budgets = _run(p, 3, lambda n, b: 2 if b.k else 0)  # asked next at the 4th, verifies: every round again
+    assert [b.k > 0 for b in _run(p, 4, lambda n, b: 2)] == [True] * 4
 
 
-def test_a_catch_up_round_does_not_price_the_other_kinds():
-    """A head catching up on a long prompt costs 3 plain steps once: its kind's line, not the head's or the copies'
-    (which, priced from it, would never be tried again)."""
-    p = AdaptiveLength(explore=0.0)  # measured costs as they are
-    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
-    p.observe(1, 0, 1, 0.010, None)
-    p.observe(1, 5, 2, 0.030, None, "catch-up")
-    costs = p.drafter_length(1, 5, ("copy", "head", "catch-up"))[1]
-    assert costs["catch-up"][1] == pytest.approx(3.0) and costs["catch-up"][2] == pytest.approx(5.0)
-    assert costs["head"][1] is None and costs["copy"][1] is None
+def test_sized_budgets_carry_costs_per_row_or_per_width():
+    """For a drafter that sizes its own rounds: per row where the runner packs K drafts for every row (the round's
+    drafts in all, up to what it packs), with what each row's tokens are worth only while no request waits; per block
+    width otherwise (one row, or a runner that does not pack); K when sampling, nothing at the context's end."""
+    c = CostModel(synthetic(step=0.001, pair=0.0002))
+    p = _policy(0.5, c.profile, sizes_own=True)
+    b = p.budget(_view(rows=4, k_max=5, packed=4 + 12))
+    assert b.per_row and b.reason == DRAFT and len(b.verify) == 13 and b.worth is not None and len(b.worth) == 4
+    assert b.verify[3] == pytest.approx(c.verify(4, 3, True)) and b.step == pytest.approx(c.step(4))
+    assert p.budget(_view(rows=4, k_max=5, packed=64, waiting=True)).worth is None
+    b = p.budget(_view(rows=4, k_max=5, packed=4 + 3))  # the runner packs fewer than K a row: per width
+    assert not b.per_row and b.verify == pytest.approx([c.verify(4, j, False) for j in range(6)])
+    b = p.budget(_view(rows=1, k_max=5, packed=256))
+    assert not b.per_row and len(b.verify) == 6
+    assert p.budget(_view(rows=4, sampling=True)).reason == FIXED and p.budget(_view(k_max=0)).reason == NO_ROOM
 
 
-def test_a_catch_up_round_is_priced_per_pair_over_a_head_round():
-    """A round that caches 100 waiting pairs on top of a head round of width 3 (1.2 plain steps) and took 2.2 costs
-    0.01 a pair: what a later catch-up costs scales with its own wait, not with that round's."""
-    p = AdaptiveLength(explore=0.0)
-    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
-    p.observe(1, 0, 1, 0.010, None)
-    kinds = ("copy", "head", "catch-up")
-    assert p.drafter_length(1, 5, kinds)[1]["work"] == {kind: None for kind in kinds}
-    p.observe(1, 5, 3, 0.012, None, "head")
-    p.observe(1, 5, 3, 0.022, None, "catch-up", work=100, base="head")
-    assert p.drafter_length(1, 5, kinds)[1]["work"]["catch-up"] == pytest.approx(0.01)
-    p.observe(1, 5, 3, 0.0125, None, "catch-up", work=10, base="head")  # a short wait: 0.005 a pair
-    assert p.drafter_length(1, 5, kinds)[1]["work"]["catch-up"] == pytest.approx(0.0075)
-    # without a head round of that width or a head line, nothing to measure against
-    q = AdaptiveLength(explore=0.0)
-    q.observe(1, 0, 1, 9.0, None)
-    q.observe(1, 0, 1, 0.010, None)
-    q.observe(1, 5, 3, 0.022, None, "catch-up", work=100, base="head")
-    assert q.drafter_length(1, 5, kinds)[1]["work"]["catch-up"] is None
-
-
-def test_one_slow_round_does_not_price_a_width_out_of_reach():
-    """A width measured once at 1.55 plain steps (a round the machine slowed) is taken at 0.8x that until measured
-    again, the mean of its first rounds then replacing the slow one, the discount shrinking as 1/rounds."""
-    p = AdaptiveLength()
-    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
-    p.observe(1, 0, 1, 0.010, None)
-    p.observe(1, 5, 3, 0.0155, None, "head")
-    assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.55 * 0.8)
-    p.observe(1, 5, 3, 0.0125, None, "head")
-    assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.4 * (1 - 0.2 / 2))
-    for _ in range(98):
-        p.observe(1, 5, 3, 0.0125, None, "head")
-    assert p.drafter_length(1, 5, ("head",))[1]["head"][2] == pytest.approx(1.25 * 0.998, rel=1e-3)
-
-
-def test_a_drafter_priced_out_is_probed_on_its_own_prior():
-    """One slow round priced every size out of reach (2 plain steps a draft) and nothing would draft again to correct
-    it: after ``probe_every`` rounds that verified nothing, one small round (half a draft a row, at least one) is
-    priced by the drafter's own prior and measured; while only probes draft the wait doubles, up to 8x, and a round
-    that drafts of its own accord resets it. Per kind for a drafter with kinds."""
-    p = AdaptiveLength(explore=0.0, probe_every=4)
-    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
-    p.observe(1, 0, 1, 0.010, None)
-    p.observe(1, 5, 2, 0.030, None)  # a slow minute: 2 plain steps a draft
-
-    def rounds_to_a_probe(kinds=None, step=1):
-        for n in range(100):
-            k, costs = p.drafter_length(1, 5, kinds, step)
-            small = [1.0] + [None] * max(1, step // 2) + [math.inf] * (5 - max(1, step // 2))
-            if k and costs == small:  # the drafter's prior, a small round
-                return n
-            if k and kinds and all(costs[kind] == small for kind in kinds):
-                assert costs["work"] == {kind: None for kind in kinds}
-                return n
-            if k and not kinds:
-                assert costs[1] > 1.9  # priced from the slow rounds: the drafter verifies nothing
-            p.observe(1, 5, 1, 0.010, None)  # a round sized to nothing (or the plain step the policy asks for)
-
-    gaps = []
+def test_one_slow_round_changes_no_cost():
+    """Costs come from the profile: a round the machine slowed (or any outcome) leaves every later budget's costs as
+    they were."""
+    p = _policy(0.5, synthetic(), sizes_own=True)
+    before = p.budget(_view(rows=4, packed=64)).verify
     for _ in range(5):
-        gaps.append(rounds_to_a_probe())
-        p.observe(1, 5, 2, 0.030, None)  # the probe drafted, as dear as before
-    # (one more where the plain step the policy asks for every 2 x probe_every rounds fell in the probe's place)
-    assert gaps[:3] == [4, 8, 16] and all(g in (32, 33) for g in gaps[3:]), gaps
-    p.observe(1, 5, 2, 0.0105, None)  # a round drafted of its own accord
-    p.observe(1, 5, 2, 0.030, None, "copy")  # and two slow ones of each kind
-    p.observe(1, 5, 2, 0.030, None, "head")
-    assert rounds_to_a_probe(("copy", "head")) == 4
-    p.observe(1, 5, 1, 0.010, None)  # the probe verified nothing
-    p.observe(1, 5, 2, 0.0105, None)  # a round drafted of its own accord
-    assert rounds_to_a_probe(step=4) == 4  # rows sized one by one (4 rows): at most 2 drafts in all
+        p.observe(Outcome(4, 5, p.budget(_view(rows=4, packed=64)), 3))
+    assert p.budget(_view(rows=4, packed=64)).verify == before
 
 
-def test_plain_step_asked_for_only_when_none_came_of_itself():
-    """A drafter that sizes its rounds gets a plain step (k = 0) after 2 x ``probe_every`` rounds in a row that
-    drafted, to keep the plain step's cost fresh; a round it sized to nothing measured one already, so the count
-    starts again from there."""
-    p = AdaptiveLength(explore=0.0, probe_every=4)
-    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
-    p.observe(1, 0, 1, 0.010, None)
+def test_profile_measured_once_then_read_from_the_cache(monkeypatch):
+    """The first use measures the target (and the drafter's model) and writes the profile under the cache folder;
+    later uses, in this process or another, read it; another thread count is another machine; costs never fall with
+    the width or the rows."""
+    from batchspec.model.runner import Runner
+    from batchspec.speculation import costs
 
-    def plain_steps(rounds, sized_to_nothing=()):
-        asked = []
-        for n in range(rounds):
-            k, _ = p.drafter_length(1, 5)
-            if not k:
-                asked.append(n)
-            p.observe(1, k, 1 if not k or n in sized_to_nothing else 2, 0.010 if not k else 0.011, None)
-        return asked
-
-    assert plain_steps(24) == [7, 15, 23]
-    assert plain_steps(24, sized_to_nothing={5}) == [13, 21]  # 8 drafting rounds after round 5, not 7 after 23
-    assert plain_steps(24, sized_to_nothing={2, 9, 16}) == []  # never 8 in a row
-
-
-def test_drafter_asked_every_few_rounds_while_nothing_is_verified():
-    """After ``probe_every`` rounds in a row that verified nothing, the drafter is asked every ``look_every``-th round
-    only (the others are plain steps, without its work); a round that verifies drafts has it asked every round again."""
-    def asked(rounds, verified=()):
-        p = AdaptiveLength(explore=0.0, probe_every=4, look_every=3)
-        p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
-        p.observe(1, 0, 1, 0.010, None)
-        p.unverified, p.dry_interval = 0, 10 ** 6  # counted from here; no probes on the drafter's own prior
-        out = []
-        for n in range(rounds):
-            k, _ = p.drafter_length(1, 5)
-            if k:
-                out.append(n)
-            p.observe(1, k, 2 if k and n in verified else 1, 0.010, None)
-        return out
-
-    assert asked(16) == [0, 1, 2, 3, 6, 9, 12, 15]
-    # the round asked at 6 verified drafts: asked every round again, and (drafting resumed) 4 dry rounds later a probe
-    # on the drafter's own prior (11)
-    assert asked(16, verified={6}) == [0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 13]
-    assert AdaptiveLength(look_every=1).look_every == 1  # asked every round: the classic behaviour
+    t, d = tiny.target(), tiny.draft()
+    runner, drafter = Runner(t), batchspec.LLM(t, draft=d, speculation="fixed").drafter
+    monkeypatch.setattr(costs, "_loaded", {})
+    prof = costs.load_or_measure(runner, 4, drafter)
+    assert sorted(prof.target) == [1, 2, 4] and all(len(v) == len(WIDTHS) for v in prof.target.values())
+    for r, v in prof.target.items():
+        assert v == sorted(v)
+    assert [prof.target[r][0] for r in (1, 2, 4)] == sorted(prof.target[r][0] for r in (1, 2, 4))
+    assert sorted(prof.step) == [1, 2, 4] and prof.pair > 0
+    path = costs.profile_path(prof.key)
+    assert path.is_file()
+    monkeypatch.setattr(costs, "_loaded", {})
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert costs.load_or_measure(runner, 4, drafter).target == prof.target  # read from the file
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert costs.profile_key(runner, drafter, 4) != prof.key
+    finally:
+        torch.set_num_threads(threads)
+    assert costs.profile_key(runner, drafter, 8) != prof.key and costs.profile_key(runner, None, 4) != prof.key
 
 
-def test_fixed_share_from_plain_steps_at_two_sizes():
-    """The share of a step that does not grow with its rows: a line through plain steps at the batch's size and at
-    the smallest size measured at most half of it; the prior until there is one."""
-    p = AdaptiveLength()
-    assert p.fixed_share(8) == FIXED_SHARE and FixedLength().fixed_share(8) == FIXED_SHARE
-    p.t0 = {8: 0.031, 6: 0.030}
-    assert p.fixed_share(8) == FIXED_SHARE  # 6 rows is too close to 8 to tell
-    p.t0[3] = 0.0248
-    assert p.fixed_share(8) == pytest.approx(1 - (0.031 - 0.0248) / 5 * 8 / 0.031)
-    p.t0[1] = 0.0227  # the smallest counts
-    assert p.fixed_share(8) == pytest.approx(1 - (0.031 - 0.0227) / 7 * 8 / 0.031)
-    p.t0 = {8: 0.031, 2: 0.040}  # a slower small batch (the machine drifted): nothing grows with the rows
-    assert p.fixed_share(8) == 1.0
-
-
-def test_drafter_costs_are_relative_to_the_plain_step_of_their_time():
-    """The machine slows down 1.5x after width 6 was last run: width 6 keeps its cost relative to a plain step (2x),
-    instead of looking cheap against the slower step."""
-    p = AdaptiveLength(smoothing=1.0, width_smoothing=1.0, explore=0.0)
-    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
-    p.observe(1, 0, 1, 0.010, None)
-    p.observe(1, 5, 6, 0.020, None)
-    p.observe(1, 0, 1, 0.015, None)
-    p.observe(1, 5, 3, 0.0165, None)
-    costs = p.drafter_length(1, 5)[1]
-    assert costs[5] == pytest.approx(2.0) and costs[2] == pytest.approx(1.1)
-
-
-def test_stale_width_costs_are_measured_afresh():
-    """A width measured while the machine was slow (3x) and not chosen since is forgotten after ``stale`` rounds
-    (with its kind's line), and its next round replaces the old cost instead of averaging with it. Per kind of round,
-    for a drafter with kinds: each kind's line prices only its own widths."""
-    p = AdaptiveLength(stale=10, explore=0.0, probe_every=100)  # no probe on the drafter's prior in between
-    p.observe(1, 0, 1, 9.0, None)  # one-time costs: not learned
-    p.observe(1, 0, 1, 0.010, None)
-    p.observe(1, 5, 3, 0.030, None, "head")  # a slow minute
-    p.observe(1, 5, 2, 0.0105, None, "copy")
-    costs = p.drafter_length(1, 5, ("copy", "head"))[1]
-    assert costs["head"][2] == pytest.approx(3.0) and costs["copy"][1] == pytest.approx(1.05)
-    assert costs["head"][1] == pytest.approx(2.0) and costs["head"][3] == pytest.approx(4.0)  # the head's line
-    assert costs["copy"][2] == pytest.approx(1.1) and costs["copy"][3] == math.inf  # the copies' line; not yet
-    for _ in range(9):
-        p.observe(1, 0, 1, 0.010, None)
-    assert p.drafter_length(1, 5, ("copy", "head"))[1]["head"][2] == pytest.approx(3.0)  # 10 rounds on: still fresh
-    for _ in range(2):
-        p.observe(1, 0, 1, 0.010, None)
-    costs = p.drafter_length(1, 5, ("copy", "head"))[1]
-    assert costs["head"][1] is None and costs["copy"][1] is None and costs["head"][2] == math.inf  # forgotten
-    p.observe(1, 5, 3, 0.011, None, "head")
-    assert p.drafter_length(1, 5, ("copy", "head"))[1]["head"][2] == pytest.approx(1.1)  # afresh, not averaged
+def test_rounds_are_counted_by_decision():
+    """Every round is counted by what decided its budget; rounds that verified drafts are the ones counted "draft"
+    (a budget the drafter sized to nothing counts as "not worth it")."""
+    t = tiny.target()
+    llm = batchspec.LLM(t, draft="prompt-lookup", num_draft_tokens=3, batch_size=4,
+                        speculation=AdaptiveLength(synthetic(per_token=0.0001)))
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8, 9]] + tiny.prompts(2, seed=8)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16))
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 16) for p in prompts]
+    s = llm.stats
+    assert sum(s.decisions.values()) == s.rounds and set(s.decisions) <= set(REASONS)
+    assert s.decisions.get(DRAFT, 0) > 0 and s.drafted > 0
+    assert s.decisions.get(DRAFT, 0) + s.rounds_without_drafting == s.rounds
+    plain = batchspec.LLM(t)
+    plain.generate(prompts, SamplingParams(max_tokens=4))
+    assert plain.stats.decisions == {NO_DRAFTER: plain.stats.rounds}
 
 
 def test_acceptance_estimates_come_from_the_rounds():
@@ -392,15 +288,16 @@ def test_acceptance_estimates_come_from_the_rounds():
     random one near 0 (with fixed costs, the choices follow)."""
     t = tiny.target()
     prompts = tiny.prompts(4, seed=3)
-    good = AdaptiveLength(costs=(0.05, 0.005))
+    cheap = synthetic(per_token=0.0005, step=0.0005)
+    good = AdaptiveLength(cheap)
     batchspec.LLM(t, draft=t, num_draft_tokens=4, batch_size=4, speculation=good).generate(
         prompts, SamplingParams(max_tokens=20))
-    bad = AdaptiveLength(costs=(0.05, 0.005))
+    bad = AdaptiveLength(cheap)
     stranger = tiny.draft(noise=3.0)
     llm = batchspec.LLM(t, draft=stranger, num_draft_tokens=4, batch_size=4, speculation=bad)
     outs = llm.generate(prompts, SamplingParams(max_tokens=20))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 20) for p in prompts]
-    assert good.rate > 0.9 and good.tokens(4) > 4 and bad.rate < 0.4
+    assert good.acceptance.rate > 0.9 and good.acceptance.tokens(4) > 4 and bad.acceptance.rate < 0.4
     assert llm.stats.rounds_without_drafting > llm.stats.rounds // 2
 
 
@@ -410,7 +307,7 @@ def test_faults_show_through_with_the_adaptive_policy(fault):
     t, d = tiny.target(), tiny.draft()
     prompts = tiny.prompts(6, seed=5, lo=2, hi=30)
     llm = batchspec.LLM(t, draft=d, num_draft_tokens=3, batch_size=6, fault=fault,
-                        speculation=AdaptiveLength(costs=(0.05, 0.002)))
+                        speculation=AdaptiveLength(synthetic(per_token=0.0002, step=0.0002)))
     outs = llm.generate(prompts, SamplingParams(max_tokens=16))
     assert llm.stats.drafted > 0
     assert [o.token_ids for o in outs] != [tiny.oracle(t, p, 16) for p in prompts]
@@ -450,14 +347,14 @@ def test_changing_lengths_keep_the_sampling_distribution():
 def test_prior_is_the_drafters_long_run_rate():
     """The prior blended into each row's estimate is the mean over drafting rounds, then a slow moving average: two
     unlucky rounds barely move it, and rounds without drafting (whose evidence is stale) do not move it at all."""
-    p = AdaptiveLength()
+    a = Acceptance()
     for _ in range(40):  # drafting rounds whose rows' evidence says ~0.4
-        p.observe(1, 2, 3, 0.01, [1.0, 1.4, 1.5, 3.0, 5.0])
-    assert p.rate == pytest.approx(0.4, abs=0.01)
+        a.update([1.0, 1.4, 1.5, 3.0, 5.0], drafted=True)
+    assert a.rate == pytest.approx(0.4, abs=0.01)
     for _ in range(2):  # two rounds in which every draft was rejected
-        p.observe(1, 2, 3, 0.01, [1.0, 1.1, 1.1, 0.0, 4.0])
-    assert 0.35 < p.rate < 0.4
-    before = p.rate
+        a.update([1.0, 1.1, 1.1, 0.0, 4.0], drafted=True)
+    assert 0.35 < a.rate < 0.4
+    before = a.rate
     for _ in range(30):
-        p.observe(1, 0, 1, 0.01, [1.0, 1.1, 1.1, 0.0, 4.0])
-    assert p.rate == before
+        a.update([1.0, 1.1, 1.1, 0.0, 4.0], drafted=False)
+    assert a.rate == before

@@ -151,7 +151,7 @@ def _record_k(llm):
 
     def spy(*a, **kw):
         p = original(*a, **kw)
-        k = kw["k"] if "k" in kw else a[-1]
+        k = (kw["budget"] if "budget" in kw else a[-1]).k
         n = p.n_drafts if hasattr(p, "n_drafts") else p[1]
         seen.append((k, int(n.max()) if n.numel() else 0))
         return p

@@ -62,6 +62,8 @@ class LLM:
             ctx = draft_ctx + 1 if ctx is None else min(ctx, draft_ctx + 1)
         parts = Parts(Runner(self.target, graphs), self.drafter, self.layout, self.k, policy=policy, context=ctx)
         self.parts = apply_fault(parts, fault)
+        if self.k:  # the adaptive policy prices rounds from a profile of this machine (measured once, cached)
+            self.parts.policy.bind(self.parts.target, self.drafter, batch_size)
         self.fault, self.profile = fault, profile
         self.stats = Stats()
 
@@ -163,9 +165,11 @@ class LLM:
             for i, (p, sp, stop, seed) in enumerate(zip(ids, params, stops, seeds))
         ]
 
-    def engine(self) -> Engine:
-        """A step-able engine over this LLM's models and components (``add_request`` / ``step`` / ``abort``)."""
-        return Engine(self.parts, self.scheduler, self.batch_size, self.stats, self.check_invariants, self.profile)
+    def engine(self, prefill_tokens: int | None = None) -> Engine:
+        """A step-able engine over this LLM's models and components (``add_request`` / ``step`` / ``abort``);
+        ``prefill_tokens``: see ``Engine``."""
+        return Engine(self.parts, self.scheduler, self.batch_size, self.stats, self.check_invariants, self.profile,
+                      prefill_tokens)
 
     def output(self, prompt_ids: list[int], f) -> RequestOutput:
         """A ``RequestOutput`` from an engine's ``Finished``."""

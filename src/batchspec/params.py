@@ -95,7 +95,9 @@ class Stats:
     full_accepts: int = 0  # row-rounds that accepted every proposed draft token (the bonus came after the last one)
     grouped_rounds: int = 0  # exspec: rounds whose batch had rows of one length (no realignment needed)
     fallback_rounds: int = 0  # exspec: rounds whose batch mixed lengths (the layout realigned it)
-    lengths: dict = field(default_factory=dict)  # speculation length chosen -> rounds
+    lengths: dict = field(default_factory=dict)  # drafts of the row that drafted most -> rounds
+    decisions: dict = field(default_factory=dict)  # what decided a round's budget -> rounds (``speculation.REASONS``)
+    kinds: dict = field(default_factory=dict)  # kind of drafting round (the head's "copy", "head") -> rounds
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
@@ -110,7 +112,7 @@ class Stats:
 
     @property
     def rounds_without_drafting(self) -> int:
-        """Rounds whose speculation length was 0 (plain decoding steps)."""
+        """Rounds that verified no draft (plain decoding steps)."""
         return self.lengths.get(0, 0)
 
     @property

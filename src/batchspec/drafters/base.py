@@ -11,20 +11,18 @@ import torch
 
 @dataclass
 class Proposal:
-    """A round's drafts: ``drafts`` ``[B, k]`` (entries past ``n_drafts[b]`` are meaningless), ``n_drafts`` ``[B]``
-    and ``q`` ``[B, k, V]``, the distributions they were sampled from (None for greedy or deterministic drafting:
-    one-hot on the drafts); ``match`` ``[B]``: what a drafter wants back at ``commit`` (prompt lookup's match
-    lengths), or None."""
+    """A round's drafts. Shapes: ``drafts`` ``[B, k]`` (entries past ``n_drafts[b]`` are meaningless), ``n_drafts``
+    ``[B]``, ``q`` ``[B, k, V]`` the distributions the drafts were sampled from (None for greedy or deterministic
+    drafting: one-hot on the drafts). ``match``: what the drafter wants back at ``commit`` (prompt lookup: the match
+    lengths ``[B]``; the head with copies: ``[B, 5]``, each row's match length, copies, first copy, the head's first
+    draft and whether it copied), or None. ``kind``: the kind of round, for drafters whose rounds come in kinds (the
+    head's "copy" and "head"), counted in ``Stats.kinds``."""
 
     drafts: torch.Tensor
     n_drafts: torch.Tensor
     q: torch.Tensor | None = None
     match: torch.Tensor | None = None
-    kind: str | None = None  # for a drafter with ``kinds``: which kind of round this proposal is
-    # extra work the round does on top of a round of kind ``base`` of its width (the head's catch-up: the pairs it
-    # caches), for the policy to price per unit of work
-    work: int = 0
-    base: str | None = None
+    kind: str | None = None
 
     @classmethod
     def empty(cls, rows: int, device) -> "Proposal":
@@ -34,27 +32,18 @@ class Proposal:
 
 
 class Drafter:
-    name = "drafter"
-    needs_hidden = False  # whether ``commit`` reads the target's final hidden states
-    # whether ``propose`` picks its own width under greedy decoding from ``costs`` (a round verifying j = 0..k drafts,
-    # in plain steps), which the engine sets from the policy before each round (``policy.drafter_length``)
-    sizes_own_drafts = False
-    # whether the drafter may size each row on its own against per-token costs: where the target's runner packs
-    # (``Runner.packed_rows``) the engine sets ``per_token``, and ``costs[m]`` is then a round verifying m drafts in all
-    # (each row's slots past its own drafts are not computed), not a block of width m + 1
-    packs_rows = False
-    per_token = False
-    # with ``per_token``: what a token of each row is worth ``[B]``, in tokens of a row (``policy.row_values``), or
-    # None for 1 each; a row's drafts count for their expected tokens times its worth
-    row_value: torch.Tensor | None = None
-    # rounds of different kinds that cost differently (the policy measures each width per kind and ``costs`` is then
-    # a dict kind -> list, or None for "draft K your default way"); None: one kind. With kinds, ``costs["work"]``
-    # is a dict kind -> measured cost of one unit of a round's ``work`` (``Proposal.work``) in plain steps, or None
-    kinds: tuple | None = None
+    """The default members of a drafter (the contract: ``engine/protocols.py``)."""
 
-    def worth(self, chance: torch.Tensor) -> torch.Tensor:
-        """``[B, ...]`` each row's expected tokens ``chance`` at what its tokens are worth (``row_value``)."""
-        return chance if self.row_value is None else chance * self.row_value[:, None]
+    name = "drafter"
+    needs_hidden = False  # whether ``prefill`` and ``commit`` read the target's final hidden states
+    # whether ``propose`` sizes its own greedy rounds from the budget's costs (prompt lookup, the head with copies: they
+    # know per row what their candidates promise); otherwise the policy chooses the length and ``budget.k`` is it
+    sizes_own_drafts = False
+    # whether the drafter may size each row on its own (``DraftBudget.per_row``) where the target's runner packs
+    packs_rows = False
+    # ``timing()`` -> (runner, input layer or None, hidden): what the cost profile times as one drafting forward, for
+    # drafters with a model of their own (None: model-free, drafting costs nothing worth pricing)
+    timing = None
 
     def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None):
         """The state of rows starting with ``prompts`` (None for drafters that keep no per-row state). A drafter
@@ -62,8 +51,9 @@ class Drafter:
         H]`` right-aligned (``batch.prefill``)."""
         return None
 
-    def propose(self, seqs, state, k: int) -> Proposal:
-        """Up to ``k`` (>= 1) proposed tokens per row; a round that drafts nothing does not ask."""
+    def propose(self, seqs, state, budget) -> Proposal:
+        """Up to ``budget.k`` (>= 1) proposed tokens per row (``DraftBudget``); a round that drafts nothing does not
+        ask."""
         raise NotImplementedError
 
     def commit(self, state, proposal: Proposal, accepted: torch.Tensor, target) -> None:

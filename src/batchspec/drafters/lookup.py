@@ -10,18 +10,17 @@ How far a copy goes on being right depends on how long the match is (a 1-token m
 usually means the model is copying a passage): the drafter keeps, per match length and draft index j, how often the
 j-th draft was accepted when offered (counts over every round it served, from an optimistic prior), so it knows
 P(drafts 1..j all accepted | match length). A round that verifies j drafts per row then yields
-``E(j) = rows + sum of those chances`` tokens and costs ``costs[j]`` (seconds of a round as wide as j + 1, in plain
-steps; the engine's policy measures them per width: ``policy.drafter_length``); the round verifies the j with the
-most tokens per second, ``E(j) / costs[j]``. On a CPU the first few columns cost little and the later ones much;
-on a wide batch every column costs much. ``speculation="fixed"`` gives equal costs: every candidate up to K, the
-classic behaviour. With sampling every row proposes up to k, so that a seed's tokens never depend on what ran
+``E(j) = rows + sum of those chances`` tokens and costs ``budget.verify[j]`` plain steps (the round's
+``DraftBudget``, from the measured cost profile); the round verifies the j with the most tokens per plain step. On a
+CPU the first few columns cost little and the later ones much; on a wide batch every column costs much. Without
+costs (``speculation="fixed"``) every candidate up to K is verified, the classic behaviour. With sampling every row proposes up to k, so that a seed's tokens never depend on what ran
 before. The block is as wide as the longest proposal in the batch (one host read per round), so a round where
 nothing was worth drafting costs one plain decoding step.
 
 Where the target's runner packs a verification (only each row's real tokens are computed: the fp32 Llama C layer),
-a row drafting little costs little beside one drafting much, so rows are sized one by one (``per_token``, set by
-the engine): ``costs[m]`` is then a round verifying m drafts in all, and the round verifies the m likeliest drafts of
-the whole batch (each row's first ones), the m with the most ``E(m) / costs[m]``. On a batch whose forward is bound
+a row drafting little costs little beside one drafting much, so rows are sized one by one (``budget.per_row``):
+``budget.verify[m]`` is then a round verifying m drafts in all, and the round verifies the m likeliest drafts of the
+whole batch (each row's first ones, at what each row's tokens are worth), the m with the most tokens per plain step. On a batch whose forward is bound
 by arithmetic (8 rows on a 2-core CPU), a width shared by every row paid for drafts of rows that had no good match.
 """
 
@@ -66,19 +65,14 @@ def likeliest(chance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class PromptLookup(Drafter):
     name = "prompt-lookup"
-    sizes_own_drafts = True  # the engine sets ``costs`` before each round (``policy.drafter_length``)
+    sizes_own_drafts = True  # greedy rounds sized from the budget's verification costs
     packs_rows = True
 
-    def __init__(self, max_ngram: int = 8, min_ngram: int = 1, default_cost: float = 0.2):
-        """``default_cost``: what one more verified token costs, in plain decoding steps, for block widths the
-        engine's policy has not measured (``costs``)."""
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        if not 0.0 <= default_cost < 1.0:
-            raise ValueError(f"default_cost must be in [0, 1), got {default_cost}")
-        self.max_ngram, self.min_ngram, self.default_cost = max_ngram, min_ngram, default_cost
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.first = prior_rate(max_ngram)  # [max_ngram + 1]: where an untried first copy starts
-        self.costs: list | None = None  # [j]: a round verifying j drafts, in plain steps (None: not measured)
         self.offered = self.hits = None  # [max_ngram + 1, K]: drafts offered / accepted, per match length and index
 
     def survival(self, k: int, device) -> torch.Tensor:
@@ -100,22 +94,22 @@ class PromptLookup(Drafter):
             grow = (0, max(k - self.offered.shape[1], 0))
             self.offered, self.hits = (torch.nn.functional.pad(t, grow).to(device) for t in (self.offered, self.hits))
 
-    def propose(self, seqs, state, k):
-        b, dev = len(seqs.length), seqs.length.device
+    def propose(self, seqs, state, budget):
+        b, dev, k = len(seqs.length), seqs.length.device, budget.k
         drafts, n_drafts, match = self.candidates(seqs, k)
-        if not seqs.sampling and k:
+        if budget.sized and not seqs.sampling:  # (under sampling every candidate: a seed's tokens stay put)
             offered = torch.arange(k, device=dev)[None, :] < n_drafts[:, None]
             chance = self.survival(k, dev)[match] * offered  # [B, k]: P(draft j of row b is accepted)
-            if self.per_token:  # each row sized on its own: the batch's m drafts worth most, m = 0..B*k
-                gain, rank = likeliest(self.worth(chance))
+            if budget.per_row:  # each row sized on its own: the batch's m drafts worth most, m = 0..B*k
+                gain, rank = likeliest(budget.weigh(chance))
                 tokens = torch.cat([chance.new_full((1,), float(b)), b + gain])  # E(m)
-                most = min(b * k, len(self.costs) - 1) if self.costs else b * k  # what the runner packs
-                m = (tokens[: most + 1] / self.round_costs(most, dev, b)).argmax()
+                most = min(b * k, len(budget.verify) - 1)  # what the runner packs
+                m = (tokens[: most + 1] / budget.verify_tensor(most, dev)).argmax()
                 n_drafts = (rank < m).sum(1)  # a row's chances fall with j: its first ones
             else:  # one width for the batch: E(j), j = 0..k, from the expected accepted tokens in each column
                 gain = chance.sum(0)
                 tokens = torch.cat([gain.new_full((1,), float(b)), b + gain.cumsum(0)])
-                n_drafts = torch.minimum(n_drafts, (tokens / self.round_costs(k, dev)).argmax())
+                n_drafts = torch.minimum(n_drafts, (tokens / budget.verify_tensor(k, dev)).argmax())
         # verify only as many slots as the longest proposal: rows without a match would waste the rest
         w = int(n_drafts.max()) if b else 0
         drafts = torch.where(torch.arange(w, device=dev)[None, :] < n_drafts[:, None], drafts[:, :w], 0)
@@ -151,16 +145,6 @@ class PromptLookup(Drafter):
         run = run.masked_fill(torch.arange(t, device=dev)[None, :] >= (length[:, None] - 1), 0)
         match = run.max(1).values
         return match, t - 1 - (run == match[:, None]).flip(1).int().argmax(1)  # the latest occurrence of that length
-
-    def round_costs(self, k: int, device, rows: int = 1) -> torch.Tensor:
-        """``[k + 1]``: a round verifying j drafts, in plain steps: the measured ``costs`` where given, else
-        ``1 + default_cost * j / rows`` (``rows``: over how many rows a round's j drafts are spread, where each row is
-        sized on its own: a column of the batch costs the same prior either way); never falling with j (a wider block
-        does at least the narrower one's work)."""
-        given = (self.costs or [])[: k + 1]
-        prior = self.default_cost / rows
-        costs = [1.0 + prior * j if j >= len(given) or given[j] is None else given[j] for j in range(k + 1)]
-        return torch.tensor(costs, dtype=torch.float64, device=device).cummax(0).values
 
     def commit(self, state, proposal: Proposal, accepted, target) -> None:
         w = proposal.drafts.shape[1]

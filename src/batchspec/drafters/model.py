@@ -53,12 +53,16 @@ class ModelDrafter(Drafter):
         self.model = model
         self.runner = Runner(model, graphs)
 
+    def timing(self):
+        """What the cost profile times as one drafting forward: the draft model's runner (token inputs)."""
+        return self.runner, None, False
+
     def prefill(self, prompts):
         processed = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=self.runner.device)
         return DraftState(prefill(self.runner, prompts, name="draft"), processed)
 
-    def propose(self, seqs, state: DraftState, k):
-        m = state.catch_up
+    def propose(self, seqs, state: DraftState, budget):
+        k, m = budget.k, state.catch_up
         at = seqs.length[:, None] - m + torch.arange(m, device=seqs.length.device)[None, :]  # ends at the pending token
         ids = seqs.history.gather(1, at.clamp(min=0))
         logits = state.slots.append(ids, at >= state.processed[:, None], logits_to_keep=1).logits

@@ -6,5 +6,5 @@ from .base import Drafter, Proposal
 class NoDrafter(Drafter):
     name = "none"
 
-    def propose(self, seqs, state, k):
+    def propose(self, seqs, state, budget):
         return Proposal.empty(len(seqs), seqs.length.device)

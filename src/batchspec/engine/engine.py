@@ -5,6 +5,8 @@ that finish (or are aborted) leave the batch."""
 from __future__ import annotations
 
 import copy
+import itertools
+import logging
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -16,13 +18,16 @@ import torch
 from ..drafters.base import Proposal
 from ..model.runner import Runner
 from ..params import Stats
-from ..speculation import FixedLength, row_values
+from ..speculation import FixedLength
+from ..speculation.budget import DRAFT, FIXED, NO_DRAFTER, NOT_WORTH, DraftBudget, Outcome, RoundView
 from .batch import Batch, InvariantError, check_invariants, prefill
 from .layouts.slotmask import SlotMask
 from .protocols import Drafter, Layout, Scheduler, SpeculationPolicy
 from .sampling import ACCEPT, TARGET
 from .sequences import Sequences
 from .verify import emitted_block, greedy_accept, rejection_sample
+
+log = logging.getLogger("batchspec.engine")
 
 
 @dataclass
@@ -97,16 +102,18 @@ class RoundResult:
     cut: torch.Tensor  # [B] verified tokens dropped after a stop token
     accepted: torch.Tensor  # [B] accepted drafts that were emitted
     n_drafts: torch.Tensor  # [B]
-    kind: str | None = None  # what kind of drafting round it was, for drafters with kinds (``Drafter.kinds``)
-    work: int = 0  # extra work over a round of kind ``base`` of its width (``Proposal.work``)
-    base: str | None = None
+    kind: str | None = None  # the kind of round, for drafters whose rounds come in kinds (``Proposal.kind``)
 
 
-def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> RoundResult:
-    """One round on a batch: draft (up to k tokens per row) -> verify -> accept -> hide rejected slots -> emit."""
+def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBudget) -> RoundResult:
+    """One round on a batch: draft (within ``budget``: up to ``budget.k`` tokens per row) -> verify -> accept ->
+    hide rejected slots -> emit."""
     seqs, target, drafter = batch.seqs, batch.target, parts.drafter
     with timer("draft"):
-        proposal = drafter.propose(seqs, batch.draft, k) if k else Proposal.empty(len(seqs), seqs.length.device)
+        if budget.k:
+            proposal = drafter.propose(seqs, batch.draft, budget)
+        else:
+            proposal = Proposal.empty(len(seqs), seqs.length.device)
         drafts, n_drafts = proposal.drafts, proposal.n_drafts
         k = drafts.shape[1]  # this round's block: a drafter may propose fewer for every row
     with timer("verify"):
@@ -130,7 +137,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, k: int) -> Round
         seqs.rounds += 1
         seqs.drafted += n_drafts
         seqs.accepted += accepted
-    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind, proposal.work, proposal.base)
+    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind)
 
 
 def _room(parts: Parts, batch: Batch) -> int:
@@ -153,9 +160,13 @@ class Engine:
     round's batch (``select``; the others wait in the window). If a step raises, the engine drops every request
     (running and waiting) and stays usable."""
 
-    def __init__(self, parts: Parts, scheduler: Scheduler, batch_size: int, stats: Stats | None = None, check: bool = False,
-                 profile: bool = False):
+    def __init__(self, parts: Parts, scheduler: Scheduler, batch_size: int, stats: Stats | None = None,
+                 check: bool = False, profile: bool = False, prefill_tokens: int | None = None):
+        """``prefill_tokens``: while rows are running, the prompt tokens a step prefills at most (at least one
+        request joins), so that a burst of long prompts does not stall the running rows for all of them at once
+        (None: every request the scheduler admits)."""
         self.parts, self.batch_size, self.check = parts, batch_size, check
+        self.prefill_tokens = prefill_tokens
         self.scheduler = copy.deepcopy(scheduler)  # a scheduler may remember rows: one per engine
         self.stats = stats if stats is not None else Stats()
         self.timer = Timer(self.stats, parts.target.device, profile)
@@ -221,36 +232,32 @@ class Engine:
         if self.batch is None:
             return outs
         batch, timer, stats, policy = self.batch, self.timer, self.stats, self.parts.policy
-        start = time.perf_counter()
         self.rounds += 1
         rows, grouped = self.scheduler.select(batch.lengths, self.batch_size)
         if grouped is not None:
             stats.grouped_rounds += grouped
             stats.fallback_rounds += not grouped
         k_max = _room(self.parts, batch)
-        drafter = self.parts.drafter
-        own = drafter.sizes_own_drafts and not batch.seqs.sampling  # the drafter sizes its blocks from costs
-        units = None  # a round a drafter sized row by row: the most drafts it could verify in all
         if rows is None:
-            if own:
-                k, units = self._self_sized(batch, k_max)
-            else:
-                k = policy.length(len(batch), k_max, batch.seqs.sampling)
-            result = speculative_round(self.parts, batch, timer, k)
+            budget = self._budget(batch, k_max)
+            result = speculative_round(self.parts, batch, timer, budget)
         else:  # rounds drawn from a window keep every row's draft state in step: fixed length
-            k, drafter.per_token = k_max, False
-            result = self._round_from_window(rows, k)
-        stats.lengths[k] = stats.lengths.get(k, 0) + 1
+            budget = DraftBudget(k_max, reason=FIXED)
+            result = self._round_from_window(rows, budget)
+        widest = result.block.shape[1] - 1  # the drafts of the row that drafted most
+        stats.lengths[widest] = stats.lengths.get(widest, 0) + 1
         with timer("align"):
-            # per-row estimates, for the policy's own choice; they only move when rows draft (a round without
-            # drafting leaves them, so it skips the work and the read)
-            wants = rows is None and k and not own
-            estimates = policy.estimates(batch.seqs, self.parts.k) if wants else None
+            # per-row acceptance estimates, for the policy's own choice, read only after rounds that drafted (a round
+            # without drafting leaves them)
+            estimates = policy.estimates(batch.seqs, self.parts.k) if rows is None and budget.k else None
             fin, width, new, values, drafted = _account(stats, batch, rows, result, estimates)  # the one host sync
-            # a round sized row by row is priced by the drafts it verified in all, a rectangle by its width
-            size, offered = (drafted + 1, units) if units else (result.block.shape[1], k)
-            policy.observe(len(result.emitted), offered, size, time.perf_counter() - start, values, result.kind,
-                           result.work, result.base)
+            outcome = Outcome(len(result.emitted), k_max, budget, drafted, result.kind, values)
+            policy.observe(outcome)
+            _count(stats, outcome)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("round %d: %d rows, budget k=%d%s (%s), drafted %d%s", self.rounds, outcome.rows, budget.k,
+                          " per row" if budget.per_row else "", budget.reason, drafted,
+                          f", a {result.kind} round" if result.kind else "")
             if any(fin):
                 by_id = {o.request_id: o for o in new}
                 for f in self._remove(fin):
@@ -264,23 +271,13 @@ class Engine:
             check_round(self.parts.drafter, self.batch, self.rounds)
         return outs + new
 
-    def _self_sized(self, batch: Batch, k_max: int) -> tuple[int, int | None]:
-        """For a drafter that sizes its own rounds: the round's k, and the policy's costs set on the drafter. Where
-        the target's runner packs verification (each row's real tokens only), a batch of several rows is sized row
-        by row against per-draft costs (``Drafter.per_token``): the second value is then the most drafts the round
-        may verify in all (within what the runner packs), else None."""
-        drafter, policy, rows = self.parts.drafter, self.parts.policy, len(batch)
-        pack = batch.target.runner.packed_rows - rows if drafter.packs_rows else 0
-        drafter.per_token = pack >= k_max > 0 and rows > 1
-        if not drafter.per_token:
-            go, drafter.costs = policy.drafter_length(rows, k_max, drafter.kinds)
-            return go, None
-        units = min(k_max * rows, pack)
-        go, drafter.costs = policy.drafter_length(rows, units, drafter.kinds, step=rows)
-        # with no request waiting, the batch runs until its last row is done: the rows behind are worth more (a round
-        # the drafter is not asked needs no values)
-        drafter.row_value = row_values(batch.seqs, policy.fixed_share(rows)) if go and not self.waiting else None
-        return min(go, k_max), units  # a policy may offer fewer than all
+    def _budget(self, batch: Batch, k_max: int) -> DraftBudget:
+        """The round's budget, from the policy (a query)."""
+        if not self.parts.k:
+            return DraftBudget.plain(NO_DRAFTER)
+        packed = batch.target.runner.packed_rows if self.parts.drafter.packs_rows else 0
+        view = RoundView(len(batch), k_max, batch.seqs, bool(self.waiting), packed)
+        return self.parts.policy.budget(view)
 
     def _slot_states(self):
         return (self.batch.target, *self.parts.drafter.states(self.batch.draft))
@@ -288,6 +285,14 @@ class Engine:
     def _admit(self) -> None:
         running = len(self.batch) if self.batch is not None else 0
         n = min(len(self.waiting), self.scheduler.admit(running, len(self.waiting), self.batch_size))
+        if n > 1 and running and self.prefill_tokens is not None:
+            total, fits = 0, 0
+            for r in itertools.islice(self.waiting, n):
+                total += len(r.prompt)
+                if fits and total > self.prefill_tokens:
+                    break
+                fits += 1
+            n = fits
         if n <= 0:
             return
         joins = [self.waiting.popleft() for _ in range(n)]
@@ -307,7 +312,7 @@ class Engine:
                 self.stats.joined_running += n
                 self.batch = self.batch.merge(new)
 
-    def _round_from_window(self, rows: list[int], k: int) -> RoundResult:
+    def _round_from_window(self, rows: list[int], budget: DraftBudget) -> RoundResult:
         """A round on ``rows`` of the window: copy them out (aligned by the layout), run the round, write them back.
         ``finished`` of the result is spread over every window row."""
         window = self.batch
@@ -316,7 +321,7 @@ class Engine:
             width = max(window.lengths[r] for r in rows) - 1
             for state in (part.target, *self.parts.drafter.states(part.draft)):
                 self.parts.layout.align(state, width)
-        result = speculative_round(self.parts, part, self.timer, k)
+        result = speculative_round(self.parts, part, self.timer, budget)
         with self.timer("schedule"):
             window.put(rows, part)
             idx = torch.tensor(rows, device=result.finished.device)
@@ -372,6 +377,16 @@ def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult,
     stats.verify_calls += 1
     stats.row_rounds += b
     return fin, width, new, values, drafted
+
+
+def _count(stats: Stats, outcome: Outcome) -> None:
+    """Count the round by what decided it (``Stats.decisions``; a budget the drafter sized to nothing counts as
+    "not-worth-it") and by its kind (``Stats.kinds``)."""
+    b = outcome.budget
+    reason = NOT_WORTH if b.reason == DRAFT and not outcome.drafted else b.reason
+    stats.decisions[reason] = stats.decisions.get(reason, 0) + 1
+    if outcome.kind is not None:
+        stats.kinds[outcome.kind] = stats.kinds.get(outcome.kind, 0) + 1
 
 
 def _refill_from_tail(fin: list) -> list[int]:

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..drafters.base import Proposal
+    from ..speculation.budget import DraftBudget, Outcome, RoundView
     from .batch import SlotState
     from .sequences import Sequences
 
@@ -45,12 +46,12 @@ class Drafter(Protocol):
 
     name: str
     needs_hidden: bool  # commit reads the target's final hidden states
-    sizes_own_drafts: bool  # greedy rounds are sized by the drafter from the policy's costs
+    sizes_own_drafts: bool  # greedy rounds are sized by the drafter from the budget's costs
     packs_rows: bool  # it may size each row on its own where the target's runner packs verification
 
     def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None): ...
 
-    def propose(self, seqs: Sequences, state, k: int) -> Proposal: ...
+    def propose(self, seqs: Sequences, state, budget: DraftBudget) -> Proposal: ...
 
     def commit(self, state, proposal: Proposal, accepted: torch.Tensor, target) -> None: ...
 
@@ -61,19 +62,17 @@ class Drafter(Protocol):
 
 @runtime_checkable
 class SpeculationPolicy(Protocol):
-    """How many tokens a round drafts (``batchspec.speculation``): chosen before the round, told what the round did
-    after its one host read."""
+    """How much a round drafts (``batchspec.speculation``): a budget decided before the round (a query), told what the
+    round did after its one host read (the only place its state changes)."""
 
     name: str
 
-    def length(self, rows: int, k_max: int, sampling: bool = False) -> int: ...
+    def bind(self, target_runner, drafter: Drafter, batch_size: int) -> None: ...
 
-    def drafter_length(self, rows: int, k_max: int, kinds=None, step: int = 1) -> tuple[int, list | dict | None]: ...
+    def budget(self, view: RoundView) -> DraftBudget: ...
 
     def record(self, seqs: Sequences, accepted: torch.Tensor, k: int) -> None: ...
 
     def estimates(self, seqs: Sequences, k_max: int) -> torch.Tensor | None: ...
 
-    def observe(self, rows: int, k: int, width: int, seconds: float, values, kind=None, work=0, base=None) -> None: ...
-
-    def fixed_share(self, rows: int) -> float: ...
+    def observe(self, outcome: Outcome) -> None: ...

@@ -45,6 +45,16 @@ class _EngineCollector:
                               "Tokens emitted per row per round, bonus token included (1.0: no speculation)")
         g.add_metric([], s.mean_accepted_length)
         yield g
+        c = CounterMetricFamily("batchspec_round_decisions", "Engine rounds by what decided their draft budget "
+                                "(draft, fixed, probe, not-worth-it, dry, no-room, no-drafter)", labels=["reason"])
+        for reason, n in sorted(s.decisions.items()):
+            c.add_metric([reason], n)
+        yield c
+        c = CounterMetricFamily("batchspec_round_kinds", "Drafting rounds by kind (the head's copy / head rounds)",
+                                labels=["kind"])
+        for kind, n in sorted(s.kinds.items()):
+            c.add_metric([kind], n)
+        yield c
         c = CounterMetricFamily("batchspec_requests_finished", "Requests finished, by reason", labels=["reason"])
         for reason, n in sorted(w.finished.items()):
             c.add_metric([reason], n)

@@ -1,17 +1,25 @@
-"""How many tokens the rows draft in a round (the speculation length), chosen before the round is drafted.
+"""How much to draft each round: the whole decision lives here.
 
-A policy has ``length(rows, k_max, sampling) -> k`` (0..k_max) and two hooks the engine calls after each round's one
-host read: ``estimates(seqs, k_max)`` returns a small device tensor to read with it (or None), and
-``observe(rows, k, width, seconds, values)`` gets what was read and the round's wall time.
+- ``budget.py``: ``DraftBudget``, the one value the decision hands a drafter (what it may draft, what a round
+  verifying m drafts costs, what a token of each row is worth, and why), ``RoundView`` (what the decision reads) and
+  ``Outcome`` (what a round did); the reasons rounds are counted by (``Stats.decisions``).
+- ``costs.py``: the cost model, a profile of the target's and the drafter's forwards measured once per machine and
+  cached (``batchspec profile``).
+- ``acceptance.py``: expected tokens per round from each row's recent evidence and the drafter's long-run rate.
+- ``row_values.py``: what a token of each row is worth when the batch runs until its last row is done.
+- ``fixed.py`` / ``adaptive.py``: the policies (``speculation="fixed"`` / ``"adaptive"``, the default).
 
-One length serves the whole round. The verification forward is one rectangle as wide as its widest row, and a draft
-model drafts for every row at once, so a row drafting fewer tokens than the others saves nothing and can only
-accept fewer: the per-row acceptance estimates enter the choice through the expected tokens of the whole batch.
+A policy has ``bind(target_runner, drafter, batch_size)``, ``budget(view) -> DraftBudget`` (a query), and the hooks
+the engine calls around each round: ``record`` (device-side evidence), ``estimates`` (a device tensor read with the
+round's one host read, or None) and ``observe(outcome)`` (the only place its state changes).
 """
 
+from .acceptance import expected_tokens
 from .adaptive import AdaptiveLength
+from .budget import REASONS, DraftBudget, Outcome, RoundView
+from .costs import CostModel, Profile
 from .fixed import FixedLength
-from .row_values import expected_tokens, row_values
+from .row_values import row_values
 
 POLICIES = {"fixed": FixedLength, "adaptive": AdaptiveLength}
 
@@ -22,4 +30,5 @@ def get_policy(name: str):
     return POLICIES[name]()
 
 
-__all__ = ["AdaptiveLength", "FixedLength", "POLICIES", "expected_tokens", "get_policy", "row_values"]
+__all__ = ["AdaptiveLength", "CostModel", "DraftBudget", "FixedLength", "Outcome", "POLICIES", "Profile", "REASONS",
+           "RoundView", "expected_tokens", "get_policy", "row_values"]

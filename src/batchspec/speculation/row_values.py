@@ -1,5 +1,4 @@
-"""What a round's drafts are worth: the tokens a row expects from a round that drafts k (``expected_tokens``) and what
-a token of each row is worth to the batch (``row_values``)."""
+"""What a token of each row is worth to the batch (``row_values``), where the batch runs until its last row is done."""
 
 from __future__ import annotations
 
@@ -7,22 +6,12 @@ import math
 
 import torch
 
-
-def expected_tokens(alpha: torch.Tensor, k_max: int) -> torch.Tensor:
-    """``[B, k_max + 1]``: tokens a row emits in a round that drafts k tokens, when each draft is accepted with
-    probability ``alpha[b]`` until the first rejection (the bonus token included): ``(1 - a^(k+1)) / (1 - a)``."""
-    a = alpha.double().clamp(0.0, 0.999)[:, None]
-    k = torch.arange(k_max + 1, device=alpha.device, dtype=torch.float64)[None, :]
-    return (1 - a ** (k + 1)) / (1 - a)
-
-
-FIXED_SHARE = 0.5  # share of a step that does not grow with its rows, until two batch sizes were measured apart
 FIRST_PACE = 0.5  # tokens a round past the first a row is taken to gain while it has run few rounds (``SETTLED``)
 SETTLED = 4
 NARROWEST = 0.3  # the least spread of the rows' rounds left (Gumbel scale, rounds)
 
 
-def row_values(seqs, fixed: float = FIXED_SHARE) -> torch.Tensor:
+def row_values(seqs, fixed: float) -> torch.Tensor:
     """``[B]`` what a token of each row is worth, in tokens of a row, where the batch runs until its last row is done
     (no request waits to take a finished row's place). A batch's remaining time is about a step's fixed share
     (``fixed``) times the rounds its last row needs plus the rest of a step times every row's rounds: a token saves its

@@ -12,23 +12,23 @@ returns the target's features (``TargetOutput.hidden``); the state keeps the las
 features of positions length-1-W .. length-2), and a drafting round's first forward catches up on the pairs the
 head has not cached (right-aligned, rows missing fewer have hidden holes on the left), ending with the pair of the
 pending token, whose output gives the first draft. Pairs built from predicted features (the drafts') are hidden after
-verification: their true features replace them in the next round's catch-up. Prefill runs nothing: the prompt's
-features wait for the first round that runs the head.
+verification: their true features replace them in the next round's catch-up. Prefill caches the prompt's pairs, for
+the joining rows only, so that a long prompt never widens a running batch's catch-up.
 
 Copies (greedy): text that repeats (a passage being summarised, code being edited) is better drafted by prompt
 lookup than by any small head, and the two fail in different places. Each row's longest earlier match gives
 candidate copies; a row drafts them first when copies of its match length have been accepted more often than the
 head's first drafts, and the head drafts on after them, fed the copied tokens. Each round is sized like prompt
-lookup's (expected tokens over measured cost, per width): a "head" round runs the head, a "copy" round verifies only
-the copies and leaves the head alone (its features wait, and its next round catches up on them), and a round where
-neither pays is a plain step. Where the target's runner packs verification (each row's real tokens only), a copy
-round sizes each row on its own, as prompt lookup does (``per_token``): the batch's likeliest copies, the features of
-the real tokens coming back all the same.
+lookup's (expected tokens over the budget's costs, ``plan.py``): a "head" round runs the head, a "copy" round verifies
+only the copies and leaves the head alone (its features wait, and its next round catches up on them), and a round
+where neither pays is a plain step. Where the target's runner packs verification (each row's real tokens only), a
+copy round sizes each row on its own, as prompt lookup does (``budget.per_row``): the batch's likeliest copies, the
+features of the real tokens coming back all the same.
 
 Depth (greedy, sized rounds): a head round drafts on while the head is sure. A row is *sure* of its drafts while the
 product of the probabilities the head gave them (copies count 1) is at least ``DEPTH_CONFIDENCE``; the round stops
 drafting once no row is sure, before the planned width if need be, and drafts past it, up to K, while one is, where
-rows are verified one by one (one row, or ``per_token``); there each row verifies its drafts up to the first it is
+rows are verified one by one (one row, or ``budget.per_row``); there each row verifies its drafts up to the first it is
 not sure of. The head's probability of its first draft predicts its acceptance well (first drafts scored 0.0-0.1:
 2% accepted, 0.3-0.4: 27%, 0.6-0.7: 64%, 0.8-1.0: 100%), where the plan prices every round from one running rate.
 """
@@ -45,9 +45,10 @@ from ...engine.batch import SlotState
 from ...engine.sampling import DRAFT, draw, greedy
 from ...model.kv import new_cache
 from ...model.runner import Runner
+from ...speculation.budget import DraftBudget
 from ..base import Drafter, Proposal
 from ..lookup import PromptLookup
-from .plan import CATCH_UP, DEPTH_CONFIDENCE, KINDS, RoundPlanner
+from .plan import DEPTH_CONFIDENCE, RoundPlanner
 from .state import EagleState
 
 EXTRA = "eagle.safetensors"  # fc and token_map; the decoder layer, norm and head are a Llama checkpoint beside it
@@ -75,10 +76,10 @@ class EagleDrafter(Drafter):
         self.token_map = token_map.to(model.device)
         self.vocab = embedding.num_embeddings
         self.runner = Runner(model, graphs)
-        # with copies, greedy rounds are planned here: each width of each kind of round priced by the policy
+        # with copies, greedy rounds are planned here, each kind and width priced by the round's budget
         self.planner = RoundPlanner(PromptLookup()) if copy else None
         self.copy = self.planner.copy if copy else None
-        self.sizes_own_drafts, self.kinds, self.costs = copy, KINDS if copy else None, None
+        self.sizes_own_drafts = copy
 
     # ------------------------------------------------------------------------------------------------ loading
     @classmethod
@@ -124,24 +125,38 @@ class EagleDrafter(Drafter):
     def _inputs(self, next_tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([self.embedding(next_tokens), feats.to(self.fc.weight.dtype)], -1))
 
+    def timing(self):
+        """What the cost profile times as one drafting forward: the head's runner, its input layer, its features."""
+        feats = torch.zeros((1, self.fc.in_features // 2), dtype=self.fc.weight.dtype, device=self.runner.device)
+        return self.runner, lambda ids: self._inputs(ids, feats.expand(*ids.shape, -1)), True
+
     def prefill(self, prompts, hidden=None):
-        """Nothing runs yet: the prompt's features f_0 .. f_(n-2) wait (right-aligned), like those of rounds that did
-        not run the head, and the first round that runs it catches up on them (rows that leave before the head pays
-        never pay for their prompt)."""
+        """The head caches the prompt's pairs (f_i, x_(i+1)) for positions 0 .. n-3 of a prompt of n tokens, in one
+        forward over the joining rows only (about a layer's share of the target's prefill); the feature of position
+        n-2 waits: its pair with the pending token gives the first draft. Caching them here, not in the first round
+        that runs the head, keeps a joining row's long prompt out of the running rows' rounds (a catch-up covers the
+        batch's whole rectangle)."""
         b, dev = hidden.shape[0], self.runner.device
         none = torch.zeros((b, 0), dtype=torch.long, device=dev)
         state = SlotState(self.runner, new_cache(self.model), none.bool(), none, none, "draft")
-        feats = hidden if hidden.shape[1] else hidden.new_zeros((b, 1, hidden.shape[-1]))  # one-token prompts: a hole
-        return EagleState(state, torch.zeros(b, dtype=torch.long, device=dev), feats)
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        w = hidden.shape[1]  # features of positions up to n-2, right-aligned ([B, W, H], zeros on the left)
+        if w >= 2:
+            ids = torch.tensor([[0] * (w + 1 - len(p)) + p[-(w + 1):] for p in prompts], device=dev)
+            position = torch.arange(w - 1, device=dev)[None, :] - (w + 1 - lengths)[:, None]
+            state.append(ids[:, : w - 1], position >= 0, logits_to_keep=1,
+                         embeds=self._inputs(ids[:, 1:w], hidden[:, : w - 1]))
+        feats = hidden[:, -1:] if w else hidden.new_zeros((b, 1, hidden.shape[-1]))  # one-token prompts: a hole
+        return EagleState(state, (lengths - 2).clamp(min=0), feats)
 
-    def propose(self, seqs, state: EagleState, k):
-        length, k_max = seqs.length, k
-        pairs = state.waiting * len(length) if state.waiting > CATCH_UP else 0  # a long wait to catch up on
+    def propose(self, seqs, state: EagleState, budget: DraftBudget):
+        length, k = seqs.length, budget.k
+        k_max = k
         if self.copy is not None and not seqs.sampling:
             copies, n_copies, match = self.copy.candidates(seqs, k)
-            left = (seqs.limit - seqs.generated()).max() if pairs else None  # rounds left, at most
-            kind, k, use, n = self.planner.plan(copies, n_copies, match, k, self.costs, self.per_token,
-                                                self.row_value, pairs, left)
+            waiting = state.waiting
+            left = (seqs.limit - seqs.generated()).max() if waiting > k + 1 else None  # rounds left, at most
+            kind, k, use, n = self.planner.plan(copies, n_copies, match, budget, waiting, left)
             if not k:
                 return Proposal.empty(len(length), length.device)
             if kind == "copy":  # the head does not run: its pairs wait for a round that runs it
@@ -158,9 +173,9 @@ class EagleDrafter(Drafter):
         drafts, qs, first = [], [], None
         # greedy rounds sized here: the head drafts on while a row is sure (past the plan where rows are verified one
         # by one), and stops when none is; sures[i] [B]: P(a row's drafts 1..i+1 are right) by the head's probabilities
-        deep = u is None and self.costs is not None and DEPTH_CONFIDENCE is not None
+        deep = u is None and budget.sized and DEPTH_CONFIDENCE is not None
         sures = []
-        for i in range(k_max if deep and (len(length) == 1 or self.per_token) else k):
+        for i in range(k_max if deep and (len(length) == 1 or budget.per_row) else k):
             if deep and i and not bool((sures[-1] >= DEPTH_CONFIDENCE).any()):  # one host read a step
                 break
             if i:
@@ -182,16 +197,12 @@ class EagleDrafter(Drafter):
                 full[:, self.token_map] = logits
                 qs.append(seqs.warp(full[:, None])[:, 0])
                 drafts.append(draw(qs[-1], u[:, i]))
-        # a round that caught up on a long wait (a prompt, many rounds without the head) is timed apart: its cost is
-        # once per wait, not what a head round of its width costs: a head round plus the pairs it caches
-        catch_up = first is not None and pairs > 0
-        kind = None if first is None else "catch-up" if catch_up else "head"
+        kind = None if first is None else "head"
         k = len(drafts)
         n = torch.full_like(length, k)
-        if deep and self.per_token:  # each row: its drafts up to the first it is not sure of
+        if deep and budget.per_row:  # each row: its drafts up to the first it is not sure of
             n = ((torch.stack(sures, 1) >= DEPTH_CONFIDENCE).sum(1) + 1).clamp(max=k)
-        return Proposal(torch.stack(drafts, 1), n, torch.stack(qs, 1) if qs else None,
-                        match=first, kind=kind, work=pairs if catch_up else 0, base="head" if catch_up else None)
+        return Proposal(torch.stack(drafts, 1), n, torch.stack(qs, 1) if qs else None, match=first, kind=kind)
 
     def commit(self, state: EagleState, proposal: Proposal, accepted, target) -> None:
         k = proposal.drafts.shape[1]

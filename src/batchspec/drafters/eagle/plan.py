@@ -1,36 +1,25 @@
-"""How a greedy round of the feature-reading head is planned: which kind of round (copies only, the head, a head
-round that first catches up on a long wait, or a plain step) and how wide, from each kind's expected tokens over its
-cost in plain steps. The acceptance it plans with is learned here: prompt lookup's per match length and index, and the
+"""How a greedy round of the feature-reading head is planned: which kind of round (copies only, the head, or a plain
+step) and how wide, from each kind's expected tokens over its cost in plain steps (the round's ``DraftBudget``). The acceptance it plans with is learned here: prompt lookup's per match length and index, and the
 head's first drafts (scored in every round that runs the head)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ...speculation.budget import DraftBudget
 from ..base import Proposal
 from ..lookup import PRIOR_WEIGHT, PromptLookup, likeliest
 
-# rounds that draft copies only (the head does not run) / that run the head / that run it after a long wait
-KINDS = ("copy", "head", "catch-up")
-HEAD_STEP = 0.1  # a drafting step of the head, in plain steps, for widths not measured yet (measured: 0.08-0.11)
-CATCH_UP = 32  # a head round catching up on more pairs than this per row is timed as a catch-up round
-# what a catch-up round costs per waiting pair (all rows, holes included: the head's forward covers the rectangle)
-# over a head round of its width, in plain steps, until the policy measured it: ~70 us a pair on a 2-core CPU for
-# SmolLM2-135M's head, 0.0039 / 0.0028 / 0.0025 plain steps at 1 / 4 / 8 rows over Spec-Bench prompts of 660-770
-# tokens (0.0005, the earlier prior, had the head catch up on 8 long prompts at batch 8 for 15 plain steps)
-CATCH_UP_PAIR = 0.003
-# a catch-up is paid once for the head rounds it makes possible (its cost is shared by this many rounds, and by no
-# more than the rounds left: the most tokens a row may still generate): priced whole against one round, it loses to
-# a plain or copy round, the wait grows by a pair a row every round the head does not run, and the head never runs
-# again
+# rounds that draft copies only (the head does not run) / that run the head (after any copies)
+KINDS = ("copy", "head")
+# the head catching up on a long wait (its features set aside by rounds that did not run it) is paid once for the head
+# rounds it makes possible: its cost is shared by this many rounds, and by no more than the rounds left (the most
+# tokens a row may still generate). Priced whole against one round, it lost to a plain or copy round, the wait grew by
+# a pair a row every round the head did not run, and the head never ran again.
 CATCH_UP_SHARED = 8
 # a head round drafts on while some row's drafts are at least this likely by the head's own probabilities (their
-# product, copies counting 1). Against the planned width drafted whole, interleaved, batch 1, built-in prompts: 0.4
-# read 1.24x plain where the width alone read 1.22x (accepted length 1.55 against 1.51, 5 pairs); 0.25 and 0.6 read
-# 1.21x and 1.22x against 1.22x; Spec-Bench summarization + rag (mostly copy rounds) and batch 8 within +-1%.
-# None: the planned width, drafted whole.
+# product, copies counting 1); 0.25 and 0.6 did no better on a 2-core CPU (docs/speculation.md). None: the planned
+# width, drafted whole.
 DEPTH_CONFIDENCE = 0.4
 
 
@@ -42,38 +31,36 @@ class RoundPlanner:
         self.copy = copy
         self.table = None
 
-    def plan(self, copies, n_copies, match, k: int, costs, per_token: bool = False, row_value=None,
-             catch_up: int = 0, left=None):
-        """``(kind, width, rows that copy, drafts per row of a copy round)`` for a greedy round of at most k drafts.
-        A row copies first when its match length's first copied draft is accepted more often than the head's first
-        draft. Each kind of round and size is worth its expected tokens over its cost (``costs``, in plain steps):
-        "copy" rounds verify only the copies (rows without a match draft nothing; the head does not run), "head"
-        rounds run the head for j steps (it drafts on after the copies), priced as a "catch-up" round when the head
-        has a long wait to catch up on (``catch_up``: the waiting pairs of all rows; ``left``: the most tokens a row
-        may still generate, a device scalar, or None for many). Where rows are sized one by one (``per_token``: the
-        runner packs verification), a copy round verifies the m likeliest copies of the batch (each row's first
-        ones), m = 0..rows x k, priced by the drafts it verifies in all, and a head round of width j is priced as
-        rows x j drafts. Without costs (fixed length): a "head" round of k."""
+    def plan(self, copies, n_copies, match, budget: DraftBudget, waiting: int = 0, left=None):
+        """``(kind, width, rows that copy, drafts per row of a copy round)`` for a greedy round of at most
+        ``budget.k`` drafts. A row copies first when its match length's first copied draft is accepted more often than
+        the head's first draft. Each kind of round and size is worth its expected tokens over its cost in plain steps
+        (``round_costs``): "copy" rounds verify only the copies (rows without a match draft nothing; the head does
+        not run), "head" rounds run the head for j steps (it drafts on after the copies). Where rows are sized one by
+        one (``budget.per_row``), a copy round verifies the m likeliest copies of the batch (each row's first ones),
+        m = 0..rows x k, priced by the drafts it verifies in all, and a head round of width j verifies rows x j
+        drafts. ``waiting``: the pairs each row waits to have cached; ``left``: the most tokens a row may still
+        generate (a device scalar), or None for many. Without costs (fixed length, sampling): a "head" round of k."""
+        k = budget.k
         dev, b = match.device, len(match)
         col = torch.arange(k, device=dev)[None, :]
         copied = self.copy.survival(k, dev)[match] * (col < n_copies[:, None])  # [B, k] P(copies 1..j accepted)
         head = self.head_survival(k, dev)  # [k]
         use = (n_copies > 0) & (copied[:, 0] > head[0])
-        if costs is None:
+        if not budget.sized:
             return "head", k, use, None
         last = copied.gather(1, (n_copies - 1).clamp(min=0)[:, None])
         mixed = torch.where(col < n_copies[:, None], copied, last * head[(col - n_copies[:, None]).clamp(min=0)])
         mixed = torch.where(use[:, None], mixed, head[None, :])
-        per = b if per_token else 1  # drafts verified per unit of a head round's width
+        per = b if budget.per_row else 1  # drafts verified per unit of a head round's width
         if per > 1:  # a copy round's m copies of the batch worth most: E(m), m = 0..b*k
-            if row_value is not None:  # each row's expected tokens at its worth
-                copied, mixed = copied * row_value[:, None], mixed * row_value[:, None]
+            copied, mixed = budget.weigh(copied), budget.weigh(mixed)  # each row's expected tokens at its worth
             gain, rank = likeliest(copied)
         else:  # one width for the batch: E(j), j = 0..k, from each column's expected accepted drafts
             gain = copied.sum(0).cumsum(0)
         pad = torch.nn.functional.pad
         tokens = b + torch.cat([pad(gain, (1, 0)), pad(mixed.sum(0).cumsum(0), (1, 0))])  # copy m, then head j
-        price = self.round_costs(k, dev, costs, catch_up, per, left)  # [copy / head, m = 0..k*per]
+        price = self.round_costs(budget, dev, waiting, per, left)  # [copy / head, m = 0..k*per]
         best = (tokens / torch.cat([price[0], price[1, ::per]])).argmax()  # the first of equals: a plain step
         copy_round = best <= k * per
         if per > 1:  # a copy round of m drafts: each row's first ones among the m likeliest
@@ -85,35 +72,22 @@ class RoundPlanner:
             return "copy", width, use, n
         return "head", best - k * per - 1, use, None
 
-    def round_costs(self, k: int, device, costs, catch_up: int = 0, per: int = 1, left=None) -> torch.Tensor:
+    def round_costs(self, budget: DraftBudget, device, waiting: int = 0, per: int = 1, left=None) -> torch.Tensor:
         """``[copy / head, m]``: a round verifying m = 0..k x ``per`` drafts in all, in plain steps (``per``: the rows
-        of a round sized row by row, where a head round of width j verifies j x rows; else 1, and m is the width):
-        what the policy gives per kind (measured, or its line through that kind's rounds); else, for a copy round
-        ``1 + 0.2 m / per``, for a head round the copy round of its size plus ``HEAD_STEP`` per step the head runs;
-        never falling with m; sizes past what the policy prices (what the runner packs) ``inf``. After a long wait
-        (``catch_up`` pairs waiting, all rows) a head round costs a head round of its size plus each waiting pair's
-        cost, as the policy measured it from catch-up rounds (``costs["work"]["catch-up"]``), else
-        ``CATCH_UP_PAIR``, shared by ``CATCH_UP_SHARED`` rounds or by the rounds ``left`` if fewer. Priced by pairs,
-        not by what a catch-up round of that width cost once (its wait's cost), and shared, not charged to one round:
-        priced whole, a catch-up lost to a plain round, the wait grew every round, and the head stayed out for
-        hundreds of rounds (on the main job's prompts at batch 1 the head's mean accepted length fell from ~1.55 to
-        1.05–1.3 for one to five runs in a row, in three of four engines; shared, 1.46–1.65 in every run). A size the
-        policy has not let a kind explore yet (``inf``) stays out of reach."""
-        n = k * per
-        given = {kind: list(costs.get(kind) or [])[: n + 1] for kind in ("copy", "head")}
-        priced = [len(v) - 1 for v in given.values() if v]
-        most = min(n, *priced) if per > 1 and priced else n  # what the runner packs
-        given = {kind: values + [None] * (n + 1 - len(values)) for kind, values in given.items()}
-        prior = [1.0 + self.copy.default_cost * m / per if m <= most else math.inf for m in range(n + 1)]
-        copy = [c if c is not None else p for c, p in zip(given["copy"], prior)]  # inf: not explored yet
-        known = [c if math.isfinite(c) else p for c, p in zip(copy, prior)]
-        head = [g if g is not None else c + HEAD_STEP * m / per for m, (g, c) in enumerate(zip(given["head"], known))]
-        price = torch.tensor([copy, head], dtype=torch.float64, device=device)
-        if catch_up:
-            pair = (costs.get("work") or {}).get("catch-up")
+        of a round sized row by row, where a head round of width j verifies j x rows; else 1, and m is the width). A
+        copy round costs its verification (``budget.verify``); a head round of j steps that plus j forwards of the
+        head (``budget.step``), and, when the head waits to cache more pairs than a round's block, those pairs
+        (``budget.pair`` each) shared by ``CATCH_UP_SHARED`` rounds (or the rounds ``left``, if fewer). Sizes past
+        what the budget prices (what the runner packs) cost ``inf``; costs never fall with m."""
+        n = budget.k * per
+        copy = budget.verify_tensor(n, device)
+        steps = torch.arange(n + 1, device=device, dtype=torch.float64) / per
+        head = copy + budget.step * steps
+        extra = max(waiting - (budget.k + 1), 0)  # pairs beyond what a head round's first forward always covers
+        if extra and budget.pair:
             shared = CATCH_UP_SHARED if left is None else left.clamp(1, CATCH_UP_SHARED)  # on the device: no read
-            price[1] += (CATCH_UP_PAIR if pair is None else pair) * catch_up / shared
-        return price.cummax(1).values
+            head = head + budget.pair * extra / shared
+        return torch.stack([copy, head]).cummax(1).values
 
     def head_survival(self, k: int, device) -> torch.Tensor:
         """``[k]`` P(the head's drafts 1..j all accepted): its first-draft rate (``PRIOR_WEIGHT`` pseudo-rounds at

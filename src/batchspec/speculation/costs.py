@@ -1,0 +1,310 @@
+"""What a round costs, measured once: the target's forward of ``rows`` rows x ``w`` new tokens per row, and the
+drafter's own forwards, timed on a synthetic batch (random keys and values: a forward's cost does not depend on them),
+per machine, model, dtype, device and thread count, and cached as JSON under ``$BATCHSPEC_CACHE/profiles``.
+
+Everything the speculation decision prices is in *plain steps*: the seconds of a round that drafts nothing (one new
+token per row) at the same number of rows. Ratios travel well: a machine that drifts by 20% within minutes, as a
+shared CPU does, slows plain and speculative rounds alike, and the decision compares rounds of one moment.
+
+Why measured up front and not learned from live rounds: a live round's wall time mixes in whatever else the machine
+did meanwhile (a server's HTTP thread, a prefill, another process), a width that is seldom run keeps one unlucky
+measurement for a long time, and in a server the batch size changes every round, so a table learned per batch size
+stays sparse. A profile takes a few seconds at first use and is read from the cache afterwards (``batchspec
+profile`` shows it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..model import kv
+from ..model.loading import cache_base
+
+PROFILE_VERSION = 1  # bump when what is measured changes: older cached profiles are measured again
+WIDTHS = (1, 2, 3, 4, 6)  # new tokens per row measured (a verification of K = 5 drafts is 6 wide)
+CONTEXT = 256  # cached tokens per row in the synthetic batch: a typical chat prompt plus some answer
+REPEATS = 5  # timed forwards per point, the fastest kept (the machine's noise only ever adds time), after a warm-up
+PAIRS = 64  # tokens per row of the drafter's catch-up forward that prices one cached pair
+
+
+def row_points(batch_size: int) -> list[int]:
+    """Batch sizes measured: powers of two up to ``batch_size``, and ``batch_size`` itself."""
+    points = [1 << i for i in range(batch_size.bit_length()) if 1 << i <= batch_size]
+    return sorted(set(points + [batch_size]))
+
+
+@dataclass
+class Profile:
+    """Seconds of forwards on one machine. ``target[rows][i]``: the target's forward of ``rows`` x ``WIDTHS[i]`` new
+    tokens; ``step[rows]``: one drafting forward of the drafter's model (one token per row); ``pair``: what the
+    drafter's model spends per row and token of a catch-up forward (seconds; 0 for model-free drafters)."""
+
+    target: dict[int, list[float]]
+    step: dict[int, float] = field(default_factory=dict)
+    pair: float = 0.0
+    key: str = ""
+
+    def to_json(self) -> dict:
+        return {"version": PROFILE_VERSION, "key": self.key, "widths": list(WIDTHS), "target": self.target,
+                "step": self.step, "pair": self.pair}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Profile | None":
+        if d.get("version") != PROFILE_VERSION or d.get("widths") != list(WIDTHS):
+            return None
+        return cls({int(r): v for r, v in d["target"].items()}, {int(r): v for r, v in d["step"].items()},
+                   float(d["pair"]), d.get("key", ""))
+
+
+class CostModel:
+    """Costs in plain steps from a ``Profile``; batch sizes between measured ones are interpolated linearly (a
+    forward's seconds grow about linearly with its rows), beyond the largest extrapolated from the last two."""
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self.rows = sorted(profile.target)
+
+    def seconds(self, rows: int, tokens: float) -> float:
+        """A target forward of ``rows`` rows and ``tokens`` new tokens in all (at least ``rows``)."""
+        width = max(tokens / rows, 1.0)
+        return self._in_rows(rows, lambda r: _in_widths(self.profile.target[r], width))
+
+    def plain(self, rows: int) -> float:
+        return self.seconds(rows, rows)
+
+    def verify(self, rows: int, drafts: int, per_row: bool) -> float:
+        """A round verifying ``drafts`` drafts, in plain steps: per row (the block is ``drafts + 1`` wide for every
+        row) or, ``per_row``, in all (a runner that computes only each row's real tokens: ``rows + drafts`` tokens)."""
+        tokens = rows + drafts if per_row else rows * (drafts + 1)
+        return self.seconds(rows, tokens) / self.plain(rows)
+
+    def step(self, rows: int) -> float:
+        """One drafting forward of the drafter's model, in plain steps (0 without one)."""
+        if not self.profile.step:
+            return 0.0
+        points = self.profile.step
+        return _interp(sorted(points), lambda r: points[r], rows) / self.plain(rows)
+
+    def pair(self, rows: int) -> float:
+        """Caching one token (a pair of the head) of every row in the drafter's model, in plain steps."""
+        return self.profile.pair * rows / self.plain(rows)
+
+    def fixed_share(self, rows: int) -> float:
+        """The share of a plain step of ``rows`` rows that does not grow with its rows (``row_values``): from the
+        plain steps at ``rows`` and at half as many."""
+        if rows < 2:
+            return 1.0
+        half = rows // 2
+        t, t_half = self.plain(rows), self.plain(half)
+        per_row = (t - t_half) / (rows - half)
+        return min(max(1.0 - per_row * rows / t, 0.0), 1.0)
+
+    def _in_rows(self, rows: int, at) -> float:
+        return _interp(self.rows, at, rows)
+
+
+def _interp(points: list[int], at, x: float) -> float:
+    """``at(x)`` linearly interpolated between measured ``points`` (extrapolated past the last two)."""
+    if len(points) == 1 or x <= points[0]:
+        return at(points[0])
+    hi = next((p for p in points if p >= x), points[-1])
+    lo = points[points.index(hi) - 1]
+    a, b = at(lo), at(hi)
+    return a + (b - a) * (x - lo) / (hi - lo)
+
+
+def _in_widths(seconds: list[float], width: float) -> float:
+    """Seconds at ``width`` new tokens per row from the measured ``WIDTHS`` (linear between, and past the widest)."""
+    return _interp(list(WIDTHS), lambda w: seconds[WIDTHS.index(w)], width)
+
+
+# ------------------------------------------------------------------------------------------------- measuring
+
+
+def synthetic_state(runner, rows: int, context: int):
+    """A ``SlotState`` of ``rows`` rows with ``context`` cached tokens each (random keys and values, all visible)."""
+    from ..engine.batch import SlotState
+
+    cfg = runner.model.config.get_text_config()
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dev, dtype = runner.device, runner.model.dtype
+    cache = kv.new_cache(runner.model)
+    like = torch.zeros((rows, heads, 1, dim), dtype=dtype, device=dev)
+    for layer in cache.layers:
+        k, v = layer.fresh(like, like, rows, context)
+        k.normal_()
+        v.normal_()
+    valid = torch.ones((rows, context), dtype=torch.bool, device=dev)
+    positions = torch.arange(context, device=dev).expand(rows, -1).contiguous()
+    tokens = torch.zeros((rows, context), dtype=torch.long, device=dev)
+    return SlotState(runner, cache, valid, tokens, positions)
+
+
+def _rewind(state, width: int) -> None:
+    """Forget the slots past ``width`` (the timed forward's)."""
+    state.width = width
+    for layer in state.cache.layers:
+        layer.advance(width)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def time_forwards(state, widths, repeats: int = REPEATS, hidden: bool = False, inputs=None,
+                  keep: int = 0) -> list[float]:
+    """Seconds of a forward of each of ``widths`` new tokens per row appended to ``state`` (rewound after each): the
+    fastest of ``repeats``, the widths interleaved within each repetition so that a drift of the machine falls on
+    all, after one untimed warm-up of each. ``inputs(ids)``: the input vectors in place of the ids' embeddings,
+    computed inside the timed forward (a drafter's own input layer); ``keep``: logits of the last ``keep`` positions
+    only (0: all, as a verification needs)."""
+    rows, width, dev = len(state), state.width, state.runner.device
+    best = [float("inf")] * len(widths)
+    for i in range(repeats + 1):
+        for j, tokens in enumerate(widths):
+            ids = torch.zeros((rows, tokens), dtype=torch.long, device=dev)
+            counts = None if inputs is not None else torch.full((rows,), tokens, dtype=torch.long, device=dev)
+            _sync(dev)
+            t = time.perf_counter()
+            embeds = inputs(ids) if inputs is not None else None
+            state.append(ids, logits_to_keep=keep, hidden=hidden, embeds=embeds, counts=counts)
+            _sync(dev)
+            if i:
+                best[j] = min(best[j], time.perf_counter() - t)
+            _rewind(state, width)
+    return best
+
+
+def measure(target_runner, batch_size: int, drafter=None, hidden: bool = False, progress=None) -> Profile:
+    """Time the target's forwards at ``row_points(batch_size)`` x ``WIDTHS`` (and the drafter's, when it has a
+    model: ``drafter.timing()``). Costs never fall with the width or the rows (what the noise left is smoothed so)."""
+    points = row_points(batch_size)
+    target: dict[int, list[float]] = {}
+    for rows in points:
+        state = synthetic_state(target_runner, rows, CONTEXT)
+        target[rows] = _rising(time_forwards(state, WIDTHS, hidden=hidden))
+        state.cache.release()
+        if progress is not None:
+            progress.advance()
+    for i in range(len(WIDTHS)):  # across rows too
+        column = _rising([target[r][i] for r in points])
+        for r, v in zip(points, column):
+            target[r][i] = v
+    step: dict[int, float] = {}
+    pair = 0.0
+    timing = getattr(drafter, "timing", None)
+    if timing is not None:  # a drafter with a model of its own: (its runner, its input layer or None, hidden)
+        runner, inputs, want_hidden = timing()
+        for rows in points:
+            state = synthetic_state(runner, rows, CONTEXT)
+            step[rows] = time_forwards(state, (1,), hidden=want_hidden, inputs=inputs, keep=1)[0]
+            state.cache.release()
+        step = dict(zip(points, _rising([step[r] for r in points])))
+        state = synthetic_state(runner, 1, CONTEXT)
+        pair = time_forwards(state, (PAIRS,), hidden=want_hidden, inputs=inputs, keep=1)[0] / PAIRS
+        state.cache.release()
+    return Profile(target, step, pair)
+
+
+def _rising(values: list[float]) -> list[float]:
+    """``values`` made non-decreasing (a running maximum)."""
+    out, top = [], 0.0
+    for v in values:
+        top = max(top, v)
+        out.append(top)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- the cache
+
+
+def profile_key(target_runner, drafter, batch_size: int) -> str:
+    """What a profile is valid for: this machine (processor, threads, device), torch, the target's and the drafter's
+    shapes and dtypes (not their weights: a forward's cost does not depend on them), the batch sizes."""
+    def shape(model):
+        if model is None:
+            return None
+        cfg = model.config.get_text_config().to_dict()
+        keep = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size")
+        return {k: cfg.get(k) for k in keep} | {"dtype": str(model.dtype), "class": type(model).__name__}
+
+    device = target_runner.device
+    facts = {
+        "version": PROFILE_VERSION, "torch": torch.__version__,
+        "machine": platform.machine(), "processor": _processor(), "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "target": shape(target_runner.model), "graphs": target_runner.graphs, "packs": target_runner.packed_rows,
+        "drafter": shape(getattr(getattr(drafter, "runner", None), "model", None)), "rows": row_points(batch_size),
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def profile_path(key: str) -> Path:
+    return cache_base() / "profiles" / f"{key}.json"
+
+
+_loaded: dict[str, Profile] = {}  # key -> profile, once per process
+
+
+def load_or_measure(target_runner, batch_size: int, drafter=None, hidden: bool = False, refresh: bool = False,
+                    progress: bool = False) -> Profile:
+    """The cached profile for this machine, models and batch sizes, measured (and cached) when there is none."""
+    from ..progress import Progress
+
+    key = profile_key(target_runner, drafter, batch_size)
+    if not refresh and key in _loaded:
+        return _loaded[key]
+    path = profile_path(key)
+    found = None
+    if not refresh and path.is_file():
+        try:
+            found = Profile.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            found = None
+    if found is None:
+        with Progress(progress, len(row_points(batch_size)), "profiling the target's forwards") as bar:
+            found = measure(target_runner, batch_size, drafter, hidden, bar)
+        found.key = key
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(found.to_json(), indent=1))
+            tmp.replace(path)
+        except OSError:  # a read-only cache: the profile serves this process only
+            pass
+    _loaded[key] = found
+    return found
+
+
+def describe(model: CostModel, k: int) -> list[list[str]]:
+    """Rows of a table: batch size, plain step (ms), verifying 1..k drafts per row in plain steps, the drafter's
+    step in plain steps (``batchspec profile``)."""
+    out = []
+    for rows in model.rows:
+        cells = [str(rows), f"{model.plain(rows) * 1e3:.1f}"]
+        cells += [f"{model.verify(rows, j, False):.2f}" for j in range(1, k + 1)]
+        cells.append(f"{model.step(rows):.3f}" if model.profile.step else "-")
+        out.append(cells)
+    return out
