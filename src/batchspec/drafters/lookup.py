@@ -36,8 +36,7 @@ PRIOR_WEIGHT = 5.0
 def prior_rate(max_ngram: int) -> torch.Tensor:
     """``[max_ngram + 1]``: where an untried first copy starts, per match length n: n / (n + 2), the longer the match
     the likelier the copy (0.33 after 1 token, 0.8 after 8; measured on the built-in and Spec-Bench 8 answers: 0.21,
-    0.48, 0.66, 0.71, 0.74, 0.73, 0.88, 0.89 for n = 1..8). An optimistic 0.8 for every length had a batch of 8 try
-    copies of 1-token matches, at 2 plain steps a round."""
+    0.48, 0.66, 0.71, 0.74, 0.73, 0.88, 0.89 for n = 1..8)."""
     n = torch.arange(max_ngram + 1, dtype=torch.float64)
     return n / (n + 2)
 

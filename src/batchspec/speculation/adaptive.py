@@ -45,8 +45,8 @@ class AdaptiveLength:
         (tests, or a machine whose costs are known). ``stale``: rounds after which a width's measured cost is
         forgotten (the next round of that width measures it afresh). ``explore``: a width's cost measured n times
         is taken as ``(1 - explore / n)`` times its mean, so that one round slowed by the machine does not price a
-        width out of reach before it was measured again; the discount fades as rounds come in (over 1/sqrt(n) it
-        kept widths that break even at 8 rows a few percent too cheap for good, and they were drafted at a loss)."""
+        width out of reach before it was measured again; the discount fades as 1/n (as 1/sqrt(n) it kept widths that
+        break even a few percent too cheap for good)."""
         self.prior_weight, self.probe_every, self.smoothing = prior_weight, probe_every, smoothing
         self.width_smoothing = width_smoothing  # per-width costs: relative, so they may average longer
         self.costs = None if costs is None else (costs[0], 0.0, costs[1]) if len(costs) == 2 else tuple(costs)
@@ -63,8 +63,8 @@ class AdaptiveLength:
         self.fill = 1.0  # tokens verified per token offered (prompt lookup often proposes fewer, or none)
         # rows -> (kind of round, block width) -> its cost: a drafting round's seconds over the plain step's at the
         # time (the machine's speed drifts; a width seldom run keeps its cost relative to the step, not its seconds);
-        # forgotten after ``stale`` rounds without one (a width measured in a slow minute, the machine drifting by
-        # ~30% and other processes coming and going, and not chosen since would keep its cost for ever)
+        # forgotten after ``stale`` rounds without one (a width measured in a slow minute and not chosen since would
+        # keep its cost for ever)
         self.widths: dict[int, dict[tuple, _Width]] = {}
         # rows -> kind of round -> the cost of one unit of its extra work (a head's catch-up: each pair it caches) over
         # a round of its base kind and width, in plain steps (``observe``'s ``work`` and ``base``)
@@ -114,19 +114,17 @@ class AdaptiveLength:
         drafts nothing, and again after ``2 * probe_every`` rounds in a row that drafted (every round that verified
         nothing measures one, and the count starts again). After ``probe_every`` rounds in a row that verified
         nothing, one round is priced by the drafter's own prior (None) up to half a draft a row (``step // 2``
-        drafts, at least 1; per kind, with kinds) and measured:
-        one slow round could price every size out of reach for ``stale`` rounds, nothing drafting to correct it
-        (traced at 8 rows, 0.14-0.25 plain steps a draft from a first round where rounds took 0.03); the prior's own
-        sizes could cost 1.65-1.85 plain steps where it said 1.25 (8-10 drafts at 8 rows over short contexts); while
-        probes change nothing the wait doubles, up to 8x. ``step``: how much wider than the widest measured a round
-        may be priced from the line (1: one draft more per row; a drafter sizing each row of a packed round, whose
-        "width" is 1 + the drafts verified in all: the rows, one draft more each). A drafter whose rounds come in kinds
-        that cost differently (``kinds``: the feature-reading head's rounds that run the head, those that only copy,
-        those that catch up on a long wait) gets a dict: per kind, the same from that kind's own rounds and line (a
-        kind's line only prices its own widths: one catch-up round of a head on a long prompt, 3 plain steps, would
-        otherwise price every width of every kind out of reach for good), None where neither says (its own fallbacks
-        are the drafter's to choose); and under ``"work"``, per kind, what one unit of a round's extra work costs
-        (``observe``), or None."""
+        drafts, at least 1; per kind, with kinds) and measured: one slow round could otherwise price every size out
+        of reach for ``stale`` rounds, nothing drafting to correct it, and the prior's own full sizes cost more than
+        it said; while probes change nothing the wait doubles, up to 8x. ``step``: how much wider than the widest
+        measured a round may be priced from the line (1: one draft more per row; a drafter sizing each row of a
+        packed round, whose "width" is 1 + the drafts verified in all: the rows, one draft more each). A drafter whose
+        rounds come in kinds that cost differently (``kinds``: the feature-reading head's rounds that run the head,
+        those that only copy, those that catch up on a long wait) gets a dict: per kind, the same from that kind's own
+        rounds and line (a kind's line only prices its own widths: one catch-up round of a head on a long prompt, 3
+        plain steps, would otherwise price every width of every kind out of reach for good), None where neither says
+        (its own fallbacks are the drafter's to choose); and under ``"work"``, per kind, what one unit of a round's
+        extra work costs (``observe``), or None."""
         if self.cost(rows)[0] is None:
             return 0, None
         self.busy += 1
@@ -150,11 +148,10 @@ class AdaptiveLength:
         """``[k_max + 1]``: each width's measured cost (``_width``), else from the kind's fitted line, else None; a
         width more than ``step`` drafts wider than the widest measured costs ``inf``. A kind of round is explored from
         narrow to wide, each width priced from the narrower ones' line before it is tried: a first wide round priced
-        from a prior is a guess, and a dear one (verifying 5 drafts in 8 rows cost 4.4 plain steps on a 2-core CPU,
-        where the prior said 2). Rounds sized row by row (``step`` > 1) are priced from the line alone, the sizes
-        measured only bounding the exploration: there each of up to K x rows sizes is run a few times at most, and
-        its few rounds' mean less the exploration discount priced it 20–35% under what it then cost (traced at 8 rows
-        on Spec-Bench 8: 1.36 for 1.67 plain steps, 1.26 for 2.02), so rounds drafted at a loss."""
+        from a prior is a guess, and can be a dear one (measured: 5 drafts in 8 rows cost 4.4 plain steps on a 2-core
+        CPU where the prior said 2). Rounds sized row by row (``step`` > 1) are priced from the line alone, the sizes
+        measured only bounding the exploration: each of their up to K x rows sizes runs a few times at most, too few
+        for its own mean (priced so, rounds drafted at a loss)."""
         t0, f, d = self.cost(rows, kind)
         line = [1.0 if j == 0 else None if d is None else 1.0 + (f + j * d) / t0 for j in range(k_max + 1)]
         # the widest measured at a batch size near enough: one pass over the table, not one per width (a round

@@ -17,20 +17,16 @@ KINDS = ("copy", "head", "catch-up")
 HEAD_STEP = 0.1  # a drafting step of the head, in plain steps, for widths not measured yet (measured: 0.08-0.11)
 CATCH_UP = 32  # a head round catching up on more pairs than this per row is timed as a catch-up round
 # what a catch-up round costs per waiting pair (all rows, holes included: the head's forward covers the rectangle)
-# over a head round of its width, in plain steps, until the policy measured it: ~70 us a pair on a 2-core CPU for
-# SmolLM2-135M's head, 0.0039 / 0.0028 / 0.0025 plain steps at 1 / 4 / 8 rows over Spec-Bench prompts of 660-770
-# tokens (0.0005, the earlier prior, had the head catch up on 8 long prompts at batch 8 for 15 plain steps)
+# over a head round of its width, in plain steps, until the policy measured it (measured: ~70 us a pair, 0.0039 /
+# 0.0028 / 0.0025 plain steps at 1 / 4 / 8 rows, SmolLM2-135M's head on a 2-core CPU)
 CATCH_UP_PAIR = 0.003
-# a catch-up is paid once for the head rounds it makes possible (its cost is shared by this many rounds, and by no
-# more than the rounds left: the most tokens a row may still generate): priced whole against one round, it loses to
-# a plain or copy round, the wait grows by a pair a row every round the head does not run, and the head never runs
-# again
+# a catch-up is paid once for the head rounds it makes possible, so its cost is shared by this many rounds (and by
+# no more than the rounds left): priced whole against one round it never wins, the wait grows, and the head never
+# runs again
 CATCH_UP_SHARED = 8
 # a head round drafts on while some row's drafts are at least this likely by the head's own probabilities (their
-# product, copies counting 1). Against the planned width drafted whole, interleaved, batch 1, built-in prompts: 0.4
-# read 1.24x plain where the width alone read 1.22x (accepted length 1.55 against 1.51, 5 pairs); 0.25 and 0.6 read
-# 1.21x and 1.22x against 1.22x; Spec-Bench summarization + rag (mostly copy rounds) and batch 8 within +-1%.
-# None: the planned width, drafted whole.
+# product, copies counting 1); None: the planned width, drafted whole (measured: 0.4 gave 1.24x plain at batch 1 on
+# the built-in prompts where the planned width gave 1.22x, 0.25 and 0.6 no better; docs/benchmarks.md)
 DEPTH_CONFIDENCE = 0.4
 
 
@@ -95,10 +91,8 @@ class RoundPlanner:
         cost, as the policy measured it from catch-up rounds (``costs["work"]["catch-up"]``), else
         ``CATCH_UP_PAIR``, shared by ``CATCH_UP_SHARED`` rounds or by the rounds ``left`` if fewer. Priced by pairs,
         not by what a catch-up round of that width cost once (its wait's cost), and shared, not charged to one round:
-        priced whole, a catch-up lost to a plain round, the wait grew every round, and the head stayed out for
-        hundreds of rounds (on the main job's prompts at batch 1 the head's mean accepted length fell from ~1.55 to
-        1.05–1.3 for one to five runs in a row, in three of four engines; shared, 1.46–1.65 in every run). A size the
-        policy has not let a kind explore yet (``inf``) stays out of reach."""
+        priced whole, a catch-up loses to a plain round, the wait grows every round, and the head stays out. A size
+        the policy has not let a kind explore yet (``inf``) stays out of reach."""
         n = k * per
         given = {kind: list(costs.get(kind) or [])[: n + 1] for kind in ("copy", "head")}
         priced = [len(v) - 1 for v in given.values() if v]
