@@ -1,7 +1,11 @@
 """A user error never costs a run and never changes the user's objects: bad flags, prompt files, ``--out`` paths,
 devices and model paths are refused at once with one line and exit status 2, before any model loads."""
 
+import json
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import tiny
 import torch
@@ -9,6 +13,7 @@ import torch
 import batchspec
 import batchspec.model.loading as models
 from batchspec.cli import main
+from batchspec.integrations import ray as bray
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +124,82 @@ def test_non_utf8_prompt_file_is_named(dirs, tmp_path, no_model_load, capsys):
     bad.write_bytes("caf\u00e9 w5\n".encode("latin-1"))
     assert main(_args("generate", dirs[0], bad)) == 2
     assert f"prompt file {bad} is not UTF-8 text" in _one_error_line(capsys, "generate")
+
+
+# ------------------------------------------------------------------------------------------------ prompt file records
+
+
+@pytest.fixture
+def no_ray_start(monkeypatch):
+    """Starting Ray fails the test: a bad prompt file must be refused in this process first."""
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started before the prompt file was checked"))
+
+
+GOOD_LINES = "".join(json.dumps({"question_id": i, "turns": [f"w{i + 5} w9"]}) + "\n" for i in range(6))
+
+
+@pytest.mark.parametrize("ray_", [False, True], ids=["local", "ray"])
+@pytest.mark.parametrize("line,expected", [
+    ('{"turns": [12345]}', ['"turns"[0] must be a string', "got 12345"]),
+    ('{"turns": [null]}', ['"turns"[0] must be a string', "got null"]),
+    ('{"turns": []}', ['"turns" must be a non-empty list', "got []"]),
+    ('{"turns": "w5 w6"}', ['"turns" must be a non-empty list', 'got "w5 w6"']),
+    ('{"turns": ["  "]}', ['"turns"[0] is empty']),
+    ('{"prompt": 5}', ['"prompt" must be a string', "got 5"]),
+    ('{"turns": ["w5"]', ["not valid JSON", "each line must be one JSON object"]),
+    ('["w5 w6"]', ["expected a JSON object", 'got ["w5 w6"]']),
+    ('{"question": "w5"}', ['no "turns" or "prompt" field']),
+])
+def test_bad_prompt_record_names_file_and_line_before_loading(dirs, tmp_path, no_model_load, no_ray_start, capsys,
+                                                              ray_, line, expected):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text(GOOD_LINES + line + "\n" + GOOD_LINES)  # the bad record is line 7
+    ray_args = ["--ray", "--out", str(tmp_path / "out")] if ray_ else []
+    assert main(_args("generate", dirs[0], bad, *ray_args)) == 2
+    err = _one_error_line(capsys, "generate")
+    assert f"{bad} line 7: " in err and all(e in err for e in expected), err
+
+
+def test_empty_prompt_file_refused_before_ray_starts(dirs, tmp_path, no_model_load, no_ray_start, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert main(_args("generate", dirs[0], empty, "--ray", "--out", str(tmp_path / "out"))) == 2
+    assert f"no prompts in {empty}" in _one_error_line(capsys, "generate")
+
+
+def test_ray_prompt_files_are_checked_as_the_workers_read_them(tmp_path):
+    ids = tmp_path / "ids.jsonl"  # token-id prompts and sampling columns, as Ray's workers take them
+    ids.write_text('{"prompt": [5, 6]}\n\n{"prompt": [7], "max_tokens": 3.0, "seed": null}\n')
+    assert bray.check_prompt_file(ids) == 2
+    array = tmp_path / "array.json"  # one JSON array: Ray reads that too
+    array.write_text(json.dumps([{"turns": ["w5"]}, {"turns": ["w6"]}, {"turns": ["w7"]}], indent=1))
+    assert bray.check_prompt_file(array) == 3
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"prompt": "w5"}\n{"prompt": [5, 6]}\n')
+    with pytest.raises(ValueError, match=f'{mixed} line 2: the prompt is "prompt" token ids, but {mixed} line 1 gives'):
+        bray.check_prompt_file(mixed)
+    sampling = tmp_path / "sampling.jsonl"
+    sampling.write_text('{"prompt": "w5"}\n{"prompt": "w6"}\n{"prompt": "w7", "max_tokens": 0}\n')
+    with pytest.raises(ValueError, match=f"{sampling} line 3: max_tokens must be an integer >= 1, got 0"):
+        bray.check_prompt_file(sampling, batchspec.SamplingParams())
+    negative = tmp_path / "negative.jsonl"
+    negative.write_text('{"prompt": [5, -1]}\n')
+    with pytest.raises(ValueError, match=f'{negative} line 1: "prompt" has token id -1'):
+        bray.check_prompt_file(negative)
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    pq.write_table(pa.table({"prompt": ["w5", "w6"]}), folder / "a.parquet")
+    pq.write_table(pa.table({"prompt": [[5, 6]]}), folder / "b.parquet")
+    assert bray.check_prompt_file(folder) == 3
+    pq.write_table(pa.table({"text": ["w5"]}), folder / "c.parquet")
+    with pytest.raises(ValueError, match='c.parquet: no "prompt" or "turns" column'):
+        bray.check_prompt_file(folder)
+    numbers = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"prompt": [1.5]}), numbers)
+    with pytest.raises(ValueError, match='column "prompt" has type double'):
+        bray.check_prompt_file(numbers)
 
 
 # ------------------------------------------------------------------------------------------------ model specs

@@ -16,7 +16,9 @@ def model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help=f"draft: a model or draft-head path, a built-in name ({DEFAULT_DRAFT}: the "
                    f"feature-reading head; {DEFAULT_DRAFT}-model), 'prompt-lookup' or 'none' (default {DEFAULT_DRAFT} with "
                    "the default target, else none)")
-    p.add_argument("--prompts", default=None, help="Spec-Bench style JSONL (turns[0]) or plain text, one prompt per line (default: the built-in prompt set)")
+    p.add_argument("--prompts", default=None, help='JSONL, one object per line with "turns" (Spec-Bench: turns[0] is '
+                   'the prompt) or "prompt", or plain text, one prompt per line; every line is checked before any '
+                   "model loads (default: the built-in prompt set)")
     p.add_argument("--num-draft-tokens", type=positive_int, default=5)
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True, help="apply the tokenizer's chat template")

@@ -34,7 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=None, help="prompt i is sampled with seed + i")
     p.add_argument("--out", default=None, help="write one JSON line per prompt here (with --ray: a folder of files)")
     p.add_argument("--ray", action="store_true", help="run on Ray Data workers, each holding the models (needs the "
-                   "ray extra); prompts from --prompts (JSONL / Parquet read by Ray), files written into --out")
+                   "ray extra); prompts from --prompts (JSONL / Parquet, checked here, then read by Ray), files "
+                   "written into --out")
     p.add_argument("--ray-address", default=None, help="with --ray: an existing cluster (auto or HOST:PORT); "
                    "default: start a local Ray")
     p.add_argument("--workers", type=positive_int, default=1, help="with --ray: model replicas (Ray actors)")
@@ -87,8 +88,9 @@ def run(args) -> int:
 def run_on_ray(args) -> int:
     """``batchspec generate --ray``: ``run`` with the command's flags, on a local Ray or the cluster at
     ``--ray-address``. Prompt files ending in .jsonl / .json / .ndjson / .parquet (or a folder of them) are read by Ray
-    with any per-row sampling columns; plain text files and the built-in set are read here first."""
-    from ..integrations.ray import FORMATS, RayNotInstalled, require_ray, run
+    with any per-row sampling columns, after ``check_prompt_file`` has checked every row here; plain text files and
+    the built-in set are read here first."""
+    from ..integrations.ray import FORMATS, RayNotInstalled, check_prompt_file, require_ray, run
     from ..model.loading import resolve
 
     try:
@@ -104,6 +106,7 @@ def run_on_ray(args) -> int:
     if args.prompts is not None and (Path(args.prompts).is_dir() or Path(args.prompts).suffix.lower() in FORMATS):
         if not Path(args.prompts).exists():
             raise FileNotFoundError(f"prompt file {args.prompts} does not exist")
+        check_prompt_file(args.prompts, sp)  # every row, here: a bad one is one line naming it, before Ray starts
         source = os.path.abspath(args.prompts)  # workers need not share this process's working directory
     else:
         pairs = read_prompt_set(args.prompts)
