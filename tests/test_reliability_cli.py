@@ -1,7 +1,14 @@
 """A user error never costs a run and never changes the user's objects: bad flags, prompt files, ``--out`` paths,
-devices and model paths are refused at once with one line and exit status 2, before any model loads."""
+devices and model paths are refused at once with one line and exit status 2, before any model loads. Outputs are
+never lost: a failed write leaves the previous file as it was."""
 
+import builtins
+import errno
+import io
 import json
+import os
+import stat
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -13,6 +20,7 @@ import torch
 import batchspec
 import batchspec.model.loading as models
 from batchspec.cli import main
+from batchspec.cli.common import write_atomic
 from batchspec.integrations import ray as bray
 
 
@@ -200,6 +208,97 @@ def test_ray_prompt_files_are_checked_as_the_workers_read_them(tmp_path):
     pq.write_table(pa.table({"prompt": [1.5]}), numbers)
     with pytest.raises(ValueError, match='column "prompt" has type double'):
         bray.check_prompt_file(numbers)
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+@pytest.fixture
+def quiet_loading():
+    """No "Loading weights" bar from transformers on stderr, so that the command's own line is all there is."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    yield
+    if was:
+        logging.enable_progress_bar()
+
+
+@pytest.fixture
+def disk_fills(monkeypatch):
+    """``disk_fills(folder)``: from then on a file opened for writing in ``folder`` takes half of its first write and
+    then fails with ENOSPC, as on a disk that fills up; every other file opens as usual."""
+    original = io.open
+
+    class Filling:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def writelines(self, lines):
+            for line in lines:
+                self.write(line)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fill(folder):
+        def opener(file, mode="r", *args, **kwargs):
+            f = original(file, mode, *args, **kwargs)
+            writing = not isinstance(file, int) and any(c in mode for c in "wxa")
+            return Filling(f) if writing and Path(file).resolve().parent == Path(folder).resolve() else f
+
+        monkeypatch.setattr(builtins, "open", opener)
+        monkeypatch.setattr(io, "open", opener)
+
+    return fill
+
+
+def test_write_atomic_replaces_whole_files_only(tmp_path, disk_fills):
+    data = tmp_path / "data.txt"
+    data.write_text("old\n")
+    data.chmod(0o640)
+    link = tmp_path / "link.txt"
+    link.symlink_to(data)
+    write_atomic(link, lambda f: f.write("new\n"))
+    assert link.is_symlink() and data.read_text() == "new\n" and stat.S_IMODE(data.stat().st_mode) == 0o640
+    disk_fills(tmp_path)
+    with pytest.raises(ValueError, match=f"could not write {data}: No space left on device; the previous file is "
+                                         "unchanged"):
+        write_atomic(data, lambda f: f.write("newer\n" * 100))
+    assert data.read_text() == "new\n"
+    with pytest.raises(ValueError, match="nothing was written"):
+        write_atomic(tmp_path / "fresh.txt", lambda f: f.write("x\n"))
+    assert sorted(os.listdir(tmp_path)) == ["data.txt", "link.txt"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_full_disk_leaves_the_previous_output_unchanged(dirs, prompts, tmp_path, disk_fills, quiet_loading, capsys,
+                                                       command):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    out = folder / ("out.jsonl" if command == "generate" else "bench.json")
+    out.write_bytes(b'{"prompt_id": "0", "token_ids": [1, 2], "finish_reason": "length"}\n' * 3)
+    before = out.read_bytes()
+    disk_fills(folder)
+    extra = ["--out", str(out if command == "generate" else folder), "--max-tokens", "4"]
+    if command == "bench":
+        extra += ["--batch-sizes", "1", "--repeats", "1", "--no-hf"]
+    assert main(_args(command, dirs[0], prompts, *extra)) == 2
+    err = _one_error_line(capsys, command)
+    assert f"could not write {out}: No space left on device; the previous file is unchanged" in err
+    assert out.read_bytes() == before and os.listdir(folder) == [out.name]
 
 
 # ------------------------------------------------------------------------------------------------ model specs

@@ -1,5 +1,8 @@
 """``batchspec generate``: generate for a prompt file (the built-in set by default), in this process or on Ray Data
-workers (``--ray``), and write one JSON line per prompt."""
+workers (``--ray``), and write one JSON line per prompt.
+
+``--out`` is written to a new file in the same folder and renamed into place, so the file there is either this run's
+whole output or, if writing fails (a full disk), the previous file unchanged."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from .common import (
     read_prompt_set,
     resolve_draft,
     sampling_flags,
+    write_atomic,
 )
 
 HELP = "generate for a prompt file"
@@ -32,7 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
     p.add_argument("--seed", type=int, default=None, help="prompt i is sampled with seed + i")
-    p.add_argument("--out", default=None, help="write one JSON line per prompt here (with --ray: a folder of files)")
+    p.add_argument("--out", default=None, help="write one JSON line per prompt here, in prompt order, whole or not at "
+                   "all (a failed write keeps the previous file). With --ray: a folder of files")
     p.add_argument("--ray", action="store_true", help="run on Ray Data workers, each holding the models (needs the "
                    "ray extra); prompts from --prompts (JSONL / Parquet, checked here, then read by Ray), files "
                    "written into --out")
@@ -66,12 +71,7 @@ def run(args) -> int:
     outs = llm.generate(prompts, sp, progress=True)
     wall = time.perf_counter() - t0
     if out:
-        with out.open("w", encoding="utf-8") as f:
-            for pid, o in zip(ids, outs):
-                f.write(json.dumps({
-                    "prompt_id": pid, "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
-                    "num_rounds": o.num_rounds, "num_drafted": o.num_drafted, "num_accepted": o.num_accepted,
-                }) + "\n")
+        write_atomic(out, lambda f: f.writelines(_line(pid, o) for pid, o in zip(ids, outs)))
     s = llm.stats
     from rich.console import Console
 
@@ -82,6 +82,14 @@ def run(args) -> int:
         + (f"; wrote {out}" if out else "")
     )
     return 0
+
+
+def _line(prompt_id, o) -> str:
+    """The JSON line of one prompt."""
+    return json.dumps({
+        "prompt_id": prompt_id, "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
+        "num_rounds": o.num_rounds, "num_drafted": o.num_drafted, "num_accepted": o.num_accepted,
+    }) + "\n"
 
 
 
