@@ -1,6 +1,6 @@
 """A user error never costs a run and never changes the user's objects: bad flags, prompt files, ``--out`` paths,
 devices and model paths are refused at once with one line and exit status 2, before any model loads. Outputs are
-never lost: a failed write leaves the previous file as it was."""
+never lost: a failed write leaves the previous file as it was, and Ctrl-C writes what finished."""
 
 import builtins
 import errno
@@ -21,6 +21,7 @@ import batchspec
 import batchspec.model.loading as models
 from batchspec.cli import main
 from batchspec.cli.common import write_atomic
+from batchspec.engine.engine import Engine
 from batchspec.integrations import ray as bray
 
 
@@ -299,6 +300,71 @@ def test_full_disk_leaves_the_previous_output_unchanged(dirs, prompts, tmp_path,
     err = _one_error_line(capsys, command)
     assert f"could not write {out}: No space left on device; the previous file is unchanged" in err
     assert out.read_bytes() == before and os.listdir(folder) == [out.name]
+
+
+def _interrupt_after(monkeypatch, finished: int):
+    """Ctrl-C inside the engine: its first step after ``finished`` prompts have finished raises KeyboardInterrupt
+    (counted per engine: each run has its own)."""
+    step = Engine.step
+
+    def step_then_interrupt(self):
+        if getattr(self, "finished_so_far", 0) >= finished:
+            raise KeyboardInterrupt
+        outs = step(self)
+        self.finished_so_far = getattr(self, "finished_so_far", 0) + sum(o.finished is not None for o in outs)
+        return outs
+
+    monkeypatch.setattr(Engine, "step", step_then_interrupt)
+
+
+def _main_ctrl_c(argv) -> int:
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the command as a traceback")
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_ctrl_c_writes_the_finished_prompts_and_says_how_many_are_missing(dirs, tmp_path, monkeypatch, quiet_loading,
+                                                                          capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w5 w6 w7\nw9 w10\nw11\nw12 w13\nw14 w15 w16\n")
+    argv = _args("generate", dirs[0], prompts, "--batch-size", "1", "--max-tokens", "6")
+    whole = tmp_path / "whole.jsonl"
+    assert main([*argv, "--out", str(whole)]) == 0
+    reference = [json.loads(line) for line in whole.read_text().splitlines()]
+    out = tmp_path / "out.jsonl"
+    out.write_text("an earlier run's output\n")
+    _interrupt_after(monkeypatch, 2)
+    capsys.readouterr()
+    assert _main_ctrl_c([*argv, "--out", str(out)]) == 130
+    assert _one_line(capsys) == (f"batchspec generate: interrupted: wrote 2 of 5 prompts to {out}; 3 missing (their "
+                                 'rows have finish_reason "interrupted")')
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_id"] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert rows[:2] == reference[:2]  # batch size 1: the first two prompts finished, exactly as in a whole run
+    assert all(r["finish_reason"] == "interrupted" and r["token_ids"] is None and r["text"] is None for r in rows[2:])
+
+    assert _main_ctrl_c(argv) == 130  # no --out: the count, in one line
+    assert _one_line(capsys) == ("batchspec generate: interrupted: 2 of 5 prompts finished, 3 missing; nothing "
+                                 "written (no --out)")
+
+
+def test_ctrl_c_while_loading_writes_nothing(dirs, prompts, tmp_path, monkeypatch, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", interrupt)
+    out = tmp_path / "out.jsonl"
+    out.write_text("an earlier run's output\n")
+    assert _main_ctrl_c(_args("generate", dirs[0], prompts, "--out", str(out))) == 130
+    assert _one_line(capsys) == "batchspec generate: interrupted before any prompt was generated; nothing written"
+    assert out.read_text() == "an earlier run's output\n"
 
 
 # ------------------------------------------------------------------------------------------------ model specs
