@@ -6,7 +6,7 @@ the ones that match the answer, and emits one more. The feature-reading head's d
 pass (``head_unrolled``: its d-th draft at every position, given the earlier drafts were right), so every rule built
 from the head, prompt lookup's copies and an n-gram store of the target's own answers (REST-like retrieval: the most
 frequent next token after the longest matching suffix, up to 6 tokens) replays in seconds. With lookup's and the
-head's rules it reproduces the engine's fixed-K figures (``train_eagle.py eval``); the "oracle" row drafts, at each
+head's rules it reproduces the engine's fixed-K figures (``scripts/eval_draft.py``); the "oracle" row drafts, at each
 index, whichever source is right: the most any choice among them could reach.
 
     python scripts/replay_drafts.py --spec-bench question.jsonl [--store build/eagle_all2] [--threads 2]
@@ -16,27 +16,23 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from eval_draft import specbench_prompts  # this folder's measurement script
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from train_eagle import TARGET, features, specbench_prompts  # noqa: E402
+from batchspec.training.data import chunk_files, features
 
 STORE_N = 6
 
 
-def references(prompt_sets: dict, max_tokens: int) -> dict:
+def references(target: str, prompt_sets: dict, max_tokens: int) -> dict:
     """Per set, (prompt ids, the target's greedy answer) from batchspec's plain engine."""
     import batchspec
     from batchspec.prompts import encode
 
-    llm = batchspec.LLM(TARGET, draft=None, batch_size=8, device="cpu")
+    llm = batchspec.LLM(target, draft=None, batch_size=8, device="cpu")
     out = {}
     for name, texts in prompt_sets.items():
         ids = encode(llm.tokenizer, texts, True)
@@ -76,13 +72,12 @@ class Store:
 
     def __init__(self, dirs: list[Path]):
         self.tables = [collections.defaultdict(collections.Counter) for _ in range(STORE_N + 1)]
-        for d in dirs:
-            for path in sorted(d.glob("*chunk*.pt")):
-                chunk = torch.load(path)
-                for ids, start in zip(chunk["ids"], chunk["prompt_len"]):
-                    for i in range(max(start, 1), len(ids)):
-                        for n in range(1, min(STORE_N, i) + 1):
-                            self.tables[n][tuple(ids[i - n:i])][ids[i]] += 1
+        for path in chunk_files(dirs):
+            chunk = torch.load(path)
+            for ids, start in zip(chunk["ids"], chunk["prompt_len"]):
+                for i in range(max(start, 1), len(ids)):
+                    for n in range(1, min(STORE_N, i) + 1):
+                        self.tables[n][tuple(ids[i - n:i])][ids[i]] += 1
         self.tokens = sum(sum(c.values()) for c in self.tables[1].values())
 
     def next(self, hist: list[int]) -> tuple[int | None, int, float]:
@@ -182,9 +177,11 @@ def oracle_rule(store: Store | None):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default="smollm2-135m-draft")
     p.add_argument("--spec-bench", help="Spec-Bench question.jsonl: also its 8-prompt set")
-    p.add_argument("--store", action="append", default=[], help="a folder of training chunks for the n-gram store")
+    p.add_argument("--store", action="append", default=[], help="a folder of training chunks (train-draft's gen "
+                   "stage) for the n-gram store")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
@@ -195,7 +192,7 @@ def main(argv=None) -> int:
     sets = {"built-in": [t for _, t in builtin_prompts()]}
     if args.spec_bench:
         sets["Spec-Bench 8"] = specbench_prompts(args.spec_bench)
-    refs, target = references(sets, args.max_tokens)
+    refs, target = references(args.target, sets, args.max_tokens)
     heads = head_drafts(target, args.draft, refs, args.k)
     store = Store([Path(d) for d in args.store]) if args.store else None
     rules = {"prompt lookup": lookup_rule, "head": head_rule(), "head + copies (match >= 2)": head_rule(2)}

@@ -30,7 +30,7 @@ def test_read_prompts_formats(tmp_path):
     assert read_prompts(t) == [("0", "first line"), ("1", "second line")]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nope": 1}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
+    with pytest.raises(ValueError, match='bad.jsonl line 1: no "turns" or "prompt" field'):
         read_prompts(bad)
     with pytest.raises(FileNotFoundError):
         read_prompts(tmp_path / "missing.txt")

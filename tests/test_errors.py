@@ -92,3 +92,74 @@ def test_unsupported_attention_refused():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attention implementation 'flash_attention_2'"):
         batchspec.LLM(model)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"top_k": 2**63}, "top_k"),  # failed mid-generate (int64 overflow in the engine step) before it was bounded
+    ({"top_k": 10**30}, "top_k"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"top_k": 10**5000}, "top_k"),  # too long for Python to print: the message gives its size
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": 1e308}, "temperature"),
+    ({"temperature": 10**400}, "temperature"),
+    ({"temperature": 10000.5}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"top_p": float("inf")}, "top_p"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"max_tokens": 2**63}, "max_tokens"),
+    ({"seed": 2**63}, "seed"),
+    ({"stop_token_ids": [1, 2**63]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_sampling_params_are_bounded(kwargs, param):
+    with pytest.raises(batchspec.params.ParamError) as e:
+        batchspec.SamplingParams(**kwargs)
+    assert isinstance(e.value, ValueError) and e.value.param == param and len(str(e.value)) < 200
+
+
+def test_sampling_params_bounds_are_inclusive():
+    sp = batchspec.SamplingParams(max_tokens=2**31 - 1, temperature=1e4, top_k=2**31 - 1, top_p=1e-9,
+                                  seed=2**63 - 1, stop_token_ids=[2**63 - 1])
+    assert (sp.max_tokens, sp.top_k, sp.seed) == (2**31 - 1, 2**31 - 1, 2**63 - 1)
+
+
+def test_top_k_beyond_the_vocabulary_runs_and_filters_nothing(llm):
+    def run(top_k):
+        sp = batchspec.SamplingParams(max_tokens=10, temperature=0.8, top_k=top_k, seed=5)
+        return [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], sp)]
+
+    assert run(2**31 - 1) == run(tiny.VOCAB * 4) == run(0)
+
+
+def test_params_changed_after_construction_fail_before_any_work(llm):
+    sp = batchspec.SamplingParams(max_tokens=4)
+    sp.top_k = 2**63
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0 and < 2"):
+        llm.generate([[1, 2]], sp)
+
+
+def test_engine_refuses_a_request_that_would_fail_its_batch(llm):
+    """``Engine.add_request`` checks what the batch's tensors hold: a bad request never joins, and the request
+    already waiting runs to the batch-size-1 output."""
+    from batchspec.engine.engine import Request
+
+    engine = llm.engine()
+    prompt = [3, 1, 4, 1, 5]
+    good = engine.add_request(Request(prompt, 12, set(), id=None))
+    bad = [
+        dict(top_k=2**63), dict(seed=2**64), dict(temperature=float("inf")), dict(temperature=float("nan")),
+        dict(top_p=0.0), dict(top_p=float("nan")), dict(max_tokens=0), dict(max_tokens=2**63), dict(prompt=[]),
+        dict(prompt=[tiny.VOCAB]), dict(prompt=[-1]), dict(prompt=[1.5]), dict(prompt=[True]),
+        dict(max_tokens=256), dict(stop_ids={2**63}), dict(stop_ids={-1}),
+    ]
+    for change in bad:
+        fields = {"prompt": [1, 2], "max_tokens": 4, "stop_ids": set(), **change}
+        with pytest.raises(ValueError, match="request"):
+            engine.add_request(Request(**fields))
+    assert [r.id for r in engine.waiting] == [good]
+    out = {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.finished is not None:
+                out[o.request_id] = o.finished.token_ids
+    assert out == {good: tiny.oracle(tiny.target("llama"), prompt, 12)}

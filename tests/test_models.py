@@ -15,7 +15,6 @@ import batchspec.model.loading as models
 from batchspec.data import builtin_prompts, builtin_records
 from batchspec.model import kv
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 96
 
 
@@ -236,12 +235,9 @@ def test_builtin_prompts():
 
 
 def _prompt_sets():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import draft_prompts
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    return draft_prompts
+    from batchspec.training import prompts
+
+    return prompts
 
 
 def _card_count(name: str, key: str) -> int:

@@ -1,7 +1,18 @@
 """A user error never costs a run and never changes the user's objects: bad flags, prompt files, ``--out`` paths,
-devices and model paths are refused at once with one line and exit status 2, before any model loads."""
+devices and model paths are refused at once with one line and exit status 2, before any model loads. Outputs are
+never lost: a failed write leaves the previous file as it was, and Ctrl-C writes what finished."""
+
+import builtins
+import errno
+import io
+import json
+import os
+import stat
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import tiny
 import torch
@@ -9,6 +20,9 @@ import torch
 import batchspec
 import batchspec.model.loading as models
 from batchspec.cli import main
+from batchspec.cli.common import write_atomic
+from batchspec.engine.engine import Engine
+from batchspec.integrations import ray as bray
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +133,238 @@ def test_non_utf8_prompt_file_is_named(dirs, tmp_path, no_model_load, capsys):
     bad.write_bytes("caf\u00e9 w5\n".encode("latin-1"))
     assert main(_args("generate", dirs[0], bad)) == 2
     assert f"prompt file {bad} is not UTF-8 text" in _one_error_line(capsys, "generate")
+
+
+# ------------------------------------------------------------------------------------------------ prompt file records
+
+
+@pytest.fixture
+def no_ray_start(monkeypatch):
+    """Starting Ray fails the test: a bad prompt file must be refused in this process first."""
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started before the prompt file was checked"))
+
+
+GOOD_LINES = "".join(json.dumps({"question_id": i, "turns": [f"w{i + 5} w9"]}) + "\n" for i in range(6))
+
+
+@pytest.mark.parametrize("ray_", [False, True], ids=["local", "ray"])
+@pytest.mark.parametrize("line,expected", [
+    ('{"turns": [12345]}', ['"turns"[0] must be a string', "got 12345"]),
+    ('{"turns": [null]}', ['"turns"[0] must be a string', "got null"]),
+    ('{"turns": []}', ['"turns" must be a non-empty list', "got []"]),
+    ('{"turns": "w5 w6"}', ['"turns" must be a non-empty list', 'got "w5 w6"']),
+    ('{"turns": ["  "]}', ['"turns"[0] is empty']),
+    ('{"prompt": 5}', ['"prompt" must be a string', "got 5"]),
+    ('{"turns": ["w5"]', ["not valid JSON", "each line must be one JSON object"]),
+    ('["w5 w6"]', ["expected a JSON object", 'got ["w5 w6"]']),
+    ('{"question": "w5"}', ['no "turns" or "prompt" field']),
+])
+def test_bad_prompt_record_names_file_and_line_before_loading(dirs, tmp_path, no_model_load, no_ray_start, capsys,
+                                                              ray_, line, expected):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text(GOOD_LINES + line + "\n" + GOOD_LINES)  # the bad record is line 7
+    ray_args = ["--ray", "--out", str(tmp_path / "out")] if ray_ else []
+    assert main(_args("generate", dirs[0], bad, *ray_args)) == 2
+    err = _one_error_line(capsys, "generate")
+    assert f"{bad} line 7: " in err and all(e in err for e in expected), err
+
+
+def test_empty_prompt_file_refused_before_ray_starts(dirs, tmp_path, no_model_load, no_ray_start, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert main(_args("generate", dirs[0], empty, "--ray", "--out", str(tmp_path / "out"))) == 2
+    assert f"no prompts in {empty}" in _one_error_line(capsys, "generate")
+
+
+def test_ray_prompt_files_are_checked_as_the_workers_read_them(tmp_path):
+    ids = tmp_path / "ids.jsonl"  # token-id prompts and sampling columns, as Ray's workers take them
+    ids.write_text('{"prompt": [5, 6]}\n\n{"prompt": [7], "max_tokens": 3.0, "seed": null}\n')
+    assert bray.check_prompt_file(ids) == 2
+    array = tmp_path / "array.json"  # one JSON array: Ray reads that too
+    array.write_text(json.dumps([{"turns": ["w5"]}, {"turns": ["w6"]}, {"turns": ["w7"]}], indent=1))
+    assert bray.check_prompt_file(array) == 3
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"prompt": "w5"}\n{"prompt": [5, 6]}\n')
+    with pytest.raises(ValueError, match=f'{mixed} line 2: the prompt is "prompt" token ids, but {mixed} line 1 gives'):
+        bray.check_prompt_file(mixed)
+    sampling = tmp_path / "sampling.jsonl"
+    sampling.write_text('{"prompt": "w5"}\n{"prompt": "w6"}\n{"prompt": "w7", "max_tokens": 0}\n')
+    with pytest.raises(ValueError, match=f"{sampling} line 3: max_tokens must be an integer >= 1, got 0"):
+        bray.check_prompt_file(sampling, batchspec.SamplingParams())
+    negative = tmp_path / "negative.jsonl"
+    negative.write_text('{"prompt": [5, -1]}\n')
+    with pytest.raises(ValueError, match=f'{negative} line 1: "prompt" has token id -1'):
+        bray.check_prompt_file(negative)
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    pq.write_table(pa.table({"prompt": ["w5", "w6"]}), folder / "a.parquet")
+    pq.write_table(pa.table({"prompt": [[5, 6]]}), folder / "b.parquet")
+    assert bray.check_prompt_file(folder) == 3
+    pq.write_table(pa.table({"text": ["w5"]}), folder / "c.parquet")
+    with pytest.raises(ValueError, match='c.parquet: no "prompt" or "turns" column'):
+        bray.check_prompt_file(folder)
+    numbers = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"prompt": [1.5]}), numbers)
+    with pytest.raises(ValueError, match='column "prompt" has type double'):
+        bray.check_prompt_file(numbers)
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+@pytest.fixture
+def quiet_loading():
+    """No "Loading weights" bar from transformers on stderr, so that the command's own line is all there is."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    yield
+    if was:
+        logging.enable_progress_bar()
+
+
+@pytest.fixture
+def disk_fills(monkeypatch):
+    """``disk_fills(folder)``: from then on a file opened for writing in ``folder`` takes half of its first write and
+    then fails with ENOSPC, as on a disk that fills up; every other file opens as usual."""
+    original = io.open
+
+    class Filling:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def writelines(self, lines):
+            for line in lines:
+                self.write(line)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fill(folder):
+        def opener(file, mode="r", *args, **kwargs):
+            f = original(file, mode, *args, **kwargs)
+            writing = not isinstance(file, int) and any(c in mode for c in "wxa")
+            return Filling(f) if writing and Path(file).resolve().parent == Path(folder).resolve() else f
+
+        monkeypatch.setattr(builtins, "open", opener)
+        monkeypatch.setattr(io, "open", opener)
+
+    return fill
+
+
+def test_write_atomic_replaces_whole_files_only(tmp_path, disk_fills):
+    data = tmp_path / "data.txt"
+    data.write_text("old\n")
+    data.chmod(0o640)
+    link = tmp_path / "link.txt"
+    link.symlink_to(data)
+    write_atomic(link, lambda f: f.write("new\n"))
+    assert link.is_symlink() and data.read_text() == "new\n" and stat.S_IMODE(data.stat().st_mode) == 0o640
+    disk_fills(tmp_path)
+    with pytest.raises(ValueError, match=f"could not write {data}: No space left on device; the previous file is "
+                                         "unchanged"):
+        write_atomic(data, lambda f: f.write("newer\n" * 100))
+    assert data.read_text() == "new\n"
+    with pytest.raises(ValueError, match="nothing was written"):
+        write_atomic(tmp_path / "fresh.txt", lambda f: f.write("x\n"))
+    assert sorted(os.listdir(tmp_path)) == ["data.txt", "link.txt"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_full_disk_leaves_the_previous_output_unchanged(dirs, prompts, tmp_path, disk_fills, quiet_loading, capsys,
+                                                       command):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    out = folder / ("out.jsonl" if command == "generate" else "bench.json")
+    out.write_bytes(b'{"prompt_id": "0", "token_ids": [1, 2], "finish_reason": "length"}\n' * 3)
+    before = out.read_bytes()
+    disk_fills(folder)
+    extra = ["--out", str(out if command == "generate" else folder), "--max-tokens", "4"]
+    if command == "bench":
+        extra += ["--batch-sizes", "1", "--repeats", "1", "--no-hf"]
+    assert main(_args(command, dirs[0], prompts, *extra)) == 2
+    err = _one_error_line(capsys, command)
+    assert f"could not write {out}: No space left on device; the previous file is unchanged" in err
+    assert out.read_bytes() == before and os.listdir(folder) == [out.name]
+
+
+def _interrupt_after(monkeypatch, finished: int):
+    """Ctrl-C inside the engine: its first step after ``finished`` prompts have finished raises KeyboardInterrupt
+    (counted per engine: each run has its own)."""
+    step = Engine.step
+
+    def step_then_interrupt(self):
+        if getattr(self, "finished_so_far", 0) >= finished:
+            raise KeyboardInterrupt
+        outs = step(self)
+        self.finished_so_far = getattr(self, "finished_so_far", 0) + sum(o.finished is not None for o in outs)
+        return outs
+
+    monkeypatch.setattr(Engine, "step", step_then_interrupt)
+
+
+def _main_ctrl_c(argv) -> int:
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the command as a traceback")
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_ctrl_c_writes_the_finished_prompts_and_says_how_many_are_missing(dirs, tmp_path, monkeypatch, quiet_loading,
+                                                                          capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w5 w6 w7\nw9 w10\nw11\nw12 w13\nw14 w15 w16\n")
+    argv = _args("generate", dirs[0], prompts, "--batch-size", "1", "--max-tokens", "6")
+    whole = tmp_path / "whole.jsonl"
+    assert main([*argv, "--out", str(whole)]) == 0
+    reference = [json.loads(line) for line in whole.read_text().splitlines()]
+    out = tmp_path / "out.jsonl"
+    out.write_text("an earlier run's output\n")
+    _interrupt_after(monkeypatch, 2)
+    capsys.readouterr()
+    assert _main_ctrl_c([*argv, "--out", str(out)]) == 130
+    assert _one_line(capsys) == (f"batchspec generate: interrupted: wrote 2 of 5 prompts to {out}; 3 missing (their "
+                                 'rows have finish_reason "interrupted")')
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_id"] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert rows[:2] == reference[:2]  # batch size 1: the first two prompts finished, exactly as in a whole run
+    assert all(r["finish_reason"] == "interrupted" and r["token_ids"] is None and r["text"] is None for r in rows[2:])
+
+    assert _main_ctrl_c(argv) == 130  # no --out: the count, in one line
+    assert _one_line(capsys) == ("batchspec generate: interrupted: 2 of 5 prompts finished, 3 missing; nothing "
+                                 "written (no --out)")
+
+
+def test_ctrl_c_while_loading_writes_nothing(dirs, prompts, tmp_path, monkeypatch, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", interrupt)
+    out = tmp_path / "out.jsonl"
+    out.write_text("an earlier run's output\n")
+    assert _main_ctrl_c(_args("generate", dirs[0], prompts, "--out", str(out))) == 130
+    assert _one_line(capsys) == "batchspec generate: interrupted before any prompt was generated; nothing written"
+    assert out.read_text() == "an earlier run's output\n"
 
 
 # ------------------------------------------------------------------------------------------------ model specs

@@ -2,6 +2,7 @@
 in-process models, called through the official ``openai`` client (and raw HTTP where the client hides the wire)."""
 
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -311,10 +312,11 @@ def test_full_queue_429_and_disconnect_aborts_rows():
         assert _extra(r.choices[0], "token_ids") == tiny.oracle(tiny.target(), PROMPTS[4], 9)
 
 
-def test_engine_thread_survives_a_failed_step():
+def test_engine_thread_survives_a_failed_step(caplog):
     """A step that raises: the engine drops its rows, the worker starts each request again once (skipping the tokens
-    it had streamed), so the clients still get exact outputs; with no retries left they get a 500 error; either way
-    the engine thread keeps serving."""
+    it had streamed), so the clients still get exact outputs; with no retries left they get a 500 error that names
+    their request id and not the exception (which is logged with that id); either way the engine thread keeps
+    serving."""
     for retries in (1, 0):
         app = create_app(_llm(), model_name=MODEL, retries=retries)
         worker = app.state.worker
@@ -352,8 +354,11 @@ def test_engine_thread_survives_a_failed_step():
                 assert outs == [tiny.oracle(tiny.target(), PROMPTS[i], 24) for i in range(6)]
             else:
                 failed = [o for o in outs if isinstance(o, openai.APIError)]
-                assert failed and all("injected failure" in str(e) for e in failed)
+                assert failed and not any("injected failure" in str(e) or "RuntimeError" in str(e) for e in failed)
                 for e in failed:
+                    rid = re.search(r"internal error, request id ((chat)?cmpl-[0-9a-f]+)", str(e)).group(1)
+                    assert any(rid in r.getMessage() and "injected failure" in r.getMessage()
+                               for r in caplog.records), rid
                     if isinstance(e, openai.APIStatusError):
                         assert e.status_code == 500 and e.body["code"] == "engine_error"
             r = client.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=10, temperature=0,

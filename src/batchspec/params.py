@@ -2,8 +2,38 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field, fields
+
+# Bounds on SamplingParams (the server applies the same ones, through SamplingParams itself). Each keeps a value inside
+# what the engine's int64 tensors and float arithmetic hold, so a request that passes cannot fail the batch it joins.
+INT64 = 2**63
+MAX_TOKENS = 2**31 - 1  # no model's context comes near it; beyond, the per-row buffers could not be allocated
+MAX_TOP_K = 2**31 - 1  # no vocabulary comes near it; a top_k above the vocabulary keeps every token (no filtering)
+# At temperature 10^4 the warped distribution is within a few percent of uniform for any logits a model produces
+# (spreads of a few hundred at most); larger values (Infinity, 1e308) only give noise, so they are taken for mistakes.
+MAX_TEMPERATURE = 1e4
+
+
+class ParamError(ValueError):
+    """A sampling parameter out of its range; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def show(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that echo a caller's value (a huge integer
+    is shown by its size: Python refuses to print integers of more than 4300 digits)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)) >= 10**40:
+        return f"an integer of {int(value).bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # a repr that raises
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _integer(value):
@@ -13,7 +43,12 @@ def _integer(value):
 
 def _real(value):
     """``value`` as a ``float`` when it is a real number (numpy's included), else None; ``True``/``False`` are not."""
-    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float's range
+        return math.inf
 
 
 @dataclass
@@ -24,6 +59,11 @@ class SamplingParams:
     sampled from the target's distribution warped by ``temperature``, then ``top_k`` (0: off), then ``top_p``
     (1.0: off); with a drafter, by speculative (rejection) sampling, which has exactly that distribution.
     ``seed`` (None: drawn from torch's global generator) makes a request reproducible whatever else is batched with it.
+
+    Every value is checked here, so a bad one fails at construction (``ParamError``, a ``ValueError`` naming the
+    field), never in the middle of ``generate``: ``max_tokens`` in [1, 2**31); ``temperature`` finite in
+    [0, ``MAX_TEMPERATURE``] (10^4: already near-uniform noise); ``top_k`` in [0, 2**31) (above the vocabulary it
+    keeps every token); ``top_p`` in (0, 1]; ``seed`` in [0, 2**63); ``stop_token_ids`` in [0, 2**63).
     """
 
     max_tokens: int = 64
@@ -37,31 +77,35 @@ class SamplingParams:
     def __post_init__(self):
         max_tokens, top_k, temperature, top_p = (_integer(self.max_tokens), _integer(self.top_k),
                                                  _real(self.temperature), _real(self.top_p))
-        if max_tokens is None or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if temperature is None or not temperature >= 0:  # also refuses NaN
-            raise ValueError(f"temperature must be >= 0 (a number; 0 is greedy), got {self.temperature!r}")
-        if top_k is None or top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if max_tokens is None or not 1 <= max_tokens <= MAX_TOKENS:
+            raise ParamError("max_tokens",
+                             f"max_tokens must be an integer >= 1 and < 2**31, got {show(self.max_tokens)}")
+        if temperature is None or not 0 <= temperature <= MAX_TEMPERATURE:  # also refuses NaN and infinities
+            raise ParamError("temperature", f"temperature must be >= 0 and <= {MAX_TEMPERATURE:g} (a finite number; 0 "
+                                            f"is greedy), got {show(self.temperature)}")
+        if top_k is None or not 0 <= top_k <= MAX_TOP_K:
+            raise ParamError("top_k", f"top_k must be an integer >= 0 and < 2**31 (0 disables it), got "
+                                      f"{show(self.top_k)}")
         if top_p is None or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+            raise ParamError("top_p", f"top_p must be in (0, 1] (1 disables it), got {show(self.top_p)}")
         seed = None if self.seed is None else _integer(self.seed)
-        if self.seed is not None and (seed is None or not 0 <= seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.seed is not None and (seed is None or not 0 <= seed < INT64):
+            raise ParamError("seed", f"seed must be an integer in [0, 2**63), got {show(self.seed)}")
         stops = None if isinstance(self.stop_token_ids, (str, bytes)) else _token_ids(self.stop_token_ids)
         if stops is None:
-            raise ValueError(f"stop_token_ids must be a list of integer token ids >= 0, got {self.stop_token_ids!r}")
+            raise ParamError("stop_token_ids", "stop_token_ids must be a list of integer token ids >= 0 and < 2**63, "
+                                               f"got {show(self.stop_token_ids)}")
         self.max_tokens, self.temperature, self.top_k, self.top_p = max_tokens, temperature, top_k, top_p
         self.seed, self.stop_token_ids = seed, stops
 
 
 def _token_ids(values) -> list[int] | None:
-    """``values`` as a list of ints >= 0, or None when it is not an iterable of such integers."""
+    """``values`` as a list of ints in [0, 2**63), or None when it is not an iterable of such integers."""
     try:
         ids = [_integer(v) for v in values]
     except TypeError:
         return None
-    return None if any(i is None or i < 0 for i in ids) else ids
+    return None if any(i is None or not 0 <= i < INT64 for i in ids) else ids
 
 
 @dataclass

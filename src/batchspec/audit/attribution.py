@@ -16,6 +16,10 @@ the logits to float32 before its argmax, so the oracle itself cannot tell apart 
 rounding (about 1e-7 of the logit scale). A length difference with no differing token (an output
 that stops early without a stop token, or runs on) has no margin and counts as synchronization.
 
+Overrun (the endpoint audit, which compares the whole output a server returns): tokens after the output's first stop
+token or beyond ``max_tokens`` are one divergence of class ``"overrun"`` at the first extra token, with no margin; a
+row with one is never clean, and its signature is ``overrun`` unless a synchronization divergence names another.
+
 Signature rules (exactly one per engine and batch size), in order:
 
 ``stale or wrong reference``: some divergence is of class "reference": the oracle output is not what the target
@@ -46,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 REFERENCE = "stale or wrong reference"
+OVERRUN = "overrun"  # a divergence class and a signature: tokens past the first stop token or max_tokens
 
 SIGNATURES = (
     "clean", "position-id misalignment", "kv-cache drift", "acceptance-rule error", "padding leakage", "unknown",
@@ -105,7 +110,7 @@ class Divergence:
     index: int  # first divergent token index
     margin: float | None  # target logit of the oracle's token minus that of the engine's token
     tolerance: float | None
-    cls: str  # "numerical" | "synchronization" | "reference"
+    cls: str  # "numerical" | "synchronization" | "reference" | "overrun"
     oracle_token: int | None
     engine_token: int | None
 

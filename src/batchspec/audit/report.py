@@ -38,15 +38,22 @@ class AuditRow:
         return sum(d.cls == "reference" for d in self.divergences)
 
     @property
+    def overrun(self) -> int:
+        """Outputs with tokens past their first stop token or ``max_tokens`` (the endpoint audit)."""
+        return sum(d.cls == "overrun" for d in self.divergences)
+
+    @property
     def clean(self) -> bool:
-        return self.synchronization == 0 and self.reference == 0
+        """No synchronization, reference or overrun divergence, and the signature says so (the endpoint audit also
+        names levels that are not clean for other reasons: failed requests, protocol errors, prompt mismatches)."""
+        return self.signature == "clean" and not (self.synchronization or self.reference or self.overrun)
 
     def as_dict(self, outputs: bool = True) -> dict:
         d = {
             "engine": self.engine, "batch_size": self.batch_size, "n": self.n, "exact_match": self.exact_match,
             "partial_match": self.partial_match, "rouge_l": self.rouge_l, "repetition_rate": self.repetition_rate,
             "numerical": self.numerical, "synchronization": self.synchronization, "reference": self.reference,
-            "signature": self.signature,
+            "overrun": self.overrun, "signature": self.signature,
             "first_violated_invariant": self.first_violated_invariant, "tokens_per_second": self.tokens_per_second,
             "divergences": [x.as_dict() for x in self.divergences],
         }
@@ -89,10 +96,11 @@ class AuditReport:
         return path
 
     def _cells(self, r: AuditRow) -> list[str]:
+        metrics = [f"{v:.3f}" if r.n else "-" for v in (r.exact_match, r.partial_match, r.rouge_l, r.repetition_rate)]
         return [
-            r.engine, str(r.batch_size), f"{r.exact_match:.3f}", f"{r.partial_match:.3f}", f"{r.rouge_l:.3f}",
-            f"{r.repetition_rate:.3f}",
-            f"{r.numerical}/{r.synchronization}" + (f" ({r.reference} ref)" if r.reference else ""), r.signature,
+            r.engine, str(r.batch_size), *metrics,
+            f"{r.numerical}/{r.synchronization}" + (f" ({r.reference} ref)" if r.reference else "")
+            + (f" ({r.overrun} overrun)" if r.overrun else ""), r.signature,
             _invariant(r.first_violated_invariant), f"{r.tokens_per_second:.1f}",
         ]
 
@@ -102,6 +110,8 @@ class AuditReport:
         m = self.meta
         ref = " (ref: the target prefers the engine's token, so the oracle is stale or wrong)" if any(
             r.reference for r in self.rows) else ""
+        if any(r.overrun for r in self.rows):
+            ref += " (overrun: outputs with tokens past their first stop token or max_tokens)"
         lines += [
             "",
             f"{m.get('n_prompts')} prompts, max_tokens {m.get('max_tokens')}, K={m.get('num_draft_tokens')}, "

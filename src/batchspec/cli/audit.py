@@ -9,6 +9,7 @@ from .common import (
     encode_prompts,
     int_list,
     model_args,
+    positive_float,
     positive_int,
     prepare_out,
     read_prompt_set,
@@ -52,7 +53,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--limit", type=positive_int, default=None, help="audit only the first N prompts")
     endpoint = parser.add_argument_group(
         "endpoint audit", "audit a running OpenAI-compatible server (any engine) against the local oracle of --target "
-        "at several concurrency levels instead of local engines (--engines and --batch-sizes do not apply)")
+        "at several concurrency levels instead of local engines (--engines and --batch-sizes do not apply). The whole "
+        "output is compared: tokens past the first stop token or --max-tokens are an overrun; token ids that are not "
+        "integers of the vocabulary, a finish_reason that disagrees with the tokens and prompt ids other than those "
+        "sent are reported; requests that fail are not compared. Exit status: 1 when a level is not clean (a "
+        "synchronization divergence, an overrun, a protocol error, a prompt mismatch, or some requests failed: "
+        "incomplete), else 2 when a level could not be audited (every request failed), else 0 (every level clean); "
+        "2 also when the server cannot be reached and for usage errors")
     endpoint.add_argument("--endpoint", default=None, metavar="URL",
                           help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)")
     endpoint.add_argument("--model", default=None, help="the server's model id (default: the first of /v1/models)")
@@ -64,7 +71,9 @@ def add_arguments(parser) -> None:
     endpoint.add_argument("--stream", action="store_true", help="read the answers as Server-Sent Events")
     endpoint.add_argument("--api-key", default=os.environ.get("BATCHSPEC_API_KEY"),
                           help="sent as 'Authorization: Bearer KEY' (default: $BATCHSPEC_API_KEY)")
-    endpoint.add_argument("--timeout", type=float, default=600.0, help="seconds per request at most (default 600)")
+    endpoint.add_argument("--timeout", type=positive_float, default=600.0,
+                          help="seconds to wait for the server at most: for /v1/models and for each answer (a stream: "
+                               "all of it); > 0 (default 600)")
     sampling = parser.add_argument_group("distributional audit (temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0,
                           help="sampling temperature; > 0 runs the distributional audit (default 0: greedy audit)")
@@ -126,11 +135,13 @@ def run(args) -> int:
 
 
 def _run_endpoint(args) -> int:
-    """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``); exit status 1 when a level is not clean."""
+    """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``); exit status 0 clean, 1 a level not clean,
+    2 a level that could not be audited."""
     import torch
     from rich.console import Console
+    from rich.markup import escape
 
-    from ..audit.endpoint import audit_endpoint, endpoint_markdown
+    from ..audit.endpoint import COULD_NOT_AUDIT, audit_endpoint, endpoint_markdown
 
     if args.temperature > 0:
         raise ValueError("--endpoint audits greedy decoding: leave --temperature at 0")
@@ -148,8 +159,8 @@ def _run_endpoint(args) -> int:
             tolerance=args.tolerance, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
             timeout=args.timeout, progress=True,
         )
-    except OSError as e:  # connection refused, unknown host
-        raise ValueError(f"cannot reach {args.endpoint}: {e}") from None
+    except ConnectionError as e:  # connection refused, unknown host, no answer from /v1/models
+        raise ValueError(str(e)) from None
     report.to_json(out / "audit.json")
     (out / "audit.md").write_text(endpoint_markdown(report))
     report.plot(out / "audit.png")
@@ -158,19 +169,42 @@ def _run_endpoint(args) -> int:
         console.width = max(console.width, 170)
     console.print(report.rich_table())
     ep = report.meta["endpoint"]
-    for lv in ep["levels"]:
-        console.print(f"concurrency {lv['concurrency']}: {lv['requests']} requests, {lv['failed']} failed, tokens "
-                      f"from {lv['token_source'] or '-'}, {lv['prompt_mismatches']} prompt mismatches, "
-                      f"{lv['seconds']:.1f} s")
+    for row, lv in zip(report.rows, ep["levels"]):
+        console.print(escape(_level_line(row, lv)))
+        shown = [] if row.signature == COULD_NOT_AUDIT else lv["problems"][:3]  # the level's line has the first error
+        for p in shown:
+            console.print(escape(f"  prompt {p['prompt']} ({pairs[p['prompt']][0]}): {p['kind']}: {p['detail']}"))
+        if shown and len(lv["problems"]) > len(shown):
+            console.print(f"  ... {len(lv['problems']) - len(shown)} more in audit.json")
     if ep["retokenized"]:
         console.print("[yellow]the server returned no token ids: its text was re-tokenized locally (last resort)"
                       "[/yellow]")
     console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}")
-    broken = [f"concurrency {r.batch_size}" for r in report.rows if not r.clean]
+    broken = [f"concurrency {r.batch_size} ({r.signature})" for r in report.rows
+              if not r.clean and r.signature != COULD_NOT_AUDIT]
     if broken:
-        console.print(f"[red]not clean: {', '.join(broken)}[/red]")
+        console.print(f"[red]not clean: {escape(', '.join(broken))}[/red]")
         return 1
+    unaudited = [f"concurrency {r.batch_size}" for r in report.rows if r.signature == COULD_NOT_AUDIT]
+    if unaudited:
+        console.print(f"[red]could not audit: {', '.join(unaudited)} (every request failed)[/red]")
+        return 2
     return 0
+
+
+def _level_line(row, lv: dict) -> str:
+    """One level in a line: its signature, its requests (how many failed, and the first error), the counts of the
+    other problems, where the tokens came from, the time."""
+    sent = f"{lv['requests']} requests"
+    if lv["failed"]:
+        first = next(p["detail"] for p in lv["problems"] if p["kind"] == "failed")
+        sent = f"{lv['failed']} of {sent} failed (first: {first})"
+    counts = [f"{lv[key]} {what}" for key, what in (
+        ("protocol_errors", "protocol errors"), ("finish_mismatches", "finish_reason mismatches"),
+        ("prompt_mismatches", "prompt mismatches"), ("overruns", "overruns")) if lv[key]]
+    source = [f"tokens from {lv['token_source']}"] if lv["token_source"] else []
+    return "; ".join([f"concurrency {lv['concurrency']}: {row.signature}: {sent}", *counts, *source,
+                      f"{lv['seconds']:.1f} s"])
 
 
 def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling, out) -> int:

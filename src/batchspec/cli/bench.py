@@ -15,6 +15,7 @@ from .common import (
     prepare_out,
     read_prompt_set,
     resolve_draft,
+    write_atomic,
 )
 
 HELP = "benchmark engines against HF generate"
@@ -62,9 +63,9 @@ def run(args) -> int:
     rows = bench(llm.target, draft, prompts, engines, sizes, args.max_tokens, args.num_draft_tokens,
                  llm.tokenizer, hf=not args.no_hf, progress=True, speculation=args.speculation,
                  repeats=args.repeats)
-    (out / "bench.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    write_atomic(out / "bench.json", lambda f: f.write(json.dumps([asdict(r) for r in rows], indent=1)))
     md = to_markdown(rows)
-    (out / "bench.md").write_text(md)
+    write_atomic(out / "bench.md", lambda f: f.write(md))
     pngs = plot(rows, out)
     Console().print(Markdown(md))
     Console().print(f"wrote {out}/bench.json, bench.md, " + ", ".join(p.name for p in pngs))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import audit, bench, generate, loadtest, profile, serve
+from . import audit, bench, generate, loadtest, profile, serve, train_draft
 from .common import USER_ERRORS
 
 COMMANDS = {
@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": bench,
     "serve": serve,
     "loadtest": loadtest,
+    "train-draft": train_draft,
     "profile": profile,
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 from pathlib import Path
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -16,7 +17,9 @@ def model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help=f"draft: a model or draft-head path, a built-in name ({DEFAULT_DRAFT}: the "
                    f"feature-reading head; {DEFAULT_DRAFT}-model), 'prompt-lookup' or 'none' (default {DEFAULT_DRAFT} with "
                    "the default target, else none)")
-    p.add_argument("--prompts", default=None, help="Spec-Bench style JSONL (turns[0]) or plain text, one prompt per line (default: the built-in prompt set)")
+    p.add_argument("--prompts", default=None, help='JSONL, one object per line with "turns" (Spec-Bench: turns[0] is '
+                   'the prompt) or "prompt", or plain text, one prompt per line; every line is checked before any '
+                   "model loads (default: the built-in prompt set)")
     p.add_argument("--num-draft-tokens", type=positive_int, default=5)
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True, help="apply the tokenizer's chat template")
@@ -89,6 +92,34 @@ def prepare_out(path, folder: bool) -> Path:
     if not os.access(where, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
         raise ValueError(f"--out {path}: {out if out.exists() else where} is not writable; give another path")
     return out
+
+
+def write_atomic(path, write) -> Path:
+    """Write the text file ``path`` whole or not at all: ``write(f)`` fills a new file in the same folder, which is
+    flushed to disk and then renamed over ``path`` (keeping an existing file's permissions). A reader never sees a
+    half-written file, and when writing fails (a full disk, a lost mount) the new file is removed and the previous
+    one at ``path`` stays as it was; the error is one line (a ValueError: exit status 2) saying so."""
+    path = Path(path)
+    real = Path(os.path.realpath(path))  # through a symlink to its file, which is replaced; the link stays
+    tmp = real.with_name(f".{real.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if real.exists():
+            os.chmod(tmp, real.stat().st_mode & 0o7777)
+        os.replace(tmp, real)
+    except BaseException as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            kept = "the previous file is unchanged" if real.exists() else "nothing was written"
+            raise ValueError(f"could not write {path}: {e.strerror or e}; {kept}") from None
+        raise
+    return path
 
 
 def read_prompt_set(path) -> list[tuple[str, str]]:

@@ -1,11 +1,20 @@
 """``batchspec generate``: generate for a prompt file (the built-in set by default), in this process or on Ray Data
-workers (``--ray``), and write one JSON line per prompt."""
+workers (``--ray``), and write one JSON line per prompt.
+
+``--out`` is written to a new file in the same folder and renamed into place, so the file there is either this run's
+whole output or, if writing fails (a full disk), the previous file unchanged. Ctrl-C during generation writes to
+``--out`` a row for every prompt, in prompt order (the unfinished ones with ``"finish_reason": "interrupted"`` and
+null outputs), says in one line how many are missing and exits with status 130; before generation starts (while the
+models load) it writes nothing."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +27,7 @@ from .common import (
     read_prompt_set,
     resolve_draft,
     sampling_flags,
+    write_atomic,
 )
 
 HELP = "generate for a prompt file"
@@ -32,9 +42,12 @@ def add_arguments(p) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
     p.add_argument("--seed", type=int, default=None, help="prompt i is sampled with seed + i")
-    p.add_argument("--out", default=None, help="write one JSON line per prompt here (with --ray: a folder of files)")
+    p.add_argument("--out", default=None, help="write one JSON line per prompt here, in prompt order, whole or not at "
+                   "all (a failed write keeps the previous file); after Ctrl-C the finished prompts, the others "
+                   'marked finish_reason "interrupted". With --ray: a folder of files')
     p.add_argument("--ray", action="store_true", help="run on Ray Data workers, each holding the models (needs the "
-                   "ray extra); prompts from --prompts (JSONL / Parquet read by Ray), files written into --out")
+                   "ray extra); prompts from --prompts (JSONL / Parquet, checked here, then read by Ray), files "
+                   "written into --out")
     p.add_argument("--ray-address", default=None, help="with --ray: an existing cluster (auto or HOST:PORT); "
                    "default: start a local Ray")
     p.add_argument("--workers", type=positive_int, default=1, help="with --ray: model replicas (Ray actors)")
@@ -53,24 +66,23 @@ def run(args) -> int:
     sp = sampling_flags(args, max_tokens=args.max_tokens, seed=args.seed)
     pairs = read_prompt_set(args.prompts)
     out = prepare_out(args.out, folder=False) if args.out else None
-    llm = batchspec.LLM(
-        args.target, draft=resolve_draft(args.target, args.draft), num_draft_tokens=args.num_draft_tokens,
-        layout=args.layout, scheduler=args.scheduler, batch_size=args.batch_size, dtype=dtype(args.dtype),
-        device=args.device, speculation=args.speculation,
-    )
-    ids, texts, prompts = encode_prompts(pairs, llm.tokenizer, args.chat_template)
-    if args.seed is not None:  # one seed for the run: prompt i gets seed + i
-        sp = [dataclasses.replace(sp, seed=args.seed + i) for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, progress=True)
+    ids = [pid for pid, _ in pairs]
+    try:
+        llm = batchspec.LLM(
+            args.target, draft=resolve_draft(args.target, args.draft), num_draft_tokens=args.num_draft_tokens,
+            layout=args.layout, scheduler=args.scheduler, batch_size=args.batch_size, dtype=dtype(args.dtype),
+            device=args.device, speculation=args.speculation,
+        )
+        _, _, prompts = encode_prompts(pairs, llm.tokenizer, args.chat_template)
+        if args.seed is not None:  # one seed for the run: prompt i gets seed + i
+            sp = [dataclasses.replace(sp, seed=args.seed + i) for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, progress=True)
+    except KeyboardInterrupt as e:  # Ctrl-C: keep what finished (exc.outputs: set once generation started)
+        return interrupted(ids, getattr(e, "outputs", None), out)
     wall = time.perf_counter() - t0
     if out:
-        with out.open("w", encoding="utf-8") as f:
-            for pid, o in zip(ids, outs):
-                f.write(json.dumps({
-                    "prompt_id": pid, "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
-                    "num_rounds": o.num_rounds, "num_drafted": o.num_drafted, "num_accepted": o.num_accepted,
-                }) + "\n")
+        write_rows(out, ids, outs)
     s = llm.stats
     from rich.console import Console
 
@@ -83,12 +95,54 @@ def run(args) -> int:
     return 0
 
 
+def interrupted(ids, outs, out) -> int:
+    """After Ctrl-C: write a row for every prompt to ``out`` (the finished ones whole, the others marked
+    ``interrupted``; ``outs`` None: generation had not started, nothing is written), say in one line how many are
+    missing, and return the exit status 130 (128 + SIGINT)."""
+    if outs is None:
+        print("batchspec generate: interrupted before any prompt was generated; nothing written", file=sys.stderr)
+        return 130
+    done, n = sum(o is not None for o in outs), len(outs)
+    if out is None:
+        print(f"batchspec generate: interrupted: {done} of {n} prompts finished, {n - done} missing; nothing written "
+              "(no --out)", file=sys.stderr)
+        return 130
+    write_rows(out, ids, outs)
+    print(f"batchspec generate: interrupted: wrote {done} of {n} prompts to {out}; {n - done} missing (their rows "
+          'have finish_reason "interrupted")', file=sys.stderr)
+    return 130
+
+
+def write_rows(out, ids, outs) -> None:
+    """One JSON line per prompt, written whole or not at all (``write_atomic``); a Ctrl-C meanwhile is ignored, so
+    that it cannot lose outputs already computed (only in the main thread, where Python handles signals)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        write_atomic(out, lambda f: f.writelines(_line(pid, o) for pid, o in zip(ids, outs)))
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _line(prompt_id, o) -> str:
+    """The JSON line of one prompt; ``o`` None: not finished (Ctrl-C), its outputs null."""
+    if o is None:
+        return json.dumps({"prompt_id": prompt_id, "token_ids": None, "text": None, "finish_reason": "interrupted",
+                           "num_rounds": None, "num_drafted": None, "num_accepted": None}) + "\n"
+    return json.dumps({
+        "prompt_id": prompt_id, "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
+        "num_rounds": o.num_rounds, "num_drafted": o.num_drafted, "num_accepted": o.num_accepted,
+    }) + "\n"
+
+
 
 def run_on_ray(args) -> int:
     """``batchspec generate --ray``: ``run`` with the command's flags, on a local Ray or the cluster at
     ``--ray-address``. Prompt files ending in .jsonl / .json / .ndjson / .parquet (or a folder of them) are read by Ray
-    with any per-row sampling columns; plain text files and the built-in set are read here first."""
-    from ..integrations.ray import FORMATS, RayNotInstalled, require_ray, run
+    with any per-row sampling columns, after ``check_prompt_file`` has checked every row here; plain text files and
+    the built-in set are read here first."""
+    from ..integrations.ray import FORMATS, RayNotInstalled, check_prompt_file, require_ray, run
     from ..model.loading import resolve
 
     try:
@@ -104,6 +158,7 @@ def run_on_ray(args) -> int:
     if args.prompts is not None and (Path(args.prompts).is_dir() or Path(args.prompts).suffix.lower() in FORMATS):
         if not Path(args.prompts).exists():
             raise FileNotFoundError(f"prompt file {args.prompts} does not exist")
+        check_prompt_file(args.prompts, sp)  # every row, here: a bad one is one line naming it, before Ray starts
         source = os.path.abspath(args.prompts)  # workers need not share this process's working directory
     else:
         pairs = read_prompt_set(args.prompts)

@@ -4,8 +4,11 @@ of the command line works without the ``serve`` extra."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
+from ..params import MAX_TEMPERATURE
+from ..serve.protocol import DEFAULT_MAX_BODY_BYTES
 from .common import DEFAULT_TARGET, need, positive_int, resolve_draft
 
 HELP = "serve the target over an OpenAI-compatible HTTP API"
@@ -33,10 +36,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait beyond the batch; more get 429 (default 64)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--device", default=None)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("BATCHSPEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $BATCHSPEC_API_KEY; none: open)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $BATCHSPEC_API_KEY; none: open). "
+                        "Prefer the environment variable: a key on the command line is visible to every user in ps")
+    p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body in bytes; larger ones get 413 before they are read (default "
+                        f"{DEFAULT_MAX_BODY_BYTES}, 4 MiB: a 128k-token context as ids or text takes about 1 MB)")
+    p.add_argument("--allowed-hosts", type=_names, action="extend", default=[], metavar="NAMES",
+                   help="Host names (comma list, any port) accepted besides localhost, 127.0.0.1 and [::1]; '*': any. "
+                        "The Host header is checked on loopback connections (against DNS rebinding) and, once this is "
+                        "given, on every connection; others get 400")
+    p.add_argument("--allowed-origins", type=_names, action="extend", default=[], metavar="ORIGINS",
+                   help="web origins (comma list of scheme://host[:port]; '*': any) whose pages may call the server "
+                        "from a browser (CORS headers included); requests with another site's Origin header get 403 "
+                        "(default: none, only the server's own origin)")
+    p.add_argument("--docs", action="store_true",
+                   help="serve the OpenAPI pages /docs, /redoc and /openapi.json (off by default; when on, they are "
+                        "open even with --api-key: they describe the routes, nothing else)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the last part of --target)")
     p.add_argument("--default-max-tokens", type=positive_int, default=256,
@@ -56,8 +75,8 @@ def build_app(args):
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.default_temperature < 0:
-        raise ValueError(f"--default-temperature must be >= 0, got {args.default_temperature}")
+    if not (math.isfinite(args.default_temperature) and 0 <= args.default_temperature <= MAX_TEMPERATURE):
+        raise ValueError(f"--default-temperature must be in [0, {MAX_TEMPERATURE:g}], got {args.default_temperature}")
     llm = batchspec.LLM(
         args.target, draft=resolve_draft(args.target, args.draft), tokenizer=args.tokenizer,
         num_draft_tokens=args.num_draft_tokens, layout=args.layout, scheduler="continuous",
@@ -66,7 +85,14 @@ def build_app(args):
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     return create_app(llm, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                      default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature)
+                      default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature,
+                      max_body_bytes=args.max_body_bytes, allowed_hosts=args.allowed_hosts or None,
+                      allowed_origins=args.allowed_origins, docs=args.docs)
+
+
+def _names(text: str) -> list[str]:
+    """argparse type: a comma list of names (``--allowed-hosts a,b --allowed-hosts c``)."""
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def run(args) -> int:

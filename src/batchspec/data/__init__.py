@@ -3,9 +3,9 @@
 ``prompts.jsonl`` holds 48 prompts written for batchspec, spread over the 13 Spec-Bench categories (writing, roleplay,
 reasoning, math, coding, extraction, stem, humanities, translation, summarization, qa, math_reasoning, rag), in the
 Spec-Bench record format (``question_id``, ``category``, ``turns``). They are held out from the drafts' training
-prompts (``scripts/draft_prompts.py`` checks that). ``smollm2-135m-draft/`` is the default draft of the default
-target, a feature-reading head (``scripts/train_eagle.py``); ``smollm2-135m-draft-model/`` the earlier draft model
-(``scripts/train_draft.py``); each with its model card.
+prompts (``batchspec.training.prompts`` checks that). ``smollm2-135m-draft/`` is the default draft of the default
+target, a feature-reading head; ``smollm2-135m-draft-model/`` the earlier draft model; both trained with
+``batchspec train-draft``, each with its model card (the exact commands).
 """
 
 from __future__ import annotations

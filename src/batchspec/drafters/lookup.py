@@ -13,15 +13,16 @@ P(drafts 1..j all accepted | match length). A round that verifies j drafts per r
 ``E(j) = rows + sum of those chances`` tokens and costs ``budget.verify[j]`` plain steps (the round's
 ``DraftBudget``, from the measured cost profile); the round verifies the j with the most tokens per plain step. On a
 CPU the first few columns cost little and the later ones much; on a wide batch every column costs much. Without
-costs (``speculation="fixed"``) every candidate up to K is verified, the classic behaviour. With sampling every row proposes up to k, so that a seed's tokens never depend on what ran
-before. The block is as wide as the longest proposal in the batch (one host read per round), so a round where
+costs (``speculation="fixed"``) every candidate up to K is verified, the classic behaviour. With sampling every row
+proposes up to k, so that a seed's tokens never depend on what ran before. The block is as wide as the longest proposal in the batch (one host read per round), so a round where
 nothing was worth drafting costs one plain decoding step.
 
 Where the target's runner packs a verification (only each row's real tokens are computed: the fp32 Llama C layer),
 a row drafting little costs little beside one drafting much, so rows are sized one by one (``budget.per_row``):
 ``budget.verify[m]`` is then a round verifying m drafts in all, and the round verifies the m likeliest drafts of the
-whole batch (each row's first ones, at what each row's tokens are worth), the m with the most tokens per plain step. On a batch whose forward is bound
-by arithmetic (8 rows on a 2-core CPU), a width shared by every row paid for drafts of rows that had no good match.
+whole batch (each row's first ones, at what each row's tokens are worth), the m with the most tokens per plain step.
+On a batch whose forward is bound by arithmetic (8 rows on a 2-core CPU), a width shared by every row paid for drafts
+of rows that had no good match.
 """
 
 import torch
@@ -35,8 +36,7 @@ PRIOR_WEIGHT = 5.0
 def prior_rate(max_ngram: int) -> torch.Tensor:
     """``[max_ngram + 1]``: where an untried first copy starts, per match length n: n / (n + 2), the longer the match
     the likelier the copy (0.33 after 1 token, 0.8 after 8; measured on the built-in and Spec-Bench 8 answers: 0.21,
-    0.48, 0.66, 0.71, 0.74, 0.73, 0.88, 0.89 for n = 1..8). An optimistic 0.8 for every length had a batch of 8 try
-    copies of 1-token matches, at 2 plain steps a round."""
+    0.48, 0.66, 0.71, 0.74, 0.73, 0.88, 0.89 for n = 1..8)."""
     n = torch.arange(max_ngram + 1, dtype=torch.float64)
     return n / (n + 2)
 

@@ -16,8 +16,9 @@ from typing import Callable
 import torch
 
 from ..drafters.base import Proposal
+from ..model.loading import vocab_size
 from ..model.runner import Runner
-from ..params import Stats
+from ..params import Stats, show
 from ..speculation import FixedLength
 from ..speculation.budget import DRAFT, FIXED, NO_DRAFTER, NOT_WORTH, DraftBudget, Outcome, RoundView
 from .batch import Batch, InvariantError, check_invariants, prefill
@@ -40,6 +41,48 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     id: int | None = None  # given by ``Engine.add_request`` when None
+
+
+_INT64 = 2**63
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_request(r: Request, vocab: int | None = None, context: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``r`` can run in a batch without failing it (and so the rows beside it): a
+    non-empty prompt of integer ids inside the vocabulary, ``max_tokens`` >= 1 with prompt + ``max_tokens`` inside
+    ``context``, a finite ``temperature`` >= 0, ``top_p`` in (0, 1], and every integer in int64. Cheap (one pass over
+    the prompt); ``LLM.requests`` checks more (the draft's context, the dtype's smallest temperature)."""
+
+    def refuse(what: str):
+        return ValueError(f"request {r.id}: {what}")
+
+    def integer(v, lo: int, name: str) -> None:
+        if not _is_int(v) or not lo <= v < _INT64:
+            raise refuse(f"{name} must be an integer in [{lo}, 2**63), got {show(v)}")
+
+    prompt = r.prompt
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise refuse("the prompt must be a non-empty list of token ids")
+    if not all(map(_is_int, prompt)) or min(prompt) < 0 or (vocab is not None and max(prompt) >= vocab):
+        raise refuse(f"the prompt must hold integer token ids in [0, {vocab})")
+    integer(r.max_tokens, 1, "max_tokens")
+    if context is not None and len(prompt) + r.max_tokens > context:
+        raise refuse(f"{len(prompt)} prompt tokens + max_tokens {r.max_tokens} exceed the context of {context}")
+    integer(r.top_k, 0, "top_k")
+    integer(r.seed, -_INT64, "seed")
+    for t in r.stop_ids:
+        integer(t, 0, "a stop token id")
+    if not _is_real(r.temperature) or not 0 <= r.temperature < float("inf"):
+        raise refuse(f"temperature must be a finite number >= 0, got {show(r.temperature)}")
+    if not _is_real(r.top_p) or not 0 < r.top_p <= 1:
+        raise refuse(f"top_p must be in (0, 1], got {show(r.top_p)}")
 
 
 @dataclass
@@ -176,10 +219,15 @@ class Engine:
         self._next_id = 0
         self._aborted: set[int] = set()
         self._done: list[StepOutput] = []  # results to hand out at the next step (requests aborted while waiting)
+        model = getattr(parts.target, "model", None)
+        self._vocab = vocab_size(model) if model is not None else None
         scheduler.forget([])
 
     # ---------------------------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> int:
+        """Queue ``request`` (its id given here when None). A request the batch could not run (``check_request``)
+        raises ``ValueError`` here and never joins, so it cannot fail the rows beside it."""
+        check_request(request, self._vocab, self.parts.context)
         if request.id is None:
             request.id = self._next_id
         elif any(r.id == request.id for r in self.waiting) or (

@@ -299,6 +299,77 @@ def read(source, format: str | None = None):
     return ray.data.read_parquet(paths) if fmt == "parquet" else ray.data.read_json(paths)
 
 
+def check_prompt_file(path, sampling=None) -> int:
+    """Check a local JSONL or Parquet prompt file (or a folder of them) here, before Ray starts, the way the workers
+    will read it, and return its number of rows. JSONL: every line a JSON object whose prompt (``prompt``, else
+    ``turns[0]``) is text or token ids, given the same way on every line (Ray reads a column of one type), and whose
+    sampling columns make valid ``SamplingParams`` over the defaults ``sampling``. Parquet: a ``prompt`` or ``turns``
+    column of text or token ids (the schema only; the rows are not read). A bad row is one ValueError naming its file
+    and line, instead of a worker's error in Ray's log that names the row's place in a block."""
+    p = Path(path)
+    fmt = file_format(p)
+    files = sorted(f for f in p.iterdir() if f.is_file() and FORMATS.get(f.suffix.lower()) == fmt) if p.is_dir() \
+        else [p]
+    defaults, first = _defaults(sampling), {}
+    rows = sum(_check_parquet(f) if fmt == "parquet" else _check_jsonl(f, defaults, first) for f in files)
+    if not rows:
+        raise ValueError(f"no prompts in {path}")
+    return rows
+
+
+def _check_jsonl(path: Path, defaults: SamplingParams, first: dict) -> int:
+    """Rows of one JSONL file, checked; ``first`` maps how a prompt was given to the first place it was seen."""
+    from ..prompts import json_records, prompt_of, read_text
+
+    rows = 0
+    for where, rec in json_records(path, read_text(path)):
+        prompt = prompt_of(rec, where, fields=("prompt", "turns"), token_ids=True)
+        how = ('"prompt"' if "prompt" in rec else '"turns"[0]') + (" text" if isinstance(prompt, str) else
+                                                                   " token ids")
+        first.setdefault(how, where)
+        if len(first) > 1:
+            other = next(k for k in first if k != how)
+            raise ValueError(f"{where}: the prompt is {how}, but {first[other]} gives {other}; with --ray every row "
+                             "gives its prompt the same way")
+        given = {k: v for k in SAMPLING_COLUMNS if (v := _plain(rec.get(k), k)) is not None}
+        if given:
+            try:
+                SamplingParams(**{**_fields(defaults), **given})
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+        rows += 1
+    return rows
+
+
+def _check_parquet(path: Path) -> int:
+    """Rows of one Parquet file, from its metadata, with its prompt column's type checked."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+        schema = meta.schema.to_arrow_schema()
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path} is not a readable Parquet file ({e})") from None
+    field = next((f for f in ("prompt", "turns") if f in schema.names), None)
+    if field is None:
+        raise ValueError(f'{path}: no "prompt" or "turns" column (columns: {", ".join(schema.names)})')
+    kind = schema.field(field).type
+    if field == "turns":
+        kind = kind.value_type if _is_list(kind) else None
+    text = kind is not None and (pa.types.is_string(kind) or pa.types.is_large_string(kind))
+    if not (text or (kind is not None and _is_list(kind) and pa.types.is_integer(kind.value_type))):
+        raise ValueError(f'{path}: column "{field}" has type {schema.field(field).type}; it must hold text or lists '
+                         "of integer token ids" + (" (turns: lists of those)" if field == "turns" else ""))
+    return meta.num_rows
+
+
+def _is_list(kind) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+
+
 def prepare(ds, *, block_size: int | None = None, workers: int = 1, id_column: str | None = "id",
             seed: int | None = None):
     """``(dataset, block size)``: ``ds`` cut, in order, into blocks of ``block_size`` rows (the last may be shorter;

@@ -8,9 +8,9 @@ Built-in names:
   plain Hugging Face ``LlamaForCausalLM`` directory (weights, config, generation config, tokenizer) in the cache;
   later loads read the cache only.
 - ``smollm2-135m-draft`` (the default draft of that target): a feature-reading draft head trained for it
-  (``scripts/train_eagle.py``, ``drafters/eagle.py``), shipped as package data together with the shared tokenizer.
+  (``batchspec train-draft``, ``drafters/eagle/``), shipped as package data together with the shared tokenizer.
 - ``smollm2-135m-draft-model``: the earlier draft, a small independent model distilled from the target
-  (``scripts/train_draft.py``), also package data.
+  (``batchspec train-draft --kind model``), also package data.
 
 GGUF files given by path go through the same conversion and are cached too, keyed by path, size and mtime.
 The cache lives in ``$BATCHSPEC_CACHE/models`` (default ``~/.cache/batchspec/models``).

@@ -4,28 +4,51 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (plain JSON o
 ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``. Requests go through one engine thread (``worker``): they join the
 running batch at a round boundary and leave when done; a client that disconnects has its row dropped at the next
-round boundary."""
+round boundary.
+
+Hardening: request bodies must be ``application/json`` (415) of at most ``max_body_bytes`` (413, checked on
+``Content-Length`` and while reading, so an oversize body is never held); JSON parsing, validation, tokenising and
+chat templating run in a worker thread, so the event loop (``/health``, other streams) never waits for them; a client
+mistake is a 400 naming the field; an internal failure is a 500 ``internal error, request id <id>`` whose exception
+is logged with that id (its text is never sent); ``Guard`` checks ``Host`` and ``Origin`` (``guard.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..model.loading import vocab_size
-from ..params import SamplingParams
 from . import protocol as P
+from .guard import Guard
 from .metrics import ServerMetrics
 from .worker import EngineWorker, QueueFull, Unavailable
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 POLL = 0.25  # seconds between checks for a vanished client or a stopped engine while waiting for tokens
+DEFAULT_MAX_BODY_BYTES = P.DEFAULT_MAX_BODY_BYTES
+
+log = logging.getLogger("batchspec.serve")
+
+
+class _ErrorJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote a client's string, lone surrogates included."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def internal_error(request_id: str) -> P.APIError:
+    return P.APIError(500, f"internal error, request id {request_id}", "server_error", None, "internal_error")
 
 
 def model_info(llm, name: str, default_max_tokens: int = 256, default_temperature: float = 1.0) -> P.ModelInfo:
@@ -42,14 +65,22 @@ def default_model_name(llm) -> str:
 
 
 def create_app(llm, model_name: str | None = None, api_key: str | None = None, max_queue: int = 64,
-               default_max_tokens: int = 256, default_temperature: float = 1.0, retries: int = 1) -> FastAPI:
+               default_max_tokens: int = 256, default_temperature: float = 1.0, retries: int = 1,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts=None, allowed_origins=None,
+               docs: bool = False) -> FastAPI:
     """The server app over ``llm`` (build it with ``scheduler="continuous"`` for continuous batching). The engine
     thread starts with the app (its lifespan) and stops with it; ``app.state.worker`` is the ``EngineWorker``.
 
     ``model_name``: the id clients give as ``model`` (default: the target's directory name). ``api_key``: when set,
     ``/v1/*`` asks for ``Authorization: Bearer <api_key>``. ``max_queue``: requests that may wait beyond the batch
     before new ones get 429. ``default_max_tokens`` / ``default_temperature``: chat's ``max_tokens`` and both
-    endpoints' ``temperature`` when a request leaves them out."""
+    endpoints' ``temperature`` when a request leaves them out. ``max_body_bytes``: the largest request body (413
+    beyond). ``allowed_hosts``: ``Host`` names accepted besides the loopback ones (``["*"]``: any), checked on
+    loopback connections and, once given, on all; ``allowed_origins``: web origins (``http://host:port``, ``"*"``)
+    whose pages may call the server (also given CORS headers); others get 403. ``docs``: serve ``/docs``,
+    ``/redoc`` and ``/openapi.json`` (off by default)."""
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
     name = model_name or default_model_name(llm)
     info = model_info(llm, name, default_max_tokens, default_temperature)
     worker = EngineWorker(llm, max_queue=max_queue, retries=retries)
@@ -64,7 +95,8 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
         finally:
             await asyncio.get_running_loop().run_in_executor(None, worker.stop)
 
-    app = FastAPI(title="batchspec", lifespan=lifespan)
+    app = FastAPI(title="batchspec", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.worker, app.state.metrics, app.state.info, app.state.llm = worker, metrics, info, llm
 
     def count(endpoint: str, status: int) -> None:
@@ -72,7 +104,12 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
 
     def error_response(err: P.APIError, endpoint: str, headers=None) -> JSONResponse:
         count(endpoint, err.status)
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        return _ErrorJSON(err.body(), status_code=err.status, headers=headers)
+
+    if allowed_origins:  # pages of these origins may call the API from a browser: answer their preflights
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(Guard, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, refused=count)
 
     @app.exception_handler(P.APIError)
     async def _api_error(request: Request, err: P.APIError):
@@ -87,9 +124,10 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
         return error_response(P.APIError(exc.status_code, str(exc.detail), kind), request.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        return error_response(P.APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"),
-                              request.url.path)
+    async def _internal(request: Request, exc: Exception):  # a bug: its text stays in the log
+        rid = "req-" + uuid.uuid4().hex
+        log.error("internal error, request id %s (%s %s)", rid, request.method, request.url.path, exc_info=exc)
+        return error_response(internal_error(rid), request.url.path)
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -100,12 +138,46 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
             raise P.APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                              "invalid_request_error", None, "invalid_api_key")
 
-    async def read_body(request: Request):
-        raw = await request.body()
+    def too_large(size: str) -> P.APIError:
+        return P.APIError(413, f"the request body ({size}) is larger than this server's limit of {max_body_bytes} "
+                          "bytes", "invalid_request_error", None, "request_too_large")
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused before it is read when it is not JSON (415) or its ``Content-Length`` is over the
+        limit, and while it is read once it goes over (413): an oversize body is never held."""
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json":
+            raise P.APIError(415, f"the request body must be JSON sent as 'Content-Type: application/json' (got "
+                             f"{media[:60]!r})", "invalid_request_error", None, "unsupported_media_type")
+        length = request.headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > max_body_bytes:
+            raise too_large(f"{int(length)} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_large(f"over {max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def prepare(raw: bytes, kind: str):
+        """In a worker thread: parse, validate, tokenise (or render the chat template) and build the engine
+        request. Client mistakes raise ``APIError`` (400)."""
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+            body = json.loads(raw)
+        except RecursionError:
+            raise P.bad("the request body is nested too deeply") from None
+        except json.JSONDecodeError as e:
+            raise P.bad(f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        except ValueError:  # not UTF-8 (UnicodeDecodeError), an integer of more than 4300 digits
             raise P.bad("the request body is not valid JSON") from None
+        req = P.parse_completion(body, info) if kind == "completion" else P.parse_chat(body, info)
+        try:
+            _, (engine_request,) = llm.requests([req.prompt_ids], P.sampling_params(req))
+        except ValueError as e:  # a limit only the LLM knows (the draft's context, the dtype's smallest temperature)
+            raise P.bad(P.show(str(e), 300), "temperature" if "temperature" in str(e) else None) from None
+        engine_request.id = None
+        return req, engine_request
 
     @app.get("/health")
     async def health():
@@ -127,21 +199,17 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_key(request)
-        return await generate(request, P.parse_completion(await read_body(request), info), "/v1/completions")
+        raw = await read_body(request)
+        return await generate(request, *await asyncio.to_thread(prepare, raw, "completion"), "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         check_key(request)
-        return await generate(request, P.parse_chat(await read_body(request), info), "/v1/chat/completions")
+        raw = await read_body(request)
+        return await generate(request, *await asyncio.to_thread(prepare, raw, "chat"), "/v1/chat/completions")
 
-    async def generate(request: Request, req: P.GenRequest, endpoint: str):
-        sp = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                  seed=req.seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
-        try:
-            _, (engine_request,) = llm.requests([req.prompt_ids], SamplingParams(**sp))
-        except ValueError as e:
-            raise P.bad(str(e)) from None
-        engine_request.id = None
+    async def generate(request: Request, req: P.GenRequest, engine_request, endpoint: str):
+        rid = P.new_id(req.kind)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -150,14 +218,14 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
 
         arrival = time.perf_counter()
         try:
-            job = worker.submit(engine_request, deliver)
+            job = worker.submit(engine_request, deliver, name=rid)
         except QueueFull as e:
             raise P.APIError(429, f"the server is busy ({e}); retry later", "rate_limit_error", None,
                              "queue_full") from None
         except Unavailable as e:
             raise P.APIError(503, str(e), "server_error", None, "engine_unavailable") from None
         metrics.prompt_tokens.inc(len(req.prompt_ids))
-        run = _Run(req, job, events, worker, metrics, llm.tokenizer, arrival)
+        run = _Run(req, rid, job, events, worker, metrics, llm.tokenizer, arrival)
         if req.stream:
             count(endpoint, 200)
             return StreamingResponse(run.sse(), media_type="text/event-stream",
@@ -178,11 +246,11 @@ async def _disconnected(request: Request) -> None:
 class _Run:
     """One request's output as it comes from the engine thread: text, stop strings, timings, response bodies."""
 
-    def __init__(self, req: P.GenRequest, job, events: asyncio.Queue, worker: EngineWorker, metrics, tokenizer,
-                 arrival: float):
+    def __init__(self, req: P.GenRequest, rid: str, job, events: asyncio.Queue, worker: EngineWorker, metrics,
+                 tokenizer, arrival: float):
         self.req, self.job, self.events, self.worker, self.metrics = req, job, events, worker, metrics
         self.text = P.TextStream(tokenizer, req.stop)
-        self.rid, self.created, self.arrival = P.new_id(req.kind), P.now(), arrival
+        self.rid, self.created, self.arrival = rid, P.now(), arrival
         self.first: float | None = None
         self.closed = False  # the engine is done with the request (or was told to drop it)
 
@@ -253,40 +321,47 @@ class _Run:
             self._abort_if_open()
 
     async def sse(self):
-        req, rid, created = self.req, self.rid, self.created
-
         def event(body) -> str:
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
         try:
-            if req.kind == "chat" or req.return_token_ids:
-                yield event(P.chunk(req, rid, created, "", [], first=True))
-            while True:
-                ev = await self._next()
-                if ev is None:
-                    continue
-                if ev[0] == "tokens":
-                    kept, delta = self._tokens(ev[1])
-                    if self.text.stopped is None:
-                        if kept or delta:
-                            yield event(P.chunk(req, rid, created, delta, kept))
-                        continue
-                    reason = "stop"
-                elif ev[0] == "error":
-                    self.closed = True
-                    yield event(P.APIError(500, ev[1], "server_error", None, "engine_error").body())
-                    yield "data: [DONE]\n\n"
-                    return
-                else:
-                    self.closed, kept, delta = True, [], ""
-                    reason = ev[1]
-                delta += self.text.flush()
-                self._observe()
-                use = P.usage(len(req.prompt_ids), len(self.text.ids))
-                yield event(P.chunk(req, rid, created, delta, kept, self._reason(reason), use=use))
-                if req.include_usage:
-                    yield event(P.usage_chunk(req, rid, created, use))
-                yield "data: [DONE]\n\n"
-                return
+            async for part in self._sse(event):
+                yield part
+        except Exception:  # a bug after the headers went out: an error event, its text in the log
+            log.exception("internal error, request id %s (while streaming)", self.rid)
+            yield event(internal_error(self.rid).body())
+            yield "data: [DONE]\n\n"
         finally:  # also when the client went away and the stream was cancelled
             self._abort_if_open()
+
+    async def _sse(self, event):
+        req, rid, created = self.req, self.rid, self.created
+        if req.kind == "chat" or req.return_token_ids:
+            yield event(P.chunk(req, rid, created, "", [], first=True))
+        while True:
+            ev = await self._next()
+            if ev is None:
+                continue
+            if ev[0] == "tokens":
+                kept, delta = self._tokens(ev[1])
+                if self.text.stopped is None:
+                    if kept or delta:
+                        yield event(P.chunk(req, rid, created, delta, kept))
+                    continue
+                reason = "stop"
+            elif ev[0] == "error":
+                self.closed = True
+                yield event(P.APIError(500, ev[1], "server_error", None, "engine_error").body())
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                self.closed, kept, delta = True, [], ""
+                reason = ev[1]
+            delta += self.text.flush()
+            self._observe()
+            use = P.usage(len(req.prompt_ids), len(self.text.ids))
+            yield event(P.chunk(req, rid, created, delta, kept, self._reason(reason), use=use))
+            if req.include_usage:
+                yield event(P.usage_chunk(req, rid, created, use))
+            yield "data: [DONE]\n\n"
+            return

@@ -11,10 +11,14 @@ Field rules (OpenAI's, plus the vLLM extensions ``top_k``, ``stop_token_ids``, `
 - ``max_tokens`` (chat also ``max_completion_tokens``) >= 1; default 16 for completions (as OpenAI) and the server's
   ``default_max_tokens`` for chat, both clipped to what fits the context; prompt + ``max_tokens`` beyond the context is
   an error;
-- ``temperature`` >= 0 (0: greedy, token-for-token equal to batch-size-1 greedy decoding; default: the server's
-  ``default_temperature``, 1.0 as OpenAI), ``top_p`` in (0, 1], ``top_k`` >= 0 (0 or -1: off), ``seed`` any integer;
-- ``stop``: a string or a list of non-empty strings (the text ends before the first match; needs a tokenizer);
-  ``stop_token_ids``: token ids that end the output (kept in ``token_ids``, as the model's EOS);
+- ``temperature`` finite in [0, 10^4] (0: greedy, token-for-token equal to batch-size-1 greedy decoding; default: the
+  server's ``default_temperature``, 1.0 as OpenAI), ``top_p`` in (0, 1], ``top_k`` in [0, 2**31) (0 or -1: off),
+  ``seed`` an integer in [-2**63, 2**63): the bounds of ``SamplingParams``, which checks them;
+- ``stop``: a string or a list of non-empty strings of at most 256 characters (the text ends before the first match;
+  needs a tokenizer); ``stop_token_ids``: token ids that end the output (kept in ``token_ids``, as the model's EOS);
+- text (a prompt, message contents, stop strings) must be valid Unicode (no lone surrogates such as ``"\ud800"``);
+  a text prompt of more than ``MAX_CHARS_PER_TOKEN`` characters a position of the context is refused before it is
+  tokenised, a prompt of token ids longer than the context before its ids are checked;
 - ``n`` must be 1; ``logprobs``, ``top_logprobs``, ``echo``, ``suffix``, ``best_of`` > 1, non-zero penalties,
   ``logit_bias``, tools and non-text response formats are refused (400).
 """
@@ -27,7 +31,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..params import ParamError, SamplingParams, show
+
+# The largest request body by default (413 beyond): a full context of 128k tokens, as ids or as escaped text, takes
+# about 1 MB.
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256  # each stop string; the held-back text is checked against every prefix of each stop string
+# A text prompt longer than this many characters for each position of the context cannot fit it: refused before it is
+# tokenised (real text runs 3-5 characters a token; 32 leaves room for long runs of spaces or symbols).
+MAX_CHARS_PER_TOKEN = 32
+INT64 = 2**63
 
 
 class APIError(Exception):
@@ -108,9 +122,9 @@ def _get_int(body: dict, name: str, lo: int | None = None):
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not _is_int(v):
-        raise bad(f"{name} must be an integer, got {v!r}", name)
+        raise bad(f"{name} must be an integer, got {show(v)}", name)
     if lo is not None and v < lo:
-        raise bad(f"{name} must be at least {lo}, got {v}", name)
+        raise bad(f"{name} must be at least {lo}, got {show(v)}", name)
     return int(v)
 
 
@@ -119,7 +133,7 @@ def _get_real(body: dict, name: str):
     if v is None:
         return None
     if not _is_real(v) or v != v:
-        raise bad(f"{name} must be a number, got {v!r}", name)
+        raise bad(f"{name} must be a number, got {show(v)}", name)
     return float(v)
 
 
@@ -128,7 +142,7 @@ def _get_bool(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(f"{name} must be true or false, got {v!r}", name)
+        raise bad(f"{name} must be true or false, got {show(v)}", name)
     return v
 
 
@@ -159,7 +173,7 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         raise bad("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
     n = body.get("n")
     if n is not None and n != 1:
-        raise bad(f"n must be 1 (one choice per request), got {n!r}", "n", "unsupported_parameter")
+        raise bad(f"n must be 1 (one choice per request), got {show(n)}", "n", "unsupported_parameter")
 
 
 def _model(body: dict, info: ModelInfo) -> str:
@@ -167,20 +181,47 @@ def _model(body: dict, info: ModelInfo) -> str:
     if name is None:
         return info.name
     if not isinstance(name, str) or name != info.name:
-        raise bad(f"the model {name!r} does not exist; this server serves {info.name!r}", "model", "model_not_found")
+        raise bad(f"the model {show(name)} does not exist; this server serves {info.name!r}", "model",
+                  "model_not_found")
     return name
+
+
+def _fits(n: int, info: ModelInfo, param: str) -> None:
+    """A prompt of ``n`` tokens must leave room for one generated token."""
+    if info.context is not None and n >= info.context:
+        raise bad(f"the prompt has {n} tokens; the model's context of {info.context} positions leaves no room for "
+                  "output", param, "context_length_exceeded")
 
 
 def _check_ids(ids, info: ModelInfo, param: str) -> list[int]:
     if not ids:
         raise bad(f"{param} is empty", param)
+    _fits(len(ids), info, param)  # before looking at a million ids
     for t in ids:
         if not _is_int(t):
-            raise bad(f"{param} must hold integer token ids, got {t!r}", param)
+            raise bad(f"{param} must hold integer token ids, got {show(t)}", param)
         if not 0 <= t < info.vocab_size:
             raise bad(f"token id {t} in {param} is outside the vocabulary (0..{info.vocab_size - 1})", param,
                       "invalid_token_id")
     return [int(t) for t in ids]
+
+
+def _unicode(text: str, param: str) -> str:
+    """``text`` unless it holds a lone surrogate (JSON's ``"\ud800"``), which no tokenizer or UTF-8 output takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"{param} is not valid Unicode: it holds a lone surrogate ({show(text[e.start : e.end])} at "
+                  f"character {e.start})", param) from None
+    return text
+
+
+def _short_enough(chars: int, info: ModelInfo, param: str) -> None:
+    """Text too long to fit the context whatever it tokenises to: refused before tokenising (which takes seconds and
+    gigabytes on megabytes of text)."""
+    if info.context is not None and chars > info.context * MAX_CHARS_PER_TOKEN:
+        raise bad(f"{param} has {chars} characters, more than the model's context of {info.context} positions can "
+                  f"hold (at most {MAX_CHARS_PER_TOKEN} characters a position)", param, "context_length_exceeded")
 
 
 def _encode_text(text: str, info: ModelInfo, param: str) -> list[int]:
@@ -188,9 +229,12 @@ def _encode_text(text: str, info: ModelInfo, param: str) -> list[int]:
         raise bad(f"this model has no tokenizer: send {param} as a list of token ids", param)
     if not text:
         raise bad(f"{param} is empty", param)
+    _short_enough(len(text), info, param)
+    _unicode(text, param)
     ids = list(info.tokenizer(text)["input_ids"])
     if not ids:
         raise bad(f"{param} encodes to no tokens", param)
+    _fits(len(ids), info, param)
     return ids
 
 
@@ -235,7 +279,7 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": _unicode(content, f"messages[{i}].content")})
     return out
 
 
@@ -244,14 +288,25 @@ def _chat_ids(body: dict, info: ModelInfo) -> list[int]:
     tok = info.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad("this model has no chat template: use /v1/completions", "messages")
+    _short_enough(sum(len(m["content"]) for m in msgs), info, "messages")
     try:
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-    except Exception as e:  # the template's own checks (e.g. roles must alternate)
-        raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
+    except Exception as e:  # the template's own checks (e.g. roles must alternate): its words, nothing else's
+        why = f": {show(str(e), 300)}" if _template_error(e) else ""
+        raise bad(f"the chat template cannot render these messages{why}", "messages") from None
     ids = list(ids)
     if not ids:
         raise bad("messages render to no tokens", "messages")
     return _check_ids(ids, info, "messages")
+
+
+def _template_error(e: Exception) -> bool:
+    """An error the chat template raised itself (``raise_exception``, an undefined field): its text is for users."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - transformers renders templates with jinja2
+        return False
+    return isinstance(e, TemplateError)
 
 
 def _stops(body: dict, info: ModelInfo) -> tuple[list[str], list[int]]:
@@ -264,6 +319,10 @@ def _stops(body: dict, info: ModelInfo) -> tuple[list[str], list[int]]:
         raise bad("stop must be a non-empty string or a list of non-empty strings", "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+    for s in stop:
+        _unicode(s, "stop")
     if stop and info.tokenizer is None:
         raise bad("stop strings need a tokenizer, and this model has none: use stop_token_ids", "stop")
     ids = body.get("stop_token_ids")
@@ -273,21 +332,17 @@ def _stops(body: dict, info: ModelInfo) -> tuple[list[str], list[int]]:
         raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
     for t in ids:
         if not _is_int(t) or not 0 <= t < info.vocab_size:
-            raise bad(f"stop_token_ids holds {t!r}, not a token id of the vocabulary (0..{info.vocab_size - 1})",
+            raise bad(f"stop_token_ids holds {show(t)}, not a token id of the vocabulary (0..{info.vocab_size - 1})",
                       "stop_token_ids", "invalid_token_id")
-    return list(dict.fromkeys(stop)), [int(t) for t in ids]
+    return list(dict.fromkeys(stop)), list(dict.fromkeys(int(t) for t in ids))
 
 
 def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
+    """Every field checked, the numbers first: a request refused for a number is refused before it is tokenised."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _refuse_unsupported(body, kind)
     model = _model(body, info)
-    ids = _prompt_ids(body, info) if kind == "completion" else _chat_ids(body, info)
-    room = None if info.context is None else info.context - len(ids)
-    if room is not None and room < 1:
-        raise bad(f"the prompt has {len(ids)} tokens; the model's context of {info.context} positions leaves no room "
-                  "for output", "prompt" if kind == "completion" else "messages", "context_length_exceeded")
     names = ("max_tokens",) if kind == "completion" else ("max_completion_tokens", "max_tokens")
     max_tokens, param = None, names[-1]
     for name in names:
@@ -295,6 +350,30 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         if v is not None:
             max_tokens, param = v, name
             break
+    temperature = _get_real(body, "temperature")
+    temperature = info.default_temperature if temperature is None else temperature
+    top_p = _get_real(body, "top_p")
+    top_p = 1.0 if top_p is None else top_p
+    top_k = _get_int(body, "top_k")
+    top_k = 0 if top_k is None or top_k == -1 else top_k
+    if top_k < 0:
+        raise bad(f"top_k must be >= 0 (0 or -1: off), got {show(top_k)}", "top_k")
+    seed = _get_int(body, "seed")
+    if seed is not None and not -INT64 <= seed < INT64:
+        raise bad(f"seed must be an integer in [-2**63, 2**63), got {show(seed)}", "seed")
+    seed = None if seed is None else seed % INT64
+    stop, stop_ids = _stops(body, info)
+    stream = _get_bool(body, "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    ignore_eos, return_token_ids = _get_bool(body, "ignore_eos"), _get_bool(body, "return_token_ids")
+    # the ranges of SamplingParams, the same as for LLM.generate (max_tokens is checked against the context below)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids)
+    _sampling_params(max_tokens=1 if max_tokens is None else max_tokens, **sampling, param=param)
+
+    ids = _prompt_ids(body, info) if kind == "completion" else _chat_ids(body, info)
+    room = None if info.context is None else info.context - len(ids)
     if max_tokens is None:
         max_tokens = 16 if kind == "completion" else info.default_max_tokens
         if room is not None:
@@ -302,31 +381,26 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
     elif room is not None and max_tokens > room:
         raise bad(f"{len(ids)} prompt tokens + {param} {max_tokens} = {len(ids) + max_tokens} exceeds the model's "
                   f"context of {info.context} positions", param, "context_length_exceeded")
-    temperature = _get_real(body, "temperature")
-    temperature = info.default_temperature if temperature is None else temperature
-    if temperature < 0:
-        raise bad(f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature")
-    top_p = _get_real(body, "top_p")
-    top_p = 1.0 if top_p is None else top_p
-    if not 0 < top_p <= 1:
-        raise bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = _get_int(body, "top_k")
-    top_k = 0 if top_k is None or top_k == -1 else top_k
-    if top_k < 0:
-        raise bad(f"top_k must be >= 0 (0 or -1: off), got {top_k}", "top_k")
-    seed = _get_int(body, "seed")
-    stop, stop_ids = _stops(body, info)
-    stream = _get_bool(body, "stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise bad("stream_options must be an object", "stream_options")
     return GenRequest(
         kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-        top_k=top_k, seed=None if seed is None else seed % 2**63, stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=_get_bool(body, "ignore_eos"), stream=stream,
-        include_usage=stream and _get_bool(opts, "include_usage"),
-        return_token_ids=_get_bool(body, "return_token_ids"),
+        top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, stream=stream,
+        include_usage=stream and _get_bool(opts, "include_usage"), return_token_ids=return_token_ids,
     )
+
+
+def _sampling_params(param: str = "max_tokens", **kw) -> SamplingParams:
+    """``SamplingParams(**kw)``, its refusal as a 400 naming the field (``param``: the name max_tokens came as)."""
+    try:
+        return SamplingParams(**kw)
+    except ParamError as e:
+        raise bad(str(e).replace("max_tokens", param) if e.param == "max_tokens" else str(e),
+                  param if e.param == "max_tokens" else e.param) from None
+
+
+def sampling_params(req: GenRequest) -> SamplingParams:
+    """The engine's settings for a validated request."""
+    return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                          seed=req.seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
 
 
 def parse_completion(body, info: ModelInfo) -> GenRequest:

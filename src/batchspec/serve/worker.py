@@ -11,7 +11,9 @@ Failures: if a step raises, the engine drops every request (``Engine.step`` rese
 Each dropped request is started again from its prompt, once (``retries``), and the tokens it had already delivered are
 skipped when they come again: greedy decoding, and sampling with the request's seed (drawn at submission when the
 client gave none), reproduce them exactly whatever else is batched. A request whose retries are spent gets
-``("error", ...)``. The thread never dies of an exception in a step or in a callback."""
+``("error", "internal error, request id <name>")``: an error event's message never holds an exception's text (that
+goes to the log, with the request's name). A request the engine refuses (``Engine.add_request``'s checks) fails
+alone: it never joins the batch. The thread never dies of an exception in a step or in a callback."""
 
 from __future__ import annotations
 
@@ -48,10 +50,19 @@ class Job:
     skip: int = 0  # tokens to drop when they come again after a restart
     cancelled: str | None = None  # why the request was dropped ("abort": the client left; "stop": a stop string)
     started: float | None = None  # when the engine thread took it
+    name: str | None = None  # the id clients see (logged with failures); None: the engine's id
 
     @property
     def id(self) -> int:
         return self.request.id
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name is not None else f"#{self.id}"
+
+    @property
+    def failed(self) -> str:
+        return f"internal error, request id {self.label}"
 
 
 class EngineWorker:
@@ -98,9 +109,10 @@ class EngineWorker:
         """Requests accepted that hold no row of the running batch yet."""
         return max(0, self._in_flight - self.running)
 
-    def submit(self, request: Request, deliver: Callable[[tuple], None]) -> Job:
-        """Hand a request to the engine thread (its id is set here). Raises ``QueueFull`` when ``capacity``
-        requests are in flight, ``Unavailable`` when the engine thread is not running."""
+    def submit(self, request: Request, deliver: Callable[[tuple], None], name: str | None = None) -> Job:
+        """Hand a request to the engine thread (its id is set here; ``name``: the id its client sees, for the log).
+        Raises ``QueueFull`` when ``capacity`` requests are in flight, ``Unavailable`` when the engine thread is not
+        running."""
         with self._lock:
             if not self.alive:
                 raise Unavailable("the engine is not running")
@@ -108,7 +120,7 @@ class EngineWorker:
                 raise QueueFull(f"{self._in_flight} requests in flight (capacity {self.capacity})")
             self._in_flight += 1
             request.id = next(self._ids)
-        job = Job(request, deliver)
+        job = Job(request, deliver, name=name)
         self.inbox.put(("add", job))
         return job
 
@@ -163,17 +175,20 @@ class EngineWorker:
         self.jobs[job.id] = job
         try:
             self.engine.add_request(dataclasses.replace(job.request, stop_ids=set(job.request.stop_ids)))
-        except Exception as e:
+        except Exception:  # it never joined the batch: nobody else is touched
+            log.exception("the engine refused request %s", job.label)
             del self.jobs[job.id]
             self._release()
-            self._send(job, ("error", f"the engine refused the request: {e}"))
+            self.finished["error"] += 1
+            self._send(job, ("error", job.failed))
 
     def _step(self) -> None:
         try:
             outs = self.engine.step()
         except Exception as e:
             self.errors += 1
-            log.exception("engine step failed; restarting the requests it held")
+            log.exception("engine step failed; starting again the requests it held (%s)",
+                          ", ".join(j.label for j in self.jobs.values()))
             self._recover(e)
             return
         self.running = len(self.engine.batch) if self.engine.batch is not None else 0
@@ -203,10 +218,13 @@ class EngineWorker:
                 self.restarts += 1
                 try:
                     self.engine.add_request(dataclasses.replace(job.request, stop_ids=set(job.request.stop_ids)))
-                except Exception as e:
-                    self._finish(job, "error", None, f"the engine failed ({e})")
+                except Exception:
+                    log.exception("request %s could not be started again", job.label)
+                    self._finish(job, "error", None, job.failed)
             else:
-                self._finish(job, "error", None, f"the engine failed: {type(exc).__name__}: {exc}")
+                log.error("request %s failed: the engine step raised %s: %s (retries spent)", job.label,
+                          type(exc).__name__, exc)
+                self._finish(job, "error", None, job.failed)
 
     def _finish(self, job: Job, reason: str, finished, message: str | None = None) -> None:
         self.jobs.pop(job.id, None)

@@ -22,10 +22,8 @@ def row_values(seqs, fixed: float) -> torch.Tensor:
     geometric count of accepted drafts: variance ``e (1 + e)`` for ``e`` extra tokens a round): the batch's end is
     the expected maximum of the rows' rounds left under Gumbel noise of that spread, ``tau * logsumexp(left / tau)``,
     and a token moves it by the difference one round less makes. Rows well behind the others move it by a round a
-    token; rows level with others by little, as all of them would have to gain (on the built-in prompts at 8 rows,
-    where nothing drafts much, every row is level all the way and a token saves little more than its row's share); a
-    row far ahead not at all. Rows with fewer than ``SETTLED`` rounds gain ``FIRST_PACE`` a round as far as the
-    spread goes."""
+    token; rows level with others by little, as all of them would have to gain; a row far ahead not at all. Rows
+    with fewer than ``SETTLED`` rounds gain ``FIRST_PACE`` a round as far as the spread goes."""
     done, rounds = seqs.generated().double(), seqs.rounds.double()
     pace = (done / rounds.clamp(min=1)).clamp(min=1.0)  # tokens a round so far
     left = (seqs.limit - done).clamp(min=0) / pace  # rounds left, if no stop token comes first

@@ -29,8 +29,8 @@ Depth (greedy, sized rounds): a head round drafts on while the head is sure. A r
 product of the probabilities the head gave them (copies count 1) is at least ``DEPTH_CONFIDENCE``; the round stops
 drafting once no row is sure, before the planned width if need be, and drafts past it, up to K, while one is, where
 rows are verified one by one (one row, or ``budget.per_row``); there each row verifies its drafts up to the first it is
-not sure of. The head's probability of its first draft predicts its acceptance well (first drafts scored 0.0-0.1:
-2% accepted, 0.3-0.4: 27%, 0.6-0.7: 64%, 0.8-1.0: 100%), where the plan prices every round from one running rate.
+not sure of. The plan prices every round from one running rate; the head's own probability of a draft tells its
+rounds apart (it predicts acceptance well: docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """How a greedy round of the feature-reading head is planned: which kind of round (copies only, the head, or a plain
-step) and how wide, from each kind's expected tokens over its cost in plain steps (the round's ``DraftBudget``). The acceptance it plans with is learned here: prompt lookup's per match length and index, and the
-head's first drafts (scored in every round that runs the head)."""
+step) and how wide, from each kind's expected tokens over its cost in plain steps (the round's ``DraftBudget``). The
+acceptance it plans with is learned here: prompt lookup's per match length and index, and the head's first drafts
+(scored in every round that runs the head)."""
 
 from __future__ import annotations
 

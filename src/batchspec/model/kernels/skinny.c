@@ -7,20 +7,12 @@
  * gives).
  *
  * Rows of x go in blocks of 8, then one block of the 1-7 left (with AVX-512, 4-7 rows in one block of 4, 6 or 8 and
- * 9-16 rows in one block, ``zpass``: SmolLM2-135M at batch 1 over a 100-token context verifying 3 / 4 / 5 / 6 drafts
- * then cost 1.11-1.13 / 1.18-1.21 / 1.19-1.22 / 1.26-1.29 decode steps, where the AVX2 blocks cost 1.15-1.19 /
- * 1.19-1.26 / 1.26-1.30 / 1.38-1.43, and a decode step at batch 4 / 6 0.94 / 0.91 of theirs; a whole forward at
- * batch 8 verifying 1-2 / 3-6 / 7-8 / 9-16 drafts then cost 1.00-1.02 / 1.07-1.13 / 1.19-1.20 / 1.42-1.59 decode
- * steps, in blocks of 8 and the rest 1.20-1.39 / 1.35-1.71 / 1.56-1.71 / 1.75-2.17), each
- * against a few weight rows at a time with every sum in a register: 8 x 1 weight row, 7 x 1, 6 x 2, 5 x 2, 4 x 2, 3 x
- * 4, 2 x 4, 1 x 2 (at most 12 accumulators, so the x rows or the weight rows of a step stay in registers too). Weight
- * rows go to the threads in chunks of 12, so a chunk stays in L1 while each block of x rows passes over it. Blocks
- * were of 4 rows before: 5-8 rows then passed twice over each chunk, and the second pass cost ~0.2-0.45 of a one-row
- * pass from memory (the model at batch 1, a 700-token context, memory slow: a 5-token verification 1.18-1.19 plain
- * steps, 8 tokens 1.42-1.60; in one block 1.03-1.10 and 1.20-1.22); 8 rows (a decode step at batch 8) took 24 ms where
- * two blocks of 4 took 28-29.5, and 9-64 rows of the model's matrices 0.88-0.92 of the time. Before that, 2 and 3 rows
- * ran as 2 and 3 single rows, each against 2 weight rows: 3 rows then cost ~30% more than 1 and ~10% more than 4. With
- * memory slow (this machine's bandwidth varies by ~30% over minutes) most widths wait on the weights alike. */
+ * 9-16 rows in one block, ``zpass``), each against a few weight rows at a time with every sum in a register: 8 x 1
+ * weight row, 7 x 1, 6 x 2, 5 x 2, 4 x 2, 3 x 4, 2 x 4, 1 x 2 (at most 12 accumulators, so the x rows or the weight
+ * rows of a step stay in registers too). Weight rows go to the threads in chunks of 12, so a chunk stays in L1 while
+ * each block of x rows passes over it. Why few, wide blocks: a second pass over a chunk costs a good part of the
+ * first, so a verification of a few drafts (a few rows) costs little more than a decode step only when its rows
+ * take one pass (measured on a 2-core CPU; the figures are in docs/benchmarks.md). */
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,9 +140,8 @@ int skinny_avx512(int on) {
  * 4-16 rows go in one pass (rounded up to even with a zero row), more in blocks of 8 until 16 or fewer are left
  * (1-3 rows stay with the AVX2 blocks: as fast there, as the weights' reads bound them):
  * with 8 rows a pass waits on the weights from memory, and up to 16 rows cost little more, where a second pass over a
- * chunk, even from L1, costs a good part of the first (the model's matrices, 2 threads: 9-15 rows 0.69-0.96 of the
- * time of blocks of 8 and the rest; its output head over 10-16 rows 3.3-3.8 ms, over 8 rows 3.5). Past 16 rows, a
- * first pass of 16 gained nothing (0.91-1.15 of blocks of 8, 17-48 rows). Without ``fill``, full blocks of 8 only
+ * chunk, even from L1, costs a good part of the first (measured: 9-15 rows in one pass took 0.69-0.96 of the time of
+ * blocks of 8 and the rest). Past 16 rows, a first pass of 16 gained nothing. Without ``fill``, full blocks of 8 only
  * (xi holds no padding). */
 static long zpass(long M, long m, int fill) {
     long left = M - m;

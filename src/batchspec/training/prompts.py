@@ -1,8 +1,11 @@
-"""Training prompts for the SmolLM2 draft: templates and word lists written for this purpose, expanded with a seed.
+"""The generated training prompt sets of ``batchspec train-draft``: templates and word lists written for this purpose,
+expanded with a seed.
 
-They cover the same kinds of request as the 13 Spec-Bench categories but none of the built-in evaluation prompts
-(``src/batchspec/data/prompts.jsonl``); ``training_prompts`` drops any prompt that shares an 8-word sequence with one
-of those, and ``scripts/train_draft.py`` asserts there is no overlap left.
+``training_prompts`` (the first set) covers the same kinds of request as the 13 Spec-Bench categories;
+``broad_prompts`` (the second) puts any topic under any kind of request, with the target's earlier answers as the
+texts to summarise or answer from. Neither holds any of the built-in evaluation prompts
+(``batchspec/data/prompts.jsonl``): both drop a prompt that shares an 8-word sequence with one of those, and
+``check_held_out`` (run by the gen stage) asserts there is no overlap left.
 """
 
 from __future__ import annotations
@@ -424,7 +427,22 @@ class HeldOut:
         return text.strip() in self.texts or bool(_ngrams(text, self.n) & self.grams)
 
 
-STYLE = ["", "", "", " Keep it short.", " Explain step by step.", " Use simple language.", " Answer in a few sentences."]
+def held_out_texts() -> list[str]:
+    """The built-in evaluation prompts, which no generated training prompt may overlap."""
+    from ..data import builtin_prompts
+
+    return [t for _, t in builtin_prompts()]
+
+
+def check_held_out(pairs: list[tuple[str, str]], held: list[str]) -> None:
+    """Raise if any generated ``(category, prompt)`` pair overlaps ``held`` (the generators never let one through)."""
+    guard = HeldOut(held)
+    if any(guard.overlaps(t) for _, t in pairs):
+        raise RuntimeError("training prompts overlap the built-in prompts")
+
+
+STYLE = ["", "", "", " Keep it short.", " Explain step by step.", " Use simple language.",
+         " Answer in a few sentences."]
 
 
 def training_prompts(n: int, seed: int, held_out: list[str]) -> list[tuple[str, str]]:

@@ -1,61 +1,36 @@
-"""Train the ``smollm2-135m-draft-model`` draft model for the ``smollm2-135m`` target by distillation, on CPU.
+"""The small draft model (``batchspec train-draft --kind model``): a ``LlamaForCausalLM`` with the target's
+vocabulary and tokenizer, distilled from the target on CPU.
 
-Stages (each reads the previous one's output from ``--work``; ``all`` runs gen, train and export in order):
-
-1. ``gen``: the target answers the training prompts (``scripts/draft_prompts.py``, written for this and disjoint from
-   the built-in evaluation prompts) greedily through its chat template; every answer token is stored with the
-   target's top-k log-probabilities at that step.
-2. ``train``: a small ``LlamaForCausalLM`` (same vocabulary and tokenizer, tied embedding/head, full attention) whose
-   embedding starts as a projection of the target's output embedding onto its top singular directions is trained on
-   those sequences: soft cross-entropy on the target's top-k distribution plus hard cross-entropy on the target's
-   greedy token, at answer positions only.
-3. ``export``: float16 safetensors, config, generation config and the tokenizer into
-   ``src/batchspec/data/smollm2-135m-draft-model``.
-4. ``eval`` (separate): mean accepted length with ``batchspec.LLM`` at K draft tokens on the built-in prompts, and the
-   per-token cost of the draft relative to the target (multiply-accumulates, and measured decode-step time).
-
-Everything is seeded; one thread (``torch.set_num_threads(1)``) throughout. Example::
-
-    python scripts/train_draft.py all
-    python scripts/train_draft.py eval --max-tokens 128
+1. gen (``gen_records``): the target answers the training prompts greedily through its chat template; every answer
+   token is stored with the target's top-k log-probabilities at that step. One file per group of prompts (a category
+   of a generated set, ``--chunk`` prompts of a file), so an interrupted gen stage resumes; with ``--heldout`` also
+   the answers to the built-in prompts (held-out agreement only).
+2. train (``train_model``): the draft, whose weights start from the target's (``compressed_target``: its first
+   layers with the residual stream compressed) or from a projection of its output embedding, is trained on those
+   sequences: soft cross-entropy on the target's top-k distribution plus hard cross-entropy on its greedy token, at
+   answer positions only. Its state is kept after every epoch, from which the same command resumes.
+3. export (``export_model``): float16 safetensors, config, generation config and the tokenizer.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from draft_prompts import HeldOut, training_prompts  # noqa: E402
-
-TARGET = "smollm2-135m"
-OUT_DIR = ROOT / "src" / "batchspec" / "data" / "smollm2-135m-draft-model"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+from ..progress import Progress
+from .data import log, save_atomic
+from .head import load_resume, resume_path, settings_of
 
 
 def seed_all(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def held_out_texts() -> list[str]:
-    from batchspec.data import builtin_prompts
-
-    return [t for _, t in builtin_prompts()]
 
 
 # --------------------------------------------------------------------------------------------------------- gen
@@ -99,19 +74,22 @@ def greedy_rows(model, prompts: list[list[int]], max_new: int, topk: int, eos: s
             cache.batch_select_indices(sel)
             rows, tok, mask, nxt_pos = rows[sel], tok[sel], mask[sel], nxt_pos[sel]
         mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], 1)
-        logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None], past_key_values=cache,
-                       use_cache=True).logits[:, -1]
+        logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None],
+                       past_key_values=cache, use_cache=True).logits[:, -1]
         nxt_pos = nxt_pos + 1
     return [(a, torch.stack(lp), torch.stack(ix)) for a, lp, ix in zip(answers, lps, idxs)]
 
 
-def generate(model, tok, texts: list[str], max_new: int, batch: int, topk: int, label: str) -> list[dict]:
-    """Greedy answers (through the chat template) with the target's top-k log-probs, one dict per text."""
-    from batchspec.prompts import encode
+def generate(model, tok, texts: list[str], max_new: int, batch: int, topk: int, label: str, bar=None) -> list[dict]:
+    """Greedy answers (through the chat template) with the target's top-k log-probs, one dict per text; ``bar`` (a
+    ``Progress``) advances by each batch's prompts."""
+    from ..prompts import encode
 
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
+    if pad is None or pad >= model.config.vocab_size:  # a token the model lacks: any id will do, padding is masked
+        pad = 0
     prompts = encode(tok, texts, True)
     order = sorted(range(len(texts)), key=lambda i: len(prompts[i]))
     out: list[dict | None] = [None] * len(texts)
@@ -121,44 +99,67 @@ def generate(model, tok, texts: list[str], max_new: int, batch: int, topk: int, 
         for r, (ans, lp, ix) in zip(rows, greedy_rows(model, [prompts[r] for r in rows], max_new, topk, eos, pad)):
             out[r] = {"prompt": prompts[r], "answer": ans, "lp": lp, "idx": ix}
         done = min(start + batch, len(order))
+        if bar is not None:
+            bar.advance(len(rows))
         toks = sum(len(o["answer"]) for o in out if o is not None)
         log(f"{label}: {done}/{len(order)} prompts, {toks} answer tokens, {time.perf_counter() - t0:.0f} s")
     return out
 
 
-def cmd_gen(args) -> None:
-    from batchspec.model.loading import load_model, load_tokenizer
+def record_files(work: Path) -> list[Path]:
+    return sorted(work.glob("records*.pt"))
 
-    torch.set_num_threads(1)
+
+def gen_records(args, pairs: list[tuple]) -> int:
+    """The gen stage of a draft model: the target's greedy answers to ``pairs`` with its top-``args.topk``
+    log-probabilities, one ``recordsNNN.pt`` per group (``groups``) not yet in ``args.work``, and with
+    ``args.heldout`` its answers to the built-in prompts (``heldout.pt``). The target loads only when a file is
+    missing. Returns the number of files written."""
+    from ..model.loading import load_model, load_tokenizer
+    from .prompts import held_out_texts
+
+    torch.set_num_threads(args.threads)
     seed_all(args.seed)
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    held = held_out_texts()
-    pairs = training_prompts(args.num_prompts, args.seed, held)
-    guard = HeldOut(held)
-    assert not any(guard.overlaps(t) for _, t in pairs), "training prompts overlap the built-in prompts"
-    model = load_model(TARGET, torch.float32, "cpu")
-    tok = load_tokenizer(TARGET)
-    if args.heldout:
-        data = generate(model, tok, held, args.max_new_tokens, args.batch, args.topk, "held-out")
-        torch.save({"records": data, "categories": None}, work / "heldout.pt")
-    t0 = time.perf_counter()
-    # grouping by category keeps answers of similar length in one generate() batch
-    by_cat: dict[str, list[str]] = {}
-    for cat, text in pairs:
-        by_cat.setdefault(cat, []).append(text)
-    records, cats = [], []
-    for cat, texts in by_cat.items():
-        recs = generate(model, tok, texts, args.max_new_tokens, args.batch, args.topk, cat)
-        records += recs
-        cats += [cat] * len(recs)
-    wall = time.perf_counter() - t0
-    torch.save({"records": records, "categories": cats, "prompts": [t for _, t in pairs]}, work / "train.pt")
+    groups = list(prompt_groups(pairs, args.chunk).items())
+    todo = [i for i in range(len(groups)) if not (work / f"records{i:03d}.pt").exists()]
+    held = held_out_texts() if args.heldout and not (work / "heldout.pt").exists() else []
+    log(f"gen: {len(groups) - len(todo)} of {len(groups)} groups of prompts already in {work}, {len(todo)} to "
+        "generate" + (", and the held-out answers" if held else ""))
+    if not todo and not held:
+        return 0
+    model = load_model(args.target, torch.float32, "cpu")
+    tok = load_tokenizer(args.target)
+    with Progress(True, len(held) + sum(len(groups[i][1]) for i in todo), "gen: answering") as bar:
+        if held:
+            data = generate(model, tok, held, args.max_new_tokens, args.batch, args.topk, "held-out", bar)
+            save_atomic({"records": data, "categories": None}, work / "heldout.pt")
+        t0 = time.perf_counter()
+        for i in todo:
+            cat, texts = groups[i]
+            recs = generate(model, tok, texts, args.max_new_tokens, args.batch, args.topk, cat, bar)
+            save_atomic({"records": recs, "category": cat, "prompts": texts}, work / f"records{i:03d}.pt")
+    records = load_records(work)
     info = {"prompts": len(records), "answer_tokens": sum(len(r["answer"]) for r in records),
-            "prompt_tokens": sum(len(r["prompt"]) for r in records), "seconds": round(wall, 1),
+            "prompt_tokens": sum(len(r["prompt"]) for r in records), "seconds": round(time.perf_counter() - t0, 1),
             "max_new_tokens": args.max_new_tokens, "topk": args.topk, "seed": args.seed}
     (work / "gen.json").write_text(json.dumps(info, indent=1))
     log(f"gen done: {info}")
+    return len(todo) + bool(held)
+
+
+def prompt_groups(pairs: list[tuple], chunk: int) -> dict[str, list[str]]:
+    """The prompts of each generate call and file: a generated set's by category, in order of first appearance
+    (answers of similar length in one batch), a prompt file's (category ``file``) in runs of ``chunk``."""
+    groups: dict[str, list[str]] = {}
+    for n, (cat, text) in enumerate(pairs):
+        groups.setdefault(f"part{n // chunk:03d}" if cat == "file" else cat, []).append(text)
+    return groups
+
+
+def load_records(work: Path) -> list[dict]:
+    """Every record of the gen stage's files in ``work``, in group order."""
+    return [r for path in record_files(work) for r in torch.load(path)["records"]]
 
 
 # --------------------------------------------------------------------------------------------------------- model
@@ -277,11 +278,11 @@ def build_draft(target, args, records=None):
     from transformers import LlamaForCausalLM
 
     seed_all(args.seed)
-    if args.init == "layers":
+    if args.model_init == "layers":
         return compressed_target(target, records, args)
     cfg = draft_config(target.config, args.hidden, args.layers, args.heads, args.intermediate)
     draft = LlamaForCausalLM(cfg)
-    emb = projected_embedding(target, args.hidden, records if args.init == "data" else None)
+    emb = projected_embedding(target, args.hidden, records if args.model_init == "data" else None)
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(emb)
     draft.tie_weights()
@@ -291,7 +292,7 @@ def build_draft(target, args, records=None):
 # --------------------------------------------------------------------------------------------------------- train
 
 
-def batches(records, max_tokens: int, rng: random.Random):
+def record_batches(records, max_tokens: int, rng: random.Random):
     """Batches of record indices whose padded size stays under ``max_tokens``; similar lengths together."""
     order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt"]) + len(records[i]["answer"]))
     out, cur, width = [], [], 0
@@ -308,7 +309,7 @@ def batches(records, max_tokens: int, rng: random.Random):
     return out
 
 
-def collate(records, rows, pad: int):
+def collate_records(records, rows, pad: int):
     """Right-padded input ids (causal attention makes an attention mask unnecessary), the flat positions whose output
     predicts an answer token, and the targets there: top-k ids/log-probs and the greedy token."""
     seqs = [records[r]["prompt"] + records[r]["answer"] for r in rows]
@@ -352,8 +353,8 @@ def agreement(draft, records, pad: int, max_tokens: int = 4096) -> float:
     """Share of answer positions where the draft's argmax is the target's greedy token (teacher forcing)."""
     draft.eval()
     hit = tot = 0
-    for rows in batches(records, max_tokens, random.Random(0)):
-        ids, pos, _, _, hard = collate(records, rows, pad)
+    for rows in record_batches(records, max_tokens, random.Random(0)):
+        ids, pos, _, _, hard = collate_records(records, rows, pad)
         hidden = draft.model(input_ids=ids).last_hidden_state
         pred = draft.lm_head(hidden.reshape(-1, hidden.shape[-1])[pos]).argmax(-1)
         hit += int((pred == hard).sum())
@@ -362,15 +363,21 @@ def agreement(draft, records, pad: int, max_tokens: int = 4096) -> float:
     return hit / max(tot, 1)
 
 
-def cmd_train(args) -> None:
-    from batchspec.model.loading import load_model
+def train_model(args) -> dict:
+    """The train stage of a draft model: build the draft (``build_draft``), train it on the records in
+    ``args.work`` and save it (float32) into the folder ``args.save``, with ``train.json`` beside the records.
+    After every epoch its state (optimizer included) goes to ``resume_path(args.save)``, from which the same command
+    resumes. Returns the info."""
+    from ..model.loading import load_model
 
-    torch.set_num_threads(1)
-    work = Path(args.work)
-    data = torch.load(work / "train.pt", weights_only=False)
-    records = data["records"]
-    heldout = torch.load(work / "heldout.pt", weights_only=False)["records"] if (work / "heldout.pt").exists() else None
-    target = load_model(TARGET, torch.float32, "cpu")
+    torch.set_num_threads(args.threads)
+    work, save = Path(args.work), Path(args.save)
+    resume = load_resume(resume_path(save), args)
+    records = load_records(work)
+    if not records:
+        raise ValueError(f"no gen records in {work}: run the gen stage first")
+    heldout = torch.load(work / "heldout.pt")["records"] if (work / "heldout.pt").exists() else None
+    target = load_model(args.target, torch.float32, "cpu")
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     draft = build_draft(target, args, records)
     del target
@@ -382,7 +389,7 @@ def cmd_train(args) -> None:
                             betas=(0.9, 0.98))
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    epochs = [batches(records, args.batch_tokens, rng) for _ in range(args.epochs)]
+    epochs = [record_batches(records, args.batch_tokens, rng) for _ in range(args.epochs)]
     total = sum(len(e) for e in epochs)
     if args.max_steps:
         total = min(total, args.max_steps)
@@ -390,188 +397,82 @@ def cmd_train(args) -> None:
     base = [g["lr"] for g in opt.param_groups]
     log(f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M params; {len(records)} sequences, "
         f"{args.epochs} epochs, {total} steps")
-    if heldout is not None:
+    t0, step, ema, first_epoch = time.perf_counter(), 0, None, 0
+    if resume is not None:
+        draft.load_state_dict(resume["draft"])
+        opt.load_state_dict(resume["opt"])
+        gen.set_state(resume["gen"])
+        step, ema, first_epoch = resume["step"], resume["ema"], resume["epoch"]
+        t0 -= resume["seconds"]
+        log(f"resuming after epoch {first_epoch}, step {step} ({resume_path(save)})")
+    elif heldout is not None:
         log(f"held-out agreement at init {agreement(draft, heldout, pad):.3f}")
-    t0, step, ema = time.perf_counter(), 0, None
-    for ep, plan in enumerate(epochs):
-        for rows in plan:
-            if step >= total:
-                break
-            scale = min(1.0, (step + 1) / warm) * (0.5 * (1 + math.cos(math.pi * step / total)) * 0.9 + 0.1)
-            for g, b in zip(opt.param_groups, base):
-                g["lr"] = b * scale
-            loss, agree = loss_fn(draft, collate(records, rows, pad), args.hard_weight, args.negatives, gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-            opt.step()
-            step += 1
-            ema = float(agree) if ema is None else 0.98 * ema + 0.02 * float(agree)
-            if step % args.log_every == 0 or step == total:
-                log(f"epoch {ep + 1} step {step}/{total} loss {float(loss):.3f} train agreement (ema) {ema:.3f} "
-                    f"{time.perf_counter() - t0:.0f} s")
-        if heldout is not None:
-            log(f"epoch {ep + 1}: held-out agreement {agreement(draft, heldout, pad):.3f}")
+    try:
+        with Progress(True, total, "training the draft model") as bar:
+            bar.update(step)
+            for ep, plan in enumerate(epochs):
+                if ep < first_epoch:
+                    continue
+                for rows in plan:
+                    if step >= total:
+                        break
+                    scale = min(1.0, (step + 1) / warm) * (0.5 * (1 + math.cos(math.pi * step / total)) * 0.9 + 0.1)
+                    for g, b in zip(opt.param_groups, base):
+                        g["lr"] = b * scale
+                    loss, agree = loss_fn(draft, collate_records(records, rows, pad), args.hard, args.negatives, gen)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+                    opt.step()
+                    step += 1
+                    bar.advance()
+                    ema = float(agree) if ema is None else 0.98 * ema + 0.02 * float(agree)
+                    if step % args.log_every == 0 or step == total:
+                        bar.describe(f"training the draft model: loss {float(loss.detach()):.3f}")
+                        log(f"epoch {ep + 1} step {step}/{total} loss {float(loss.detach()):.3f} train agreement (ema) "
+                            f"{ema:.3f} {time.perf_counter() - t0:.0f} s")
+                if heldout is not None:
+                    log(f"epoch {ep + 1}: held-out agreement {agreement(draft, heldout, pad):.3f}")
+                if ep + 1 < len(epochs) and step < total:
+                    save_atomic({"epoch": ep + 1, "step": step, "ema": ema, "draft": draft.state_dict(),
+                                 "opt": opt.state_dict(), "gen": gen.get_state(), "seconds": time.perf_counter() - t0,
+                                 "settings": settings_of(args)}, resume_path(save))
+    except KeyboardInterrupt:
+        state = resume_path(save)
+        how = f"the same command resumes from the state in {state}" if state.is_file() else \
+            "no epoch done yet; the same command starts over"
+        log(f"interrupted at step {step}: {how}")
+        raise
     wall = time.perf_counter() - t0
-    draft.save_pretrained(work / "draft")
+    draft.save_pretrained(save)
     info = {"steps": total, "epochs": args.epochs, "seconds": round(wall, 1), "args": vars(args),
             "train_answer_tokens": sum(len(r["answer"]) for r in records)}
     if heldout is not None:
         info["heldout_agreement"] = round(agreement(draft, heldout, pad), 4)
     (work / "train.json").write_text(json.dumps(info, indent=1, default=str))
+    resume_path(save).unlink(missing_ok=True)
     log(f"train done in {wall:.0f} s: {info.get('heldout_agreement')}")
+    return info
 
 
 # --------------------------------------------------------------------------------------------------------- export
 
 
-def cmd_export(args) -> None:
+def export_model(save: Path, out: Path, tokenizer) -> None:
+    """Write the trained draft in ``save`` as a draft folder ``batchspec.LLM(target, draft=out)`` loads: float16
+    safetensors, config, generation config and the target's tokenizer. Files already in ``out`` go, except a
+    README.md (a model card)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from batchspec.model.loading import load_tokenizer
-
-    work = Path(args.work)
-    draft = AutoModelForCausalLM.from_pretrained(work / "draft", dtype=torch.float32)
+    draft = AutoModelForCausalLM.from_pretrained(save, dtype=torch.float32)
     draft = draft.to(torch.float16)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("*"):
-        if f.name != "README.md":
+        if f.name != "README.md" and f.is_file():
             f.unlink()
     draft.save_pretrained(out)
     gen = GenerationConfig(bos_token_id=draft.config.bos_token_id, eos_token_id=draft.config.eos_token_id,
                            pad_token_id=draft.config.pad_token_id)
     gen.save_pretrained(out)
-    load_tokenizer(TARGET).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     log(f"exported to {out}: " + ", ".join(f"{f.name} {f.stat().st_size / 1e6:.2f} MB" for f in sorted(out.glob('*'))))
-
-
-# --------------------------------------------------------------------------------------------------------- eval
-
-
-def macs_per_token(model) -> int:
-    """Weight multiply-accumulates of one decode step (every linear layer incl. the output head; no attention
-    scores)."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-
-
-@torch.no_grad()
-def step_seconds(model, batch: int, context: int, steps: int, repeats: int) -> float:
-    """Best-of-``repeats`` mean wall time of one single-token decode step over a ``context``-token cache."""
-    from transformers import DynamicCache
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (batch, context + steps), generator=g)
-    best = float("inf")
-    for _ in range(repeats):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        t = time.perf_counter()
-        for i in range(steps):
-            model(input_ids=ids[:, context + i: context + i + 1], past_key_values=cache, use_cache=True,
-                  logits_to_keep=1)
-        best = min(best, (time.perf_counter() - t) / steps)
-    return best
-
-
-def cmd_eval(args) -> None:
-    import batchspec
-    from batchspec.data import builtin_prompts
-    from batchspec.prompts import encode
-
-    torch.set_num_threads(1)
-    llm = batchspec.LLM(TARGET, draft=args.draft, num_draft_tokens=args.k, batch_size=args.batch_size, device="cpu")
-    target, draft = llm.target, llm.draft
-    res = {"target_macs_per_token": macs_per_token(target), "draft_macs_per_token": macs_per_token(draft),
-           "target_params": sum(p.numel() for p in target.parameters()),
-           "draft_params": sum(p.numel() for p in draft.parameters())}
-    res["macs_ratio"] = round(res["draft_macs_per_token"] / res["target_macs_per_token"], 4)
-    log(f"multiply-accumulates per token: target {res['target_macs_per_token'] / 1e6:.1f} M, draft "
-        f"{res['draft_macs_per_token'] / 1e6:.2f} M, ratio {res['macs_ratio']:.3f}")
-    for b in args.cost_batches:
-        tt = step_seconds(target, b, 128, 16, args.repeats)
-        dt = step_seconds(draft, b, 128, 16, args.repeats)
-        res[f"step_ms_batch{b}"] = {"target": round(tt * 1e3, 2), "draft": round(dt * 1e3, 2), "ratio": round(dt / tt, 4)}
-        log(f"decode step at batch {b}: target {tt * 1e3:.2f} ms, draft {dt * 1e3:.2f} ms, ratio {dt / tt:.3f}")
-    pairs = builtin_prompts()
-    prompts = encode(llm.tokenizer, [t for _, t in pairs], True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=args.max_tokens))
-    s = llm.stats
-    res.update(k=args.k, max_tokens=args.max_tokens, prompts=len(prompts), generated=s.generated,
-               mean_accepted_length=round(s.mean_accepted_length, 4),
-               acceptance_rate=round(s.accepted / max(s.drafted, 1), 4), generate_seconds=round(time.perf_counter() - t0, 1))
-    log(f"K={args.k}: mean accepted length {s.mean_accepted_length:.3f} over {len(prompts)} built-in prompts "
-        f"({s.generated} tokens)")
-    if args.check_hf:
-        same = 0
-        for p, o in list(zip(prompts, outs))[: args.check_hf]:
-            ref = target.generate(torch.tensor([p]), max_new_tokens=args.max_tokens, do_sample=False)[0, len(p):]
-            same += ref.tolist() == o.token_ids
-        res["identical_to_hf_generate"] = f"{same}/{min(args.check_hf, len(prompts))}"
-        log(f"identical to HF generate (batch size 1): {res['identical_to_hf_generate']}")
-    print(json.dumps(res, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-
-
-# --------------------------------------------------------------------------------------------------------- main
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["gen", "train", "export", "all", "eval"])
-    p.add_argument("--work", default=str(ROOT / "build" / "draft"))
-    p.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("gen")
-    g.add_argument("--num-prompts", type=int, default=1300)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--batch", type=int, default=64)
-    g.add_argument("--topk", type=int, default=16)
-    g.add_argument("--heldout", action=argparse.BooleanOptionalAction, default=True,
-                   help="also record the target's answers to the built-in prompts (for held-out agreement only)")
-    t = p.add_argument_group("train")
-    t.add_argument("--hidden", type=int, default=162)
-    t.add_argument("--layers", type=int, default=2, help="random-init drafts only")
-    t.add_argument("--heads", type=int, default=9, help="random-init drafts only")
-    t.add_argument("--intermediate", type=int, default=768)
-    t.add_argument("--init", choices=["layers", "data", "svd"], default="layers",
-                   help="layers: the target's --from-layers compressed to --hidden (see compressed_target); data/svd: "
-                        "random layers, embedding from a data-weighted / plain top-SVD projection of the target head")
-    t.add_argument("--from-layers", default="0,1")
-    t.add_argument("--epochs", type=int, default=6)
-    t.add_argument("--max-steps", type=int, default=None, help="stop early (experiments)")
-    t.add_argument("--batch-tokens", type=int, default=2048)
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--emb-lr-scale", type=float, default=0.3)
-    t.add_argument("--hard-weight", type=float, default=0.5)
-    t.add_argument("--negatives", type=int, default=4096, help="sampled softmax negatives per step (0: full softmax)")
-    t.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--out", default=str(OUT_DIR))
-    e = p.add_argument_group("eval")
-    e.add_argument("--draft", default="smollm2-135m-draft-model")
-    e.add_argument("--k", type=int, default=4)
-    e.add_argument("--max-tokens", type=int, default=128)
-    e.add_argument("--batch-size", type=int, default=8)
-    e.add_argument("--cost-batches", type=int, nargs="*", default=[1, 8])
-    e.add_argument("--repeats", type=int, default=5)
-    e.add_argument("--check-hf", type=int, default=0, metavar="N",
-                   help="also compare the first N outputs with HF generate(do_sample=False) at batch size 1")
-    e.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    t0 = time.perf_counter()
-    if args.stage in ("gen", "all"):
-        cmd_gen(args)
-    if args.stage in ("train", "all"):
-        cmd_train(args)
-    if args.stage in ("export", "all"):
-        cmd_export(args)
-    if args.stage == "all":
-        log(f"all stages: {time.perf_counter() - t0:.0f} s wall")
-    if args.stage == "eval":
-        cmd_eval(args)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
