@@ -191,7 +191,7 @@ def test_ray_prompt_files_are_checked_as_the_workers_read_them(tmp_path):
         bray.check_prompt_file(mixed)
     sampling = tmp_path / "sampling.jsonl"
     sampling.write_text('{"prompt": "w5"}\n{"prompt": "w6"}\n{"prompt": "w7", "max_tokens": 0}\n')
-    with pytest.raises(ValueError, match=f"{sampling} line 3: max_tokens must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=f"{sampling} line 3: max_tokens must be an integer >= 1 and < 2\\*\\*31, got 0"):
         bray.check_prompt_file(sampling, batchspec.SamplingParams())
     negative = tmp_path / "negative.jsonl"
     negative.write_text('{"prompt": [5, -1]}\n')

@@ -5,17 +5,8 @@ from __future__ import annotations
 
 import os
 
-from .common import (
-    encode_prompts,
-    int_list,
-    model_args,
-    positive_float,
-    positive_int,
-    prepare_out,
-    read_prompt_set,
-    resolve_draft,
-    sampling_flags,
-)
+from .common import (encode_prompts, int_list, model_args, positive_float, positive_int, prepare_out, read_prompt_set,
+                     resolve_draft, sampling_flags, write_atomic)
 
 HELP = "audit engines (or a running server) against the batch-size-1 oracle"
 
@@ -119,8 +110,7 @@ def run(args) -> int:
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, tokenizer=tokenizer,
         tolerance=args.tolerance, progress=True,
     )
-    report.to_json(out / "audit.json")
-    (out / "audit.md").write_text(report.to_markdown())
+    _write_reports(out, "audit", report.as_dict(), report.to_markdown())
     report.plot(out / "audit.png")
     console = Console()
     if not console.is_terminal:  # a log file: keep every column readable instead of wrapping at 80
@@ -161,8 +151,7 @@ def _run_endpoint(args) -> int:
         )
     except ConnectionError as e:  # connection refused, unknown host, no answer from /v1/models
         raise ValueError(str(e)) from None
-    report.to_json(out / "audit.json")
-    (out / "audit.md").write_text(endpoint_markdown(report))
+    _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report))
     report.plot(out / "audit.png")
     console = Console()
     if not console.is_terminal:
@@ -217,8 +206,7 @@ def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling
         num_draft_tokens=args.num_draft_tokens, tokenizer=tokenizer, progress=True, sampling=sampling,
         samples=args.samples, n_tokens=args.n_tokens, alpha=args.alpha,
     )
-    report.to_json(out / "distribution.json")
-    (out / "distribution.md").write_text(report.to_markdown())
+    _write_reports(out, "distribution", report.as_dict(), report.to_markdown())
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 150)
@@ -230,3 +218,10 @@ def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling
         return 1
     return 0
 
+
+def _write_reports(out, name: str, data: dict, markdown: str) -> None:
+    """``name.json`` and ``name.md`` in ``out``, each written whole or not at all (``write_atomic``)."""
+    import json
+
+    write_atomic(out / f"{name}.json", lambda f: f.write(json.dumps(data, indent=1)))
+    write_atomic(out / f"{name}.md", lambda f: f.write(markdown))

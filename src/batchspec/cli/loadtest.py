@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .common import need, positive_float, positive_int, prepare_out, read_prompt_set
+from .common import need, positive_float, positive_int, prepare_out, read_prompt_set, write_atomic
 
 HELP = "send a load to an OpenAI-compatible server and report throughput and latency"
 
@@ -53,7 +53,7 @@ def run(args) -> int:
         summary = run_load(cfg, progress=True)
     except OSError as e:
         raise ValueError(f"cannot reach {args.url}: {e}") from None
-    js, png = write_report(summary, out)
+    js, png = write_report(summary, out, write_atomic)
     console = Console()
     console.print(rich_table(summary))
     c, t = summary["requests"], summary["throughput"]

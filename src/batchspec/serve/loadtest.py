@@ -255,12 +255,17 @@ def summarize(cfg: LoadConfig, model: str, records: list[Record], sent: int, wal
     }
 
 
-def write_report(summary: dict, out) -> tuple[Path, Path]:
-    """``loadtest.json`` and ``loadtest.png`` (CDFs of TTFT, TPOT and end-to-end latency) in ``out``."""
+def write_report(summary: dict, out, write=None) -> tuple[Path, Path]:
+    """``loadtest.json`` and ``loadtest.png`` (CDFs of TTFT, TPOT and end-to-end latency) in ``out``; ``write(path,
+    fill)`` writes the JSON file (default: plainly; the command writes it whole or not at all)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     js = out / "loadtest.json"
-    js.write_text(json.dumps(summary, indent=1))
+    text = json.dumps(summary, indent=1)
+    if write is None:
+        js.write_text(text)
+    else:
+        write(js, lambda f: f.write(text))
     png = out / "loadtest.png"
     plot(summary, png)
     return js, png
