@@ -83,7 +83,7 @@ def main() -> None:
                 s = llm.stats
                 runs[name].append(dict(wall=wall, decode=wall - s.prefill, generated=s.generated,
                                        mean_accepted_length=s.mean_accepted_length, lengths=dict(s.lengths),
-                                       exact=tokens == reference))
+                                       decisions=dict(s.decisions), exact=tokens == reference))
         for name, rs in runs.items():
             e2e = [runs["plain"][i]["wall"] / r["wall"] for i, r in enumerate(rs)]
             dec = [runs["plain"][i]["decode"] / r["decode"] for i, r in enumerate(rs)]
@@ -92,12 +92,12 @@ def main() -> None:
                 decode=statistics.median(dec), decode_range=[min(dec), max(dec)],
                 tok_s=statistics.median(r["generated"] / r["wall"] for r in rs),
                 mean_accepted_length=statistics.median(r["mean_accepted_length"] for r in rs),
-                lengths=rs[-1]["lengths"], exact=all(r["exact"] for r in rs))
+                lengths=rs[-1]["lengths"], decisions=rs[-1]["decisions"], exact=all(r["exact"] for r in rs))
             r = results[f"{name}@{bs}"]
             print(f"{name:34s} bs {bs:2d}  {r['tok_s']:6.1f} tok/s  x plain {r['end_to_end']:.2f} "
                   f"({r['end_to_end_range'][0]:.2f}-{r['end_to_end_range'][1]:.2f})  decode x {r['decode']:.2f} "
                   f"({r['decode_range'][0]:.2f}-{r['decode_range'][1]:.2f})  acc.len {r['mean_accepted_length']:.2f}"
-                  f"  exact {r['exact']}  lengths {r['lengths']}", flush=True)
+                  f"  exact {r['exact']}  lengths {r['lengths']}  decisions {r['decisions']}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -101,3 +101,24 @@ def test_string_prompts_through_api(dirs):
     assert out.prompt_token_ids == [5, 6, 7, 8]
     assert out.token_ids == tiny.oracle(tiny.target("llama"), [5, 6, 7, 8], 6)
     assert out.text == tiny.tokenizer().decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_profile_command_measures_once_then_reads_the_cache(dirs, capsys, monkeypatch):
+    """``batchspec profile`` shows the cost profile (measured on first use, then read from the cache; ``--refresh``
+    measures again), one row per batch size measured."""
+    from batchspec.speculation import costs
+
+    target, draft = dirs
+    monkeypatch.setattr(costs, "_loaded", {})
+    args = ["profile", "--target", str(target), "--draft", str(draft), "--batch-size", "4", "--num-draft-tokens", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "plain step" in out and "verify 3" in out and "profiles" in out
+    rows = [line.split("│")[1].strip() for line in out.splitlines() if line.count("│") > 5]
+    assert rows == ["1", "2", "4"]
+    measured = []
+    real = costs.measure
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
+    monkeypatch.setattr(costs, "_loaded", {})
+    assert main(args) == 0 and measured == []  # read from the cache
+    assert main(args + ["--refresh"]) == 0 and measured == [1]

@@ -687,3 +687,29 @@ def test_round_costs_from_the_budget():
     per_row = DraftBudget(2, [1.0 + 0.1 * m for m in range(7)], 0.3, 0.0, per_row=True, reason=DRAFT)
     copy, head = d.planner.round_costs(per_row, cpu, per=3).tolist()  # 3 rows: a head step every 3 drafts
     assert head == pytest.approx([c + 0.3 * m / 3 for m, c in enumerate(copy)])
+
+
+def test_rows_joining_a_running_batch_cache_their_prompt_at_admission(monkeypatch):
+    """A batch's first rows leave their prompt's pairs waiting (the head catches up when it first runs); rows joining
+    a running batch cache them at admission, grouped by length, so the running rows' catch-up never widens to a
+    joiner's prompt: their state starts one feature wide with every pair but the pending one's cached."""
+    seen, real = [], EagleDrafter.prefill
+
+    def spy(self, prompts, hidden=None, joining=False):
+        state = real(self, prompts, hidden, joining)
+        seen.append((joining, [len(p) for p in prompts], state.processed.tolist(), state.waiting))
+        return state
+
+    monkeypatch.setattr(EagleDrafter, "prefill", spy)
+    llm = batchspec.LLM(tiny.target(), draft=tiny.eagle(), num_draft_tokens=3, batch_size=3, scheduler="continuous",
+                        check_invariants=True, speculation="fixed")
+    prompts, max_tokens = JOIN_PROMPTS[:9], JOIN_MAX[:9]
+    outs = llm.generate(prompts, [SP(max_tokens=m) for m in max_tokens])
+    assert [o.token_ids for o in outs] == _oracle(prompts, max_tokens)
+    first = [s for s in seen if not s[0]]
+    joined = [s for s in seen if s[0] and max(s[1]) > 2]
+    assert first and joined, seen
+    for _, lengths, processed, waiting in first:
+        assert processed == [0] * len(lengths) and waiting == max(lengths) - 1
+    for _, lengths, processed, waiting in joined:
+        assert processed == [max(n - 2, 0) for n in lengths] and waiting == 1

@@ -301,3 +301,35 @@ def test_add_request_refuses_an_id_in_use():
     d = Driver(engine)
     d.run()
     assert set(d.finished) == {1, rid}
+
+
+@pytest.mark.parametrize("budget", [None, 30])
+def test_prefill_tokens_bound_what_joins_a_running_batch(budget):
+    """With a prefill budget, requests waiting to join a running batch are prefilled a few at a time (at least one
+    a step, in order, up to the budget's prompt tokens), so the running rows are stalled for a share of them at a
+    time; a batch that starts from nothing takes every request that fits. Outputs are the oracle's either way."""
+    llm = _llm("prompt-lookup", batch_size=6)
+    engine, t = llm.engine(prefill_tokens=budget), llm.target
+    prompts = [tiny.prompts(1, seed=60 + i, lo=12, hi=12)[0] for i in range(6)]
+    ids, requests = llm.requests(prompts, SamplingParams(max_tokens=20))
+    joins = []
+    real = engine._admit
+
+    def spy():
+        before = len(engine.waiting)
+        real()
+        joins.append((before - len(engine.waiting), engine.batch is not None))
+
+    engine._admit = spy
+    engine.add_request(requests[0])
+    engine.add_request(requests[1])
+    d = Driver(engine)
+    d.step()  # the first two start a batch
+    for r in requests[2:]:
+        engine.add_request(r)
+    d.run()
+    assert {rid: f.token_ids for rid, f in d.finished.items()} == {i: tiny.oracle(t, p, 20) for i, p in
+                                                                      enumerate(prompts)}
+    admitted = [n for n, _ in joins if n]
+    assert admitted[0] == 2  # nothing was running: both joined
+    assert admitted[1:] == ([4] if budget is None else [2, 2])  # 12-token prompts, 30 tokens a step: two at a time

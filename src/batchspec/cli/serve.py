@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("BATCHSPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $BATCHSPEC_API_KEY; none: open). "
                         "Prefer the environment variable: a key on the command line is visible to every user in ps")
+    p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
+                   help="while rows are running, the prompt tokens one step prefills at most (at least one request "
+                        "joins), so a burst of long prompts stalls the running rows for a share of them at a time "
+                        "(default: every request that fits the batch joins at once)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body in bytes; larger ones get 413 before they are read (default "
                         f"{DEFAULT_MAX_BODY_BYTES}, 4 MiB: a 128k-token context as ids or text takes about 1 MB)")
@@ -87,7 +91,7 @@ def build_app(args):
     return create_app(llm, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
                       default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature,
                       max_body_bytes=args.max_body_bytes, allowed_hosts=args.allowed_hosts or None,
-                      allowed_origins=args.allowed_origins, docs=args.docs)
+                      allowed_origins=args.allowed_origins, docs=args.docs, prefill_tokens=args.max_prefill_tokens)
 
 
 def _names(text: str) -> list[str]:

@@ -45,10 +45,10 @@ class Drafter:
     # drafters with a model of their own (None: model-free, drafting costs nothing worth pricing)
     timing = None
 
-    def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None):
+    def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None, joining: bool = False):
         """The state of rows starting with ``prompts`` (None for drafters that keep no per-row state). A drafter
         that ``needs_hidden`` gets the target's final hidden states at every prompt token but the last, ``[B, W,
-        H]`` right-aligned (``batch.prefill``)."""
+        H]`` right-aligned (``batch.prefill``), and ``joining``: whether the rows join a running batch."""
         return None
 
     def propose(self, seqs, state, budget) -> Proposal:

@@ -204,14 +204,15 @@ def prefill_groups(lengths: list[int], overhead: int, max_tokens: int = PREFILL_
 
 
 def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None,
-            hidden: bool = False):
+            hidden: bool = False, embeds=None):
     """Cache every prompt but its last token as one left-padded ``SlotState``; with ``hidden``, returns
     ``(state, states)``, ``states`` ``[B, W, H]`` the model's final hidden states at those tokens, laid out like the
     state's slots (zeros on padding).
 
     Rows are grouped by ``prefill_groups`` (``overhead`` defaults by device: ``PREFILL_OVERHEAD``): each group is one
     forward, left-padded to its longest row (padding slots hidden), and its keys and values are then copied once
-    into its rows of the final rectangle.
+    into its rows of the final rectangle. ``embeds(rows, n)``: a group's input vectors ``[len(rows), n, H]`` (its rows'
+    last n, right-aligned) in place of the token embeddings (a head that reads the target's features).
     """
     runner = runner if isinstance(runner, Runner) else Runner(runner)  # a model: a runner of its own
     dev = runner.device
@@ -231,8 +232,9 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         ids = torch.tensor([[0] * (n - lengths[r]) + prompts[r][: lengths[r]] for r in rows], device=dev)
         visible = None if not pad.any() else col >= pad  # one host read per group, at prefill only
         part = kv.new_cache(runner.model)
+        inputs = embeds(rows, n) if embeds is not None else None
         out = runner.forward(part, ids, (col - pad).clamp(min=0), visible, logits_to_keep=1,
-                             hidden="all" if hidden else False)
+                             hidden="all" if hidden else False, embeds=inputs)
         index = torch.tensor(rows, device=dev)
         kv.place_rows(cache, index, part, len(prompts), width)
         if hidden:

@@ -349,7 +349,7 @@ class Engine:
         with self.timer("prefill"):
             if drafter.needs_hidden:  # a drafter that reads the target's features starts from the prompt's
                 target, states = self.parts.prefill(self.parts.target, prompts, hidden=True)
-                draft = drafter.prefill(prompts, states)
+                draft = drafter.prefill(prompts, states, joining=self.batch is not None)
             else:
                 target, draft = self.parts.prefill(self.parts.target, prompts), drafter.prefill(prompts)
             new = Batch(Sequences(joins, self.parts.k, self.parts.target.device), target, draft,

@@ -67,7 +67,7 @@ def default_model_name(llm) -> str:
 def create_app(llm, model_name: str | None = None, api_key: str | None = None, max_queue: int = 64,
                default_max_tokens: int = 256, default_temperature: float = 1.0, retries: int = 1,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts=None, allowed_origins=None,
-               docs: bool = False) -> FastAPI:
+               docs: bool = False, prefill_tokens: int | None = None) -> FastAPI:
     """The server app over ``llm`` (build it with ``scheduler="continuous"`` for continuous batching). The engine
     thread starts with the app (its lifespan) and stops with it; ``app.state.worker`` is the ``EngineWorker``.
 
@@ -78,12 +78,13 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
     beyond). ``allowed_hosts``: ``Host`` names accepted besides the loopback ones (``["*"]``: any), checked on
     loopback connections and, once given, on all; ``allowed_origins``: web origins (``http://host:port``, ``"*"``)
     whose pages may call the server (also given CORS headers); others get 403. ``docs``: serve ``/docs``,
-    ``/redoc`` and ``/openapi.json`` (off by default)."""
+    ``/redoc`` and ``/openapi.json`` (off by default). ``prefill_tokens``: while rows run, the prompt tokens one
+    engine step prefills at most (``Engine``; None: every request that fits joins at once)."""
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
     name = model_name or default_model_name(llm)
     info = model_info(llm, name, default_max_tokens, default_temperature)
-    worker = EngineWorker(llm, max_queue=max_queue, retries=retries)
+    worker = EngineWorker(llm, max_queue=max_queue, retries=retries, prefill_tokens=prefill_tokens)
     metrics = ServerMetrics(worker, llm)
     created = P.now()
 

@@ -66,9 +66,10 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, llm, max_queue: int = 64, retries: int = 1, idle_wait: float = 0.05):
+    def __init__(self, llm, max_queue: int = 64, retries: int = 1, idle_wait: float = 0.05,
+                 prefill_tokens: int | None = None):
         self.llm = llm
-        self.engine = llm.engine()
+        self.engine = llm.engine(prefill_tokens)
         self.capacity = llm.batch_size + max_queue
         self.retries, self.idle_wait = retries, idle_wait
         self.inbox: queue.Queue = queue.Queue()

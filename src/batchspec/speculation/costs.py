@@ -31,7 +31,7 @@ from ..model.loading import cache_base
 PROFILE_VERSION = 1  # bump when what is measured changes: older cached profiles are measured again
 WIDTHS = (1, 2, 3, 4, 6)  # new tokens per row measured (a verification of K = 5 drafts is 6 wide)
 CONTEXT = 256  # cached tokens per row in the synthetic batch: a typical chat prompt plus some answer
-REPEATS = 5  # timed forwards per point, the fastest kept (the machine's noise only ever adds time), after a warm-up
+REPEATS = 3  # timed forwards per point, the fastest kept (the machine's noise only ever adds time), after a warm-up
 PAIRS = 64  # tokens per row of the drafter's catch-up forward that prices one cached pair
 
 

@@ -12,8 +12,9 @@ returns the target's features (``TargetOutput.hidden``); the state keeps the las
 features of positions length-1-W .. length-2), and a drafting round's first forward catches up on the pairs the
 head has not cached (right-aligned, rows missing fewer have hidden holes on the left), ending with the pair of the
 pending token, whose output gives the first draft. Pairs built from predicted features (the drafts') are hidden after
-verification: their true features replace them in the next round's catch-up. Prefill caches the prompt's pairs, for
-the joining rows only, so that a long prompt never widens a running batch's catch-up.
+verification: their true features replace them in the next round's catch-up. A batch's first rows leave their
+prompt's pairs waiting for the first round that runs the head; rows joining a running batch cache theirs at admission,
+so that a long prompt never widens the running rows' catch-up.
 
 Copies (greedy): text that repeats (a passage being summarised, code being edited) is better drafted by prompt
 lookup than by any small head, and the two fail in different places. Each row's longest earlier match gives
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from ...engine.batch import SlotState
+from ...engine.batch import SlotState, prefill
 from ...engine.sampling import DRAFT, draw, greedy
 from ...model.kv import new_cache
 from ...model.runner import Runner
@@ -130,24 +131,30 @@ class EagleDrafter(Drafter):
         feats = torch.zeros((1, self.fc.in_features // 2), dtype=self.fc.weight.dtype, device=self.runner.device)
         return self.runner, lambda ids: self._inputs(ids, feats.expand(*ids.shape, -1)), True
 
-    def prefill(self, prompts, hidden=None):
-        """The head caches the prompt's pairs (f_i, x_(i+1)) for positions 0 .. n-3 of a prompt of n tokens, in one
-        forward over the joining rows only (about a layer's share of the target's prefill); the feature of position
-        n-2 waits: its pair with the pending token gives the first draft. Caching them here, not in the first round
-        that runs the head, keeps a joining row's long prompt out of the running rows' rounds (a catch-up covers the
-        batch's whole rectangle)."""
+    def prefill(self, prompts, hidden=None, joining: bool = False):
+        """The prompt's features f_0 .. f_(n-2) (``hidden``, right-aligned), their pairs (f_i, x_(i+1)) not cached
+        yet. Rows that start a batch leave them waiting, and the first round that runs the head catches up on them
+        (priced per pair by the plan), so a batch the head never pays for never pays for its prompts. Rows
+        ``joining`` a running batch have their pairs of positions 0 .. n-3 cached here, grouped by length like the
+        target's prefill (a few percent of it), so that a long prompt never widens the running rows' catch-up; the
+        feature of position n-2 waits: its pair with the pending token gives the first draft."""
         b, dev = hidden.shape[0], self.runner.device
-        none = torch.zeros((b, 0), dtype=torch.long, device=dev)
-        state = SlotState(self.runner, new_cache(self.model), none.bool(), none, none, "draft")
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
         w = hidden.shape[1]  # features of positions up to n-2, right-aligned ([B, W, H], zeros on the left)
-        if w >= 2:
-            ids = torch.tensor([[0] * (w + 1 - len(p)) + p[-(w + 1):] for p in prompts], device=dev)
-            position = torch.arange(w - 1, device=dev)[None, :] - (w + 1 - lengths)[:, None]
-            state.append(ids[:, : w - 1], position >= 0, logits_to_keep=1,
-                         embeds=self._inputs(ids[:, 1:w], hidden[:, : w - 1]))
-        feats = hidden[:, -1:] if w else hidden.new_zeros((b, 1, hidden.shape[-1]))  # one-token prompts: a hole
-        return EagleState(state, (lengths - 2).clamp(min=0), feats)
+        if not joining or w < 2:
+            none = torch.zeros((b, 0), dtype=torch.long, device=dev)
+            state = SlotState(self.runner, new_cache(self.model), none.bool(), none, none, "draft")
+            feats = hidden if w else hidden.new_zeros((b, 1, hidden.shape[-1]))  # one-token prompts: a hole
+            return EagleState(state, torch.zeros(b, dtype=torch.long, device=dev), feats)
+        nxt = torch.tensor([[0] * (w - len(p[1:])) + p[1:] for p in prompts], device=dev)  # x_1 .. x_(n-1)
+        index = torch.arange(b, device=dev)
+
+        def inputs(rows, n):  # a group's pairs of positions up to n-3: next tokens x_1.., features f_0..
+            r = index[rows]
+            return self._inputs(nxt[r, w - 1 - n : w - 1], hidden[r, w - 1 - n : w - 1])
+
+        state = prefill(self.runner, [p[:-1] if len(p) > 1 else p for p in prompts], "draft", embeds=inputs)
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        return EagleState(state, (lengths - 2).clamp(min=0), hidden[:, -1:])
 
     def propose(self, seqs, state: EagleState, budget: DraftBudget):
         length, k = seqs.length, budget.k
