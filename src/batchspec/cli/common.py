@@ -75,22 +75,22 @@ def sampling_flags(args, **kwargs):
     return sp
 
 
-def prepare_out(path, folder: bool) -> Path:
+def prepare_out(path, folder: bool, flag: str = "--out") -> Path:
     """Check an output location and create its folder before any model loads, so a bad ``--out`` costs nothing.
-    ``folder``: ``path`` is a folder to write into; else a file to write."""
+    ``folder``: ``path`` is a folder to write into; else a file to write. ``flag``: the option named in errors."""
     out = Path(path).expanduser()
     where = out if folder else out.parent
     if not folder and out.is_dir():
-        raise ValueError(f"--out {path} is a folder; give a file path, e.g. {out / 'out.jsonl'}")
+        raise ValueError(f"{flag} {path} is a folder; give a file path, e.g. {out / 'out.jsonl'}")
     blocker = next((p for p in (where, *where.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise ValueError(f"--out {path}: {blocker} is a file, not a folder; give another path")
+        raise ValueError(f"{flag} {path}: {blocker} is a file, not a folder; give another path")
     try:
         where.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"--out {path}: cannot create the folder {where} ({e.strerror}); give another path") from None
+        raise ValueError(f"{flag} {path}: cannot create the folder {where} ({e.strerror}); give another path") from None
     if not os.access(where, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise ValueError(f"--out {path}: {out if out.exists() else where} is not writable; give another path")
+        raise ValueError(f"{flag} {path}: {out if out.exists() else where} is not writable; give another path")
     return out
 
 

@@ -6,7 +6,6 @@ checks them, the target, the prompts and the folders before any model loads."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -179,17 +178,7 @@ def check_target(path: str, s) -> None:
 
 
 def check_work(path: str) -> Path:
-    work = Path(path).expanduser()
-    blocker = next((p for p in (work, *work.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ValueError(f"--work {path}: {blocker} is a file, not a folder; give another path")
-    try:
-        work.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--work {path}: cannot create the folder ({e.strerror}); give another path") from None
-    if not os.access(work, os.W_OK | os.X_OK):
-        raise ValueError(f"--work {path} is not writable; give another path")
-    return work
+    return prepare_out(path, folder=True, flag="--work")
 
 
 def check_out(path: str) -> Path:
