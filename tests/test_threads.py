@@ -19,6 +19,7 @@ import torch
 import batchspec
 from batchspec import SamplingParams
 from batchspec.model import kernels
+from batchspec.model.threads import release_idle_workers
 
 SRC = Path(batchspec.__file__).parent
 ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -312,3 +313,71 @@ def test_no_source_file_writes_shared_state():
     assert not found, "\n".join(found)
     assert any(f.name == "runner.py" for f in files)
     assert allowed_seen == 1  # the private copy's own config, and nothing else
+
+
+def _tids() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def _in_fresh_thread(fn):
+    """``fn()`` on a new thread (its own OpenMP pool, none yet), with 2 OpenMP threads there; its result."""
+    out: list = []
+
+    def run():
+        try:
+            torch.set_num_threads(2)
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out.append(e)
+
+    old = torch.get_num_threads()
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    torch.set_num_threads(old)
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def _open_pool() -> set[str]:
+    """Run a parallel op on this thread; the OpenMP workers it started (its pool)."""
+    before = _tids()
+    x = torch.ones(1 << 21)
+    x.add(x)
+    return _tids() - before
+
+
+def test_release_idle_workers_ends_the_calling_threads_pool():
+    """A parallel op leaves the thread a pool of idle workers; releasing ends exactly them; the next op starts a new
+    pool. (A second thread's pool is what made the server's engine thread slow.)"""
+
+    def probe():
+        workers = _open_pool()
+        assert workers, "the parallel op started no OpenMP worker: nothing to release"
+        assert release_idle_workers()
+        gone = workers - _tids()
+        again = _open_pool()
+        return workers, gone, again
+
+    workers, gone, again = _in_fresh_thread(probe)
+    assert gone == workers and len(again) == len(workers)
+
+
+def test_the_server_worker_leaves_no_idle_workers_on_the_loading_thread():
+    """``EngineWorker`` is built on the thread that loaded the model and steps the engine on another: it ends the
+    loading thread's pool, so the engine thread's pool is the process's only one."""
+    import servekit
+
+    from batchspec.serve.worker import EngineWorker
+
+    def probe():
+        before = _tids()
+        llm = servekit.llm()
+        _open_pool()
+        workers = _tids() - before
+        EngineWorker(llm)
+        return workers, _tids()
+
+    workers, after = _in_fresh_thread(probe)
+    assert workers and not workers & after

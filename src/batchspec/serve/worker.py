@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine.engine import Request
+from ..model.threads import release_idle_workers
 
 log = logging.getLogger("batchspec.serve")
 
@@ -70,6 +71,9 @@ class EngineWorker:
                  prefill_tokens: int | None = None):
         self.llm = llm
         self.engine = llm.engine(prefill_tokens)
+        # The engine steps on its own thread: this thread's idle OpenMP workers (it loaded the model) would make every
+        # parallel op there wake its workers through the kernel (model/threads.py).
+        release_idle_workers()
         self.capacity = llm.batch_size + max_queue
         self.retries, self.idle_wait = retries, idle_wait
         self.inbox: queue.Queue = queue.Queue()
