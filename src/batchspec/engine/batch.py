@@ -178,7 +178,10 @@ def compact_index(valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
     return index, pad
 
 
-PREFILL_OVERHEAD = {"cuda": 4096}  # a forward's fixed cost, in tokens' worth of work (other devices: 1)
+# a forward's fixed cost, in tokens' worth of work (other devices: 1). CPU: a 64-token prefill forward took ~30 tokens'
+# time more than its share of a 1024-token one, and 16 built-in chat prompts (862 tokens) prefilled 1.35x as fast grouped
+# with 16-128 as without (docs/benchmarks.md)
+PREFILL_OVERHEAD = {"cuda": 4096, "cpu": 32}
 PREFILL_MAX_TOKENS = 1 << 16  # padded tokens per prefill forward at most (bounds its activations)
 
 
