@@ -40,7 +40,12 @@ class LLM:
         profile: bool = False,
         speculation: str = "adaptive",
         graphs: str = "auto",
+        weights: str = "auto",
     ):
+        """``weights``: "auto" keeps each weight of a model this LLM loads (fp32 on CPU) in the narrowest format that
+        holds its values exactly (GGUF-style blocks, bf16, fp16; see ``batchspec.model.weights``): outputs keep
+        every bit, a decode step reads far fewer bytes; "fp32" keeps them as loaded. A model object passed in is
+        never changed. ``llm.weights`` reports what they take."""
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -48,7 +53,8 @@ class LLM:
         self.layout = get_layout(layout)
         policy = get_policy(speculation) if isinstance(speculation, str) else speculation  # or a policy object
         self.scheduler = scheduler if hasattr(scheduler, "select") else get_scheduler(scheduler)
-        self.target = load_model(target, dtype, device, "target")
+        self.target = load_model(target, dtype, device, "target", weights)
+        self.weights_mode = weights
         kv.check_supported(self.target, "target")
         self.tokenizer = load_tokenizer(tokenizer if tokenizer is not None else target if isinstance(target, str) else None)
         self.batch_size, self.check_invariants = batch_size, check_invariants
@@ -75,14 +81,22 @@ class LLM:
         if hasattr(draft, "propose"):  # an already-built drafter
             return draft
         if isinstance(draft, (str, os.PathLike)) and is_eagle(path := resolve(draft, "draft")):
-            return EagleDrafter.load(path, self.target, dtype, self.graphs)
-        model = load_model(draft, dtype if dtype is not None else self.target.dtype, self.target.device, "draft")
+            return EagleDrafter.load(path, self.target, dtype, self.graphs, weights=self.weights_mode)
+        model = load_model(draft, dtype if dtype is not None else self.target.dtype, self.target.device, "draft",
+                           self.weights_mode)
         kv.check_supported(model, "draft")
         if vocab_size(model) != vocab_size(self.target):
             raise ValueError(
                 f"draft vocabulary ({vocab_size(model)} tokens) differs from the target's ({vocab_size(self.target)})"
             )
         return ModelDrafter(model, self.graphs)
+
+    @property
+    def weights(self):
+        """What the target's linear and embedding weights take: formats and resident bytes (``PackReport``)."""
+        from .model.weights import report
+
+        return report(self.target)
 
     @property
     def draft(self):
@@ -219,13 +233,13 @@ class LLM:
         return results
 
 
-def shared_draft(draft, target):
+def shared_draft(draft, target, weights: str = "fp32"):
     """``draft`` loaded once, to share between several ``LLM`` over ``target`` (a draft model's weights), or as it
     is where each ``LLM`` builds its own drafter (prompt lookup, a feature-reading head: small, and tied to one
     runner)."""
     if not isinstance(draft, (str, os.PathLike)) or draft == "prompt-lookup" or is_eagle(resolve(draft, "draft")):
         return draft
-    return load_model(draft, target.dtype, target.device, "draft")
+    return load_model(draft, target.dtype, target.device, "draft", weights)
 
 
 def _token_id(t, prompt: int) -> int:

@@ -25,6 +25,7 @@ Definitions:
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -94,12 +95,13 @@ def hf_generate(model, prompts, max_tokens, stops, batch_size):
 
 def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch_sizes=(1, 8), max_tokens=128,
           num_draft_tokens=5, tokenizer=None, hf=True, progress=False, speculation="adaptive",
-          repeats=3) -> list[BenchRow]:
+          repeats=3, weights="auto", dtype=None, device=None) -> list[BenchRow]:
     """One row per (engine, batch size). Per batch size every engine is built afresh and warmed up on the prompts
     (kernels, buffers, and the adaptive policy's first costs), then the engines run ``repeats`` times, interleaved
     (engine 1, 2, ..., 1, 2, ...), so the machine's drift falls on all alike: a row reports the median run
     (tokens/s, stages, accepted length), the worst exact match, and, with ``plain`` among the engines, the median and
-    range over repetitions of its tokens/s over plain's in the same repetition (``vs_plain``). HF runs once."""
+    range over repetitions of its tokens/s over plain's in the same repetition (``vs_plain``). HF runs once, always
+    on the fp32 weights (it is the reference); ``weights`` is what batchspec's engines run on (see ``LLM``)."""
     import batchspec
     from batchspec.api import shared_draft
 
@@ -107,13 +109,17 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
         raise ValueError("no prompts to benchmark")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    llm0 = batchspec.LLM(target, tokenizer=tokenizer)
+    from batchspec.model.loading import load_model
+
+    llm0 = batchspec.LLM(target, tokenizer=tokenizer, weights="fp32", dtype=dtype, device=device)
     model = llm0.target
+    engine_model = model if weights == "fp32" or not isinstance(target, (str, os.PathLike)) else load_model(
+        target, model.dtype, model.device, "target", weights)
     ids = llm0._encode(prompts)
     stops = eos_ids(model)
     specs = {e: parse_engine(e, draft, speculation) for e in engines}
     if isinstance(draft, str) and any(s["draft"] is draft for s in specs.values()):
-        draft = shared_draft(draft, model)  # load once, share between engines
+        draft = shared_draft(draft, model, weights)  # load once, share between engines
         specs = {e: parse_engine(e, draft, speculation) for e in engines}
     total = 1 + (sum(b != 1 for b in batch_sizes) if hf else 0) + repeats * len(batch_sizes)
     with Progress(progress, total, "benchmarking") as bar:
@@ -135,8 +141,8 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
                 rows.append(BenchRow("hf", bs, n, secs, hf_tps[bs], hf_tps[bs] / hf_tps[1], 1.0, exact_match=exact))
                 bar.advance()
         for bs in batch_sizes:
-            llms = {name: batchspec.LLM(model, draft=spec["draft"], tokenizer=tokenizer, num_draft_tokens=num_draft_tokens,
-                                        layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs,
+            llms = {name: batchspec.LLM(engine_model, draft=spec["draft"], tokenizer=tokenizer, weights=weights,
+                                        num_draft_tokens=num_draft_tokens, layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs,
                                         fault=spec.get("fault"), speculation=spec["speculation"],
                                         profile=True)  # exact stage seconds on CUDA too
                     for name, spec in specs.items()}

@@ -38,6 +38,7 @@ def audit(
     samples: int = 2000,
     n_tokens: int = 2,
     alpha: float = 1e-3,
+    weights: str = "auto",
 ) -> AuditReport | DistributionReport:
     """Audit ``engines`` against HF greedy decoding of ``target`` at batch size 1.
 
@@ -46,7 +47,8 @@ def audit(
     Outputs end at the first stop token (the target's EOS ids plus ``stop_token_ids``) or at ``max_tokens``.
     ``tolerance``: the relative margin tolerance, as a number or a dict of dtype -> number (see
     ``batchspec.audit.attribution``). ``cache_dir``: where oracle outputs are cached (None: ``$BATCHSPEC_CACHE/oracle``
-    or ``~/.cache/batchspec/oracle``; False: no cache).
+    or ``~/.cache/batchspec/oracle``; False: no cache). ``weights``: what batchspec's engines run on, as in ``LLM``
+    (the oracle is always HF on the weights as loaded).
 
     Returns an ``AuditReport`` whose ``rows`` hold, per engine and batch size: ``exact_match`` (fraction),
     ``partial_match`` and ``rouge_l`` (means), ``repetition_rate``, ``n``, ``divergences`` (prompt, first divergent
@@ -77,9 +79,9 @@ def audit(
     specs = resolve(engines)
     if not specs:
         raise ValueError("no engines to audit")
-    model, draft, tok, ids = load_inputs(target, draft, tokenizer, prompts, dtype, device)
+    model, draft, tok, ids, engine_model = load_inputs(target, draft, tokenizer, prompts, dtype, device, weights)
     stops = sorted(eos_ids(model) | {int(s) for s in stop_token_ids})
-    ctx = Context(model, draft, tok, num_draft_tokens, max_tokens, [int(s) for s in stop_token_ids])
+    ctx = Context(model, draft, tok, num_draft_tokens, max_tokens, [int(s) for s in stop_token_ids], engine_model)
 
     with Progress(progress, len(ids) + len(specs) * len(batch_sizes), "audit") as bar:
         bar.describe("oracle (HF greedy, batch size 1)")
@@ -98,10 +100,17 @@ def audit(
         "device": str(model.device), "n_prompts": len(ids), "max_tokens": max_tokens,
         "num_draft_tokens": num_draft_tokens, "stop_ids": stops, "batch_sizes": batch_sizes,
         "engines": [e.name for e in specs], "tolerance": _tolerance_table(tolerance),
+        "engine_weights": _weights_line(engine_model),
         "oracle_repetition_rate": metrics.repetition_rate(ref, stops),
         "oracle_cache": {"dir": str(oracle.dir) if oracle.dir else None, "hits": oracle.hits, "misses": oracle.misses},
     }
     return AuditReport(rows, meta, ref)
+
+
+def _weights_line(model) -> str:
+    from batchspec.model.weights import report
+
+    return report(model).line()
 
 
 def _audit_one(engine, bs, ctx, ids, ref, stops, probe, tolerance) -> AuditRow:

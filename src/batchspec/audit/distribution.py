@@ -439,7 +439,7 @@ def distribution_audit(
     specs = _engine_specs(engines)
     if not specs:
         raise ValueError("no engines to audit")
-    model, draft, tok, ids = load_inputs(target, draft, tokenizer, prompts, dtype, device)
+    model, draft, tok, ids, _ = load_inputs(target, draft, tokenizer, prompts, dtype, device)
     temperature, top_k, top_p = float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)
     base = int(sampling.seed or 0)
     # request r = s * len(ids) + i: sample s of prompt i (prompts interleaved, so every batch mixes lengths)

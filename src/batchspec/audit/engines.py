@@ -33,7 +33,7 @@ class BatchspecEngine:
 
         s = self.spec
         return LLM(
-            ctx.target, draft=s.draft(ctx.draft), tokenizer=ctx.tokenizer, num_draft_tokens=ctx.num_draft_tokens,
+            ctx.engine_target, draft=s.draft(ctx.draft), tokenizer=ctx.tokenizer, num_draft_tokens=ctx.num_draft_tokens,
             layout=s.layout, scheduler=s.scheduler, batch_size=batch_size, check_invariants=check, fault=s.fault,
             speculation=s.policy(),
         )

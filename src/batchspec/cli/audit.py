@@ -100,15 +100,15 @@ def run(args) -> int:
     pairs = read_prompt_set(args.prompts)[: args.limit]
     out = prepare_out(args.out, folder=True)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load_model(args.target, dtype, args.device, "target")
     tokenizer = load_tokenizer(args.target)
     _, _, prompts = encode_prompts(pairs, tokenizer, args.chat_template)
     if sampled:
+        model = load_model(args.target, dtype, args.device, "target")
         return _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling, out)
     report = audit(
-        model, resolve_draft(args.target, args.draft), prompts, engines=engines, batch_sizes=batch_sizes,
+        args.target, resolve_draft(args.target, args.draft), prompts, engines=engines, batch_sizes=batch_sizes,
         max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, tokenizer=tokenizer,
-        tolerance=args.tolerance, progress=True,
+        tolerance=args.tolerance, progress=True, dtype=dtype, device=args.device, weights=args.weights,
     )
     _write_reports(out, "audit", report.as_dict(), report.to_markdown())
     report.plot(out / "audit.png")

@@ -42,9 +42,8 @@ def run(args) -> int:
     from rich.console import Console
     from rich.markdown import Markdown
 
-    import batchspec
-
     from ..bench import bench, parse_engine, plot, to_markdown
+    from ..model.loading import load_tokenizer
 
     draft = resolve_draft(args.target, args.draft)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -53,16 +52,16 @@ def run(args) -> int:
     sizes = int_list(args.batch_sizes, "--batch-sizes")
     pairs = read_prompt_set(args.prompts)
     out = prepare_out(args.out, folder=True)
-    llm = batchspec.LLM(args.target, dtype=dtype(args.dtype), device=args.device)
-    _, _, prompts = encode_prompts(pairs, llm.tokenizer, args.chat_template)
+    tokenizer = load_tokenizer(args.target)
+    _, _, prompts = encode_prompts(pairs, tokenizer, args.chat_template)
     if args.truncate:
         prompts = [p[: args.truncate] for p in prompts if len(p) >= args.truncate]
         if not prompts:
             raise ValueError(f"no prompt has {args.truncate} tokens or more to truncate to")
     prompts = prompts[: args.limit]
-    rows = bench(llm.target, draft, prompts, engines, sizes, args.max_tokens, args.num_draft_tokens,
-                 llm.tokenizer, hf=not args.no_hf, progress=True, speculation=args.speculation,
-                 repeats=args.repeats)
+    rows = bench(args.target, draft, prompts, engines, sizes, args.max_tokens, args.num_draft_tokens,
+                 tokenizer, hf=not args.no_hf, progress=True, speculation=args.speculation,
+                 repeats=args.repeats, weights=args.weights, dtype=dtype(args.dtype), device=args.device)
     write_atomic(out / "bench.json", lambda f: f.write(json.dumps([asdict(r) for r in rows], indent=1)))
     md = to_markdown(rows)
     write_atomic(out / "bench.md", lambda f: f.write(md))

@@ -25,9 +25,16 @@ def model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True, help="apply the tokenizer's chat template")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--device", default=None)
+    weights_arg(p)
     p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
                    help="speculation length: chosen each round from measured cost and acceptance (adaptive, default) "
                         "or always --num-draft-tokens (fixed)")
+
+
+def weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default="auto", choices=["auto", "fp32"],
+                   help="auto (default): keep each weight in the narrowest format that holds its values exactly "
+                        "(same outputs bit for bit, fewer bytes read per step); fp32: as loaded")
 
 
 def resolve_draft(target: str, draft: str | None):

@@ -71,7 +71,7 @@ def run(args) -> int:
         llm = batchspec.LLM(
             args.target, draft=resolve_draft(args.target, args.draft), num_draft_tokens=args.num_draft_tokens,
             layout=args.layout, scheduler=args.scheduler, batch_size=args.batch_size, dtype=dtype(args.dtype),
-            device=args.device, speculation=args.speculation,
+            device=args.device, speculation=args.speculation, weights=args.weights,
         )
         _, _, prompts = encode_prompts(pairs, llm.tokenizer, args.chat_template)
         if args.seed is not None:  # one seed for the run: prompt i gets seed + i

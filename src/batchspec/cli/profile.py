@@ -5,7 +5,7 @@ count, and cached (``batchspec.speculation.costs``). Shows it, measuring it firs
 
 from __future__ import annotations
 
-from .common import DEFAULT_TARGET, dtype, positive_int, resolve_draft
+from .common import DEFAULT_TARGET, weights_arg, dtype, positive_int, resolve_draft
 
 HELP = "show (or measure again) the cost profile the speculation length is chosen from"
 
@@ -19,6 +19,7 @@ def add_arguments(p) -> None:
     p.add_argument("--num-draft-tokens", type=positive_int, default=5)
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--device", default=None)
+    weights_arg(p)
     p.add_argument("--refresh", action="store_true", help="measure again (e.g. after the machine changed load)")
 
 
@@ -32,7 +33,7 @@ def run(args) -> int:
 
     llm = batchspec.LLM(args.target, draft=resolve_draft(args.target, args.draft), batch_size=args.batch_size,
                         num_draft_tokens=args.num_draft_tokens, dtype=dtype(args.dtype), device=args.device,
-                        speculation="fixed")  # (a fixed length measures nothing: the profile is measured here)
+                        speculation="fixed", weights=args.weights)  # (a fixed length measures nothing: the profile is measured here)
     drafter = llm.drafter if llm.k else None
     profile = load_or_measure(llm.parts.target, args.batch_size, drafter, bool(drafter and drafter.needs_hidden),
                               refresh=args.refresh, progress=True)

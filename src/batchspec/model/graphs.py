@@ -45,8 +45,9 @@ def supported(model) -> bool:
     if type(model) is not hf.LlamaForCausalLM or model.config._attn_implementation != "sdpa":
         return False
     layers = model.model.layers
-    return len(layers) > 0 and all(
-        type(layer) is hf.LlamaDecoderLayer and type(layer.self_attn) is hf.LlamaAttention for layer in layers)
+    return len(layers) > 0 and type(model.lm_head) is torch.nn.Linear and all(
+        type(layer) is hf.LlamaDecoderLayer and type(layer.self_attn) is hf.LlamaAttention
+        and type(layer.self_attn.q_proj) is torch.nn.Linear for layer in layers)  # packed weights: CPU paths only
 
 
 SPAN = 256  # attention reads the cache's first slots rounded up to a multiple of this (one graph per span)

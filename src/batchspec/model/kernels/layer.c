@@ -11,7 +11,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K);
+typedef struct {
+    long kind;
+    const void *q, *d, *m;
+} packed_t; /* packed.c: a weight in fp32 (kind 0: q the floats) or a narrower exact format */
+int packed_linear(const float *x, const packed_t *w, float *y, long M, long N, long K);
 void skinny_rows(const float *x, const float *xi, int fill, const float *w, float *y, long M, long N, long K, long n0,
                  long n1);
 long skinny_interleave(const float *x, float *xi, long M, long K, int fill);
@@ -188,12 +192,12 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
     }
 }
 
-/* w: input norm, Wq, Wk, Wv, Wo, post-attention norm, Wgate, Wup, Wdown. x: [R, H], updated in place: R = B*q
+/* w: input norm, Wq, Wk, Wv, Wo, post-attention norm, Wgate, Wup, Wdown (the norms fp32; the linears fp32 or packed). x: [R, H], updated in place: R = B*q
  * rows b * q + i, or, packed, the first count[b] new tokens of each row in order (``first`` [B + 1]: row b's are rows
  * first[b] .. first[b + 1] - 1; the other new slots are padding, not computed, and their cache slots not written).
  * cos, sin: [R, D]. kc, vc: [B, nkv, cap, D] caches; slots S..S+q-1 are written. vis: [B, S+q].
  * dims: B, q, S, cap, H, nh, nkv, D, I, R. Returns 0, or -1 when scratch memory could not be had. */
-int llama_layer(float *x, const float *const *w, const float *cos, const float *sin, float *kc, float *vc,
+int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin, float *kc, float *vc,
                 const unsigned char *vis, const long *dims, float eps, float scale, const long *first) {
     long B = dims[0], q = dims[1], S = dims[2], cap = dims[3], H = dims[4], nh = dims[5], nkv = dims[6], D = dims[7],
          I = dims[8], R = first ? first[B] : B * q, G = nh / nkv, T = S + q;
@@ -202,10 +206,12 @@ int llama_layer(float *x, const float *const *w, const float *cos, const float *
     float *qb = h + R * H, *att = qb + R * nh * D, *kb = att + R * nh * D, *vb = kb + R * nkv * D,
           *gate = vb + R * nkv * D, *up = gate + R * I;
 
-    rmsnorm(x, w[0], h, R, H, eps);
-    skinny_linear(h, w[1], qb, R, nh * D, H);
-    skinny_linear(h, w[2], kb, R, nkv * D, H);
-    skinny_linear(h, w[3], vb, R, nkv * D, H);
+    rmsnorm(x, w[0].q, h, R, H, eps);
+    if (packed_linear(h, &w[1], qb, R, nh * D, H) || packed_linear(h, &w[2], kb, R, nkv * D, H) ||
+        packed_linear(h, &w[3], vb, R, nkv * D, H)) {
+        free(h);
+        return -1;
+    }
     for (long r = 0, b = 0; r < R; r++) {
         while (first && r >= first[b + 1]) b++;
         long i = first ? r - first[b] : r % q;
@@ -244,13 +250,21 @@ int llama_layer(float *x, const float *const *w, const float *cos, const float *
         free(h);
         return -1;
     }
-    skinny_linear(att, w[4], h, R, H, nh * D);
+    if (packed_linear(att, &w[4], h, R, H, nh * D)) {
+        free(h);
+        return -1;
+    }
     for (long j = 0; j < R * H; j++) x[j] += h[j];
-    rmsnorm(x, w[5], h, R, H, eps);
-    skinny_linear(h, w[6], gate, R, I, H);
-    skinny_linear(h, w[7], up, R, I, H);
+    rmsnorm(x, w[5].q, h, R, H, eps);
+    if (packed_linear(h, &w[6], gate, R, I, H) || packed_linear(h, &w[7], up, R, I, H)) {
+        free(h);
+        return -1;
+    }
     for (long j = 0; j < R * I; j++) gate[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
-    skinny_linear(gate, w[8], h, R, H, I);
+    if (packed_linear(gate, &w[8], h, R, H, I)) {
+        free(h);
+        return -1;
+    }
     for (long j = 0; j < R * H; j++) x[j] += h[j];
     free(h);
     return 0;

@@ -18,27 +18,46 @@ import weakref
 import torch
 from transformers.models.llama import modeling_llama as hf
 
-from . import MAX_ROWS, _load, skinny_linear
+from .. import weights as packed
+from . import MAX_ROWS, Packed, _load, skinny_linear
 
 
 class _Plan:
     """Per model: the weights of each layer as a C array of pointers, and the shapes and constants."""
 
     def __init__(self, model, layers):
-        self.tensors = [t for ws in layers for t in ws]  # keeps the pointed-to memory alive
-        self.pointers = [(ctypes.c_void_p * 9)(*(w.data_ptr() for w in ws)) for ws in layers]
+        self.tensors = layers  # keeps the pointed-to memory alive
+        self.pointers = [(Packed * 9)(*(_descriptor(w) for w in ws)) for ws in layers]
         self.key = _fingerprint(model)
         a = model.model.layers[0].self_attn
-        self.heads, self.kv_heads = a.q_proj.weight.shape[0] // a.head_dim, a.k_proj.weight.shape[0] // a.head_dim
+        self.heads, self.kv_heads = a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim
         self.head_dim, self.hidden = a.head_dim, model.config.hidden_size
-        self.inter = model.model.layers[0].mlp.gate_proj.weight.shape[0]
+        self.inter = model.model.layers[0].mlp.gate_proj.out_features
         self.eps, self.scale = model.model.layers[0].input_layernorm.variance_epsilon, a.scaling
+
+
+def _descriptor(w) -> Packed:
+    """``packed_t`` of an fp32 tensor or a ``PackedWeight``."""
+    return w.c_struct() if isinstance(w, packed.PackedWeight) else Packed(0, w.data_ptr(), None, None)
+
+
+def _storage(module) -> torch.Tensor:
+    """The tensor holding a linear's weight: its fp32 parameter, or a packed module's codes."""
+    return module.weight if isinstance(module, torch.nn.Linear) else module.q
 
 
 def _fingerprint(model):
     """Changes when the model's parameters are replaced (``model.to(...)``, reloading): the plan is then rebuilt."""
-    w = model.model.layers[0].self_attn.q_proj.weight if len(model.model.layers) else model.lm_head.weight
-    return w.data_ptr(), w.dtype, w.device, model.lm_head.weight.data_ptr()
+    w = _storage(model.model.layers[0].self_attn.q_proj if len(model.model.layers) else model.lm_head)
+    return w.data_ptr(), w.dtype, w.device, _storage(model.lm_head).data_ptr()
+
+
+def _linear_weight(lin):
+    """A bias-free linear's weight as the layer kernel takes it (fp32 tensor or ``PackedWeight``), or None."""
+    if type(lin) is torch.nn.Linear and lin.bias is None:
+        w = lin.weight
+        return w.detach() if w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() else None
+    return packed.packed_weight(lin) if isinstance(lin, packed.PackedLinear) else None
 
 
 def _layer_weights(layer) -> list[torch.Tensor] | None:
@@ -48,22 +67,22 @@ def _layer_weights(layer) -> list[torch.Tensor] | None:
         return None
     if layer.input_layernorm.variance_epsilon != layer.post_attention_layernorm.variance_epsilon:
         return None
-    linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-    if any(type(lin) is not torch.nn.Linear or lin.bias is not None for lin in linears):
-        return None
-    ws = [layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
-          layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
-    if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in ws):
+    q, k, v, o, gate, up, down = (_linear_weight(lin) for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
+                                                                   m.up_proj, m.down_proj))
+    norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+    ws = [norms[0], q, k, v, o, norms[1], gate, up, down]
+    if any(w is None for w in ws) or any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
+                                         for w in norms):
         return None
     if a.head_dim % 8:  # attention works on 8 dimensions at a time
         return None
-    return [w.detach() for w in ws]
+    return ws
 
 
 def _make_plan(model) -> _Plan | None:
     cfg = model.config
     if (type(model) is not hf.LlamaForCausalLM or cfg.hidden_act != "silu" or getattr(cfg, "pretraining_tp", 1) != 1
-            or not len(model.model.layers) or model.lm_head.weight.dtype != torch.float32):
+            or not len(model.model.layers) or _linear_weight(model.lm_head) is None):
         return None
     layers = [_layer_weights(layer) for layer in model.model.layers]
     if any(ws is None for ws in layers):
@@ -147,5 +166,7 @@ def unpack(flat: torch.Tensor, real: torch.Tensor, b: int, n: int) -> torch.Tens
 
 
 def _head(model, flat):
+    if isinstance(model.lm_head, packed.PackedLinear):
+        return model.lm_head(flat)
     logits = skinny_linear(flat, model.lm_head.weight)
     return model.lm_head(flat) if logits is None else logits

@@ -1,0 +1,305 @@
+"""Weights kept in the narrowest format that holds their fp32 values exactly: lossless, not quantisation.
+
+A batch-1 decode step on a CPU waits on memory: it reads every weight once. Many fp32 weights carry fewer bits than
+they take: a model dequantised from a GGUF file holds, per block of 32 weights of a row, only values ``d * q + m``
+(Q4_1: ``q`` a 4-bit code, ``d`` and ``m`` fp16) or ``d * q`` (Q8_0, Q4_0), and a checkpoint published in bf16 holds
+only bf16 values. ``pack`` finds, for one fp32 weight, the narrowest of these formats whose expansion gives back every
+value *bit for bit* (it checks all of them), and ``packed.c`` expands a chunk of rows at a time to those very fp32
+values before the usual fp32 kernel runs over them: every logit keeps its bits, a step reads 2-7x fewer bytes.
+
+Formats (bits per weight): q4_0 4.5, q4_1 5, q8_0 8.5, bf16 16, f16 16 (fp32 32). A tensor no format holds exactly
+stays fp32. Activations stay fp32 throughout; nothing is approximated.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+
+BLOCK = 32  # weights of a row sharing one scale (and offset) in the block formats, as in GGUF
+KINDS = {"f32": 0, "bf16": 1, "f16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}  # packed.c's format codes
+BITS = {"q4_0": 4.5, "q4_1": 5.0, "q8_0": 8.5, "bf16": 16.0, "f16": 16.0, "f32": 32.0}
+ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16")  # tried narrowest first
+
+
+@dataclass
+class PackedWeight:
+    """One weight ``[N, K]`` in ``kind``: ``q`` the codes (uint8 ``[N, K/2]``: two 4-bit codes a byte, weight j and
+    j + 16 of a block in byte j; int8 ``[N, K]`` for q8_0; int16 ``[N, K]`` bits for bf16 and f16), ``d`` and ``m``
+    fp16 ``[N, K/32]`` the blocks' scales and offsets (None where the format has none)."""
+
+    kind: str
+    shape: tuple[int, int]
+    q: torch.Tensor
+    d: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: t for k, t in (("q", self.q), ("d", self.d), ("m", self.m)) if t is not None}
+
+    def c_struct(self) -> kernels.Packed:
+        ptr = (lambda t: t.data_ptr() if t is not None else None)
+        return kernels.Packed(KINDS[self.kind], ptr(self.q), ptr(self.d), ptr(self.m))
+
+    def expand(self) -> torch.Tensor:
+        """The fp32 weight ``[N, K]`` (the kernel where built, else torch; the same bits either way)."""
+        lib = kernels.library()
+        if lib is None:
+            return expand_torch(self)
+        out = torch.empty(self.shape, dtype=torch.float32)
+        lib.packed_expand(ctypes.byref(self.c_struct()), self.shape[0], self.shape[1], out.data_ptr())
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the fp32 weight: ``[*ids.shape, K]``."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        lib = kernels.library()
+        if lib is None:
+            out = expand_torch(self, flat)
+        else:
+            if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+                raise IndexError(f"index out of range for {self.shape[0]} rows")
+            out = torch.empty((flat.numel(), self.shape[1]), dtype=torch.float32)
+            lib.packed_gather(ctypes.byref(self.c_struct()), self.shape[1], flat.data_ptr(), flat.numel(),
+                              out.data_ptr())
+        return out.view(*ids.shape, self.shape[1])
+
+
+def expand_torch(p: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 values of ``p`` (its ``rows`` only, when given) computed with torch: the reference the kernel's
+    expansion is tested against, and the fallback where the kernels are not built."""
+    pick = (lambda t: t if rows is None or t is None else t[rows])
+    q, d, m = pick(p.q), pick(p.d), pick(p.m)
+    n, k = q.shape[0], p.shape[1]
+    if p.kind == "f32":
+        return q.clone()
+    if p.kind == "bf16":
+        return (q.to(torch.int32) << 16).view(torch.float32)
+    if p.kind == "f16":
+        return q.view(torch.float16).float()
+    if p.kind == "q8_0":
+        codes = q.float()
+    else:
+        codes = _nibbles(q, n, k)
+        codes = codes.float() - (8.0 if p.kind == "q4_0" else 0.0)
+    codes = codes.view(n, k // BLOCK, BLOCK)
+    w = codes * d.float()[..., None]  # exact: 11 significant bits times at most 8
+    if p.kind == "q4_1":
+        w = w + m.float()[..., None]  # the one rounding, as gguf's dequantiser (d * q, then + m)
+    return w.view(n, k)
+
+
+def _nibbles(q: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``[n, k]`` the 4-bit codes of ``q`` ``[n, k/2]`` (per block: the 16 low nibbles, then the 16 high ones)."""
+    b = q.view(n, k // BLOCK, BLOCK // 2)
+    return torch.cat([b & 0x0F, b >> 4], -1).view(n, k)
+
+
+def pack(weight: torch.Tensor, kinds=ORDER) -> PackedWeight | None:
+    """The narrowest format in ``kinds`` that holds every value of the fp32 ``weight`` ``[N, K]`` bit for bit (its
+    expansion is checked against it), or None (also where the kernels, which find the block formats' codes and
+    would run the packed weight, are not built here)."""
+    lib = kernels.library()
+    if lib is None or weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        return None
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    bits = w.view(torch.int32)
+    for kind in kinds:
+        p = None
+        if kind == "bf16" and not (bits & 0xFFFF).any():
+            p = PackedWeight(kind, (n, k), (bits >> 16).to(torch.int16))
+        elif kind == "f16" and torch.equal(w.half().float().view(torch.int32), bits):
+            p = PackedWeight(kind, (n, k), w.half().view(torch.int16))
+        elif kind in ("q4_0", "q4_1", "q8_0") and k % BLOCK == 0:
+            q = torch.empty((n, k), dtype=torch.int8) if kind == "q8_0" else torch.empty((n, k // 2), dtype=torch.uint8)
+            d = torch.empty((n, k // BLOCK), dtype=torch.float16)
+            m = torch.empty_like(d) if kind == "q4_1" else None
+            found = lib.packed_find(KINDS[kind], w.data_ptr(), n, k, q.data_ptr(), d.data_ptr(),
+                                    None if m is None else m.data_ptr())
+            p = PackedWeight(kind, (n, k), q, d, m) if found == 0 else None
+        if p is not None and torch.equal(p.expand().view(torch.int32), bits):
+            return p
+    return None
+
+
+class PackedLinear(torch.nn.Module):
+    """``nn.Linear`` (no bias) over a ``PackedWeight``: few rows through ``packed.c`` (the fp32 kernel's bits), many
+    rows as torch's product with the expanded weight (its fp32 values, so the fp32 module's bits too)."""
+
+    def __init__(self, packed: PackedWeight):
+        super().__init__()
+        self.packed = packed
+        self.out_features, self.in_features = packed.shape
+        for name, t in packed.tensors().items():  # buffers: moved, shared and counted like the model's own
+            self.register_buffer(name, t, persistent=False)
+
+    def _weight(self) -> PackedWeight:
+        """The packed weight over this module's own buffers (a deep copy of the module shares them)."""
+        p = self.packed
+        if p.q is not self.q:
+            p = self.packed = PackedWeight(p.kind, p.shape, self.q, getattr(self, "d", None), getattr(self, "m", None))
+        return p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        lib = kernels.library()
+        p = self._weight()
+        if lib is None or rows > kernels.MAX_ROWS or x.dtype != torch.float32:
+            return torch.nn.functional.linear(x, p.expand().to(x.dtype))
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        y = torch.empty((rows, self.out_features), dtype=torch.float32)
+        if lib.packed_linear(x2.data_ptr(), ctypes.byref(p.c_struct()), y.data_ptr(), rows, *p.shape):
+            raise MemoryError("batchspec's packed linear kernel could not allocate its scratch memory")
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.packed.kind}"
+
+
+class PackedEmbedding(torch.nn.Module):
+    """``nn.Embedding`` over a ``PackedWeight`` (a tied output head shares it): rows expanded as they are looked up."""
+
+    def __init__(self, packed: PackedWeight, padding_idx: int | None = None):
+        super().__init__()
+        self.packed = packed
+        self.num_embeddings, self.embedding_dim = packed.shape
+        self.padding_idx = padding_idx
+        for name, t in packed.tensors().items():
+            self.register_buffer(name, t, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.packed
+        if p.q is not self.q:
+            p = self.packed = PackedWeight(p.kind, p.shape, self.q, getattr(self, "d", None), getattr(self, "m", None))
+        return p.rows(ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.packed.kind}"
+
+
+def packed_weight(module) -> PackedWeight | None:
+    """The packed weight of a ``PackedLinear`` / ``PackedEmbedding`` (None for any other module)."""
+    if isinstance(module, PackedLinear):
+        return module._weight()
+    return module.packed if isinstance(module, PackedEmbedding) else None
+
+
+@dataclass
+class PackReport:
+    """What ``pack_model`` did: tensors per format, fp32 bytes before and resident weight bytes after."""
+
+    formats: dict[str, int]
+    fp32_bytes: int
+    bytes: int
+    unpacked: list[str]  # linear / embedding weights kept in fp32 (no format holds them exactly)
+
+    def line(self) -> str:
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(self.formats.items()))
+        return (f"weights: {self.bytes / 2**20:.0f} MiB resident for {self.fp32_bytes / 2**20:.0f} MiB in fp32 "
+                f"({counts})")
+
+
+def report(model) -> PackReport:
+    """What ``model``'s linear and embedding weights take now: tensors per format and resident bytes (a query)."""
+    formats: dict[str, int] = {}
+    unpacked: list[str] = []
+    fp32 = total = 0
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        p = packed_weight(module)
+        if p is not None:
+            key, n, size, kind = id(p.q), p.shape[0] * p.shape[1], p.nbytes, p.kind
+        elif type(module) in (torch.nn.Linear, torch.nn.Embedding):
+            w = module.weight
+            key, n, size, kind = id(w), w.numel(), w.numel() * w.element_size(), None
+        else:
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        fp32, total = fp32 + 4 * n, total + size
+        if kind is None:
+            unpacked.append(name)
+        else:
+            formats[kind] = formats.get(kind, 0) + 1
+    return PackReport(formats, fp32, total, unpacked)
+
+
+def pack_model(model) -> PackReport:
+    """Replace, in place, every bias-free ``nn.Linear`` and ``nn.Embedding`` of an fp32 CPU ``model`` whose weight a
+    narrower format holds exactly by its packed module (a tied output head and input embedding share one packed
+    weight); other parameters (norms, biases) stay. Outputs keep their bits. Returns ``report(model)``."""
+    done: dict[int, tuple] = {}  # id(weight) -> (weight, its packed form): tied weights are packed once (the weight
+    # is kept so that its id is not reused while the loop runs)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) not in (torch.nn.Linear, torch.nn.Embedding):
+                continue
+            if type(child) is torch.nn.Linear and child.bias is not None:
+                continue
+            w = child.weight
+            if w.dtype != torch.float32 or w.device.type != "cpu":
+                continue
+            if id(w) not in done:
+                done[id(w)] = (w, pack(w))
+            p = done[id(w)][1]
+            if p is not None:
+                setattr(parent, name, PackedLinear(p) if type(child) is torch.nn.Linear
+                        else PackedEmbedding(p, child.padding_idx))
+    return report(model)
+
+
+# ------------------------------------------------------------------------------------------------- the cache
+
+CACHE_VERSION = 1  # of the file below: a change of its layout or of a format's codes makes older files unread
+
+
+def state(model) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every tensor a packed model needs, by name (a packed module's codes as ``name.q`` / ``.d`` / ``.m``, every
+    other parameter as it is), and what says how to rebuild it: each packed module's format, shape and class, and
+    the modules that share another's packed weight (a tied head)."""
+    tensors: dict[str, torch.Tensor] = {}
+    modules: dict[str, dict] = {}
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        p = packed_weight(module)
+        if p is None:
+            continue
+        cls = "linear" if isinstance(module, PackedLinear) else "embedding"
+        if id(p.q) in owner:
+            modules[name] = {"class": cls, "same_as": owner[id(p.q)]}
+            continue
+        owner[id(p.q)] = name
+        modules[name] = {"class": cls, "kind": p.kind, "shape": list(p.shape),
+                         "padding_idx": getattr(module, "padding_idx", None)}
+        tensors.update({f"{name}.{k}": t.contiguous() for k, t in p.tensors().items()})
+    for name, param in model.named_parameters():
+        tensors[name] = param.detach().contiguous()
+    return tensors, {"version": CACHE_VERSION, "modules": modules}
+
+
+def modules_from(tensors: dict[str, torch.Tensor], layout: dict) -> dict[str, torch.nn.Module]:
+    """The packed modules ``state`` described, by name, over ``tensors``."""
+    if layout.get("version") != CACHE_VERSION:
+        raise ValueError(f"packed weights of version {layout.get('version')}, this batchspec reads {CACHE_VERSION}")
+    built: dict[str, torch.nn.Module] = {}
+    for name, spec in layout["modules"].items():
+        if "same_as" in spec:
+            continue
+        parts = {k: tensors.get(f"{name}.{k}") for k in ("q", "d", "m")}
+        p = PackedWeight(spec["kind"], tuple(spec["shape"]), parts["q"], parts["d"], parts["m"])
+        built[name] = PackedLinear(p) if spec["class"] == "linear" else PackedEmbedding(p, spec["padding_idx"])
+    for name, spec in layout["modules"].items():
+        if "same_as" in spec:
+            p = packed_weight(built[spec["same_as"]])
+            built[name] = PackedLinear(p) if spec["class"] == "linear" else PackedEmbedding(p)
+    return built

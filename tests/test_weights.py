@@ -1,0 +1,194 @@
+"""Packed weights (``batchspec.model.weights``): each weight kept in the narrowest format that holds its fp32 values
+exactly. The oracle for the block formats is gguf's own quantiser and dequantiser (an independent implementation);
+for outputs, the fp32 path of the same engine (bit for bit) and HF ``generate`` at batch size 1 (token for token)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GT
+from gguf import quants
+
+import batchspec
+from batchspec import SamplingParams
+from batchspec.model import kernels
+from batchspec.model.loading import load_model
+from batchspec.model import weights as W
+from batchspec.model.kernels import llama as fused
+from batchspec.model.runner import Runner
+
+import tiny
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the C kernels are not built here")
+
+GGUF = {"q4_0": GT.Q4_0, "q4_1": GT.Q4_1, "q8_0": GT.Q8_0}
+
+
+def gguf_values(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` quantised and dequantised by gguf: fp32 values that ``kind`` holds exactly."""
+    raw = quants.quantize(x.detach().float().numpy(), GGUF[kind])
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(raw, GGUF[kind]))).float().view(x.shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gguf_blocks_are_found_and_expand_to_gguf_values(kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 192, generator=g) * 0.05
+    x[3, :32] = 0.0  # a block of zeros
+    x[5, 32:64] = 0.25  # a block of one value
+    v = gguf_values(x, kind)
+    p = W.pack(v)
+    assert p is not None and p.kind == kind  # the narrowest format that holds the values
+    assert torch.equal(bits(p.expand()), bits(v))  # the kernel's expansion
+    assert torch.equal(bits(W.expand_torch(p)), bits(v))  # torch's, the same arithmetic
+    ids = torch.tensor([[0, 39], [3, 5]])
+    assert torch.equal(bits(p.rows(ids)), bits(v[ids]))
+    assert p.nbytes / (4 * v.numel()) == pytest.approx(W.BITS[kind] / 32)
+
+
+def test_narrowest_format_wins_and_others_stay_fp32():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 64, generator=g)
+    assert W.pack(x.bfloat16().float()).kind == "bf16"
+    assert W.pack(x.half().float()).kind == "f16"
+    assert W.pack(x) is None  # no format holds random fp32 values
+    v = gguf_values(x, "q4_1")
+    v[7, 9] = torch.nextafter(v[7, 9], torch.tensor(1e9))  # one value an ulp off: no block format holds it
+    assert W.pack(v) is None
+    assert W.pack(x.double()) is None and W.pack(x[0]) is None  # only 2-D fp32 tensors are packed
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16", "f16"])
+def test_packed_linear_gives_the_fp32_kernels_bits(kind):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(75, 160, generator=g) * 0.1
+    v = gguf_values(x, kind) if kind in GGUF else (x.bfloat16() if kind == "bf16" else x.half()).float()
+    lin = W.PackedLinear(W.pack(v))
+    assert lin.packed.kind == kind
+    a = torch.randn(80, 160, generator=g)
+    for rows in [*range(1, 22), 33, 64]:  # the kernel's every block shape, with and without AVX-512 blocks
+        assert torch.equal(bits(lin(a[:rows])), bits(kernels.skinny_linear(a[:rows], v))), rows
+    many = a.repeat(2, 1)  # past the kernel's rows: torch's product with the expanded weight
+    assert torch.equal(bits(lin(many)), bits(torch.nn.functional.linear(many, v)))
+    assert torch.equal(bits(lin(a[:6].view(2, 3, 160))), bits(kernels.skinny_linear(a[:6], v)).view(2, 3, 75))
+
+
+def quantised_target(tmp_path, tie: bool = False):
+    """The tiny fp32 Llama with every weight in a GGUF block format (as a model dequantised from a GGUF file is),
+    the norms left as they are, saved as a Hugging Face directory with the tiny tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    model = tiny.target(dtype=torch.float32)
+    model = LlamaForCausalLM(model.config).eval()
+    model.load_state_dict(tiny.target(dtype=torch.float32).state_dict())
+    kinds = {"q_proj": "q4_1", "k_proj": "q4_0", "v_proj": "q8_0", "o_proj": "q4_1", "gate_proj": "q4_1",
+             "up_proj": "q4_0", "down_proj": "q4_1", "embed_tokens": "q8_0", "lm_head": "q4_1"}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            kind = next((k for part, k in kinds.items() if part in name), None)
+            if kind is not None:
+                p.copy_(gguf_values(p, kind))
+    if tie:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    path = tmp_path / ("tied" if tie else "target")
+    model.save_pretrained(path)
+    tiny.tokenizer().save_pretrained(path)
+    return path, kinds
+
+
+def test_a_packed_model_gives_the_fp32_models_logits_bit_for_bit(tmp_path):
+    path, kinds = quantised_target(tmp_path)
+    fp32 = load_model(path, weights="fp32")
+    packed = load_model(path, weights="auto")
+    report = W.report(packed)
+    assert report.unpacked == [] and sum(report.formats.values()) == 2 * 7 + 2
+    assert report.formats == {"q4_1": 2 * 4 + 1, "q4_0": 2 * 2, "q8_0": 2 + 1}
+    assert report.bytes < report.fp32_bytes / 3
+    assert isinstance(packed.model.layers[1].mlp.up_proj, W.PackedLinear) and packed.model.layers[1].mlp.up_proj.packed.kind == "q4_0"
+    assert fused.plan(packed) is not None  # the C layer runs the packed model
+    prompts = tiny.prompts(4, seed=7)
+    from batchspec.engine.batch import prefill
+
+    for q in (1, 3, 6):  # a decode step and verification blocks, every row through the layer kernel
+        outs = []
+        for model in (fp32, packed):
+            state = prefill(Runner(model), prompts)
+            ids = torch.tensor([[p[-1]] + [5] * (q - 1) for p in prompts])
+            with torch.inference_mode():
+                outs.append(state.append(ids, hidden=True))
+        assert torch.equal(bits(outs[0].logits), bits(outs[1].logits)), q
+        assert torch.equal(bits(outs[0].hidden), bits(outs[1].hidden)), q
+    x = torch.tensor([tiny.prompts(1, seed=3, lo=90, hi=100)[0]])  # HF's own forward (prefill-sized)
+    with torch.inference_mode():
+        assert torch.equal(bits(fp32(x).logits), bits(packed(x).logits))
+
+
+@pytest.mark.parametrize("draft", [None, "prompt-lookup"])
+def test_packed_engine_matches_the_oracle_and_the_fp32_engine(tmp_path, draft):
+    path, _ = quantised_target(tmp_path, tie=True)
+    llm = batchspec.LLM(path, draft=draft, batch_size=4)
+    ref = batchspec.LLM(path, draft=draft, batch_size=4, weights="fp32")
+    assert llm.weights.formats and isinstance(llm.target.lm_head, W.PackedLinear)
+    assert llm.target.lm_head.packed is llm.target.model.embed_tokens.packed  # tied: packed once
+    assert not ref.weights.formats and ref.weights.bytes == ref.weights.fp32_bytes
+    prompts = tiny.prompts(8, seed=11)
+    sp = SamplingParams(max_tokens=24)
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert got == [o.token_ids for o in ref.generate(prompts, sp)]
+    oracle_model = load_model(path, weights="fp32")
+    assert got == [tiny.oracle(oracle_model, p, 24) for p in prompts]
+    if draft:
+        assert llm.stats.accepted > 0  # speculation ran on the packed model
+
+
+def test_a_model_object_passed_in_is_never_packed():
+    model = tiny.target(dtype=torch.float32)
+    before = type(model.model.layers[0].self_attn.q_proj)
+    llm = batchspec.LLM(model, batch_size=2)
+    assert type(model.model.layers[0].self_attn.q_proj) is before is torch.nn.Linear
+    assert llm.weights.formats == {}
+
+
+def test_weights_mode_is_checked():
+    with pytest.raises(ValueError, match="weights must be one of"):
+        batchspec.LLM(tiny.target(dtype=torch.float32), weights="q4")
+
+
+def test_packed_weights_are_cached_and_later_loads_never_read_the_fp32_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
+    path, _ = quantised_target(tmp_path, tie=True)
+    first = load_model(path, torch.float32, weights="auto")
+    x = torch.tensor([tiny.prompts(1, seed=4, lo=20, hi=30)[0]])
+    prompts = tiny.prompts(4, seed=2)
+    sp = SamplingParams(max_tokens=12)
+    with torch.inference_mode():
+        logits = first(x).logits
+    outs = [o.token_ids for o in batchspec.LLM(first, batch_size=2).generate(prompts, sp)]
+    formats, generation = W.report(first).formats, first.generation_config.to_dict()
+    files = list((tmp_path / "cache" / "packed").glob("*.safetensors"))
+    assert len(files) == 1
+    assert files[0].stat().st_size < (path / "model.safetensors").stat().st_size / 2
+    del first  # its norms may be mapped from the file overwritten next
+    weights = path / "model.safetensors"  # garbage of the same size and time: a later load must not read it
+    st = weights.stat()
+    weights.write_bytes(b"\0" * st.st_size)
+    import os
+
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = load_model(path, torch.float32, weights="auto")
+    assert W.report(again).formats == formats
+    assert again.lm_head.packed is again.model.embed_tokens.packed  # still tied
+    assert again.generation_config.to_dict() == generation  # from the directory, as from_pretrained reads it
+    with torch.inference_mode():
+        assert torch.equal(bits(logits), bits(again(x).logits))
+    assert [o.token_ids for o in batchspec.LLM(again, batch_size=2).generate(prompts, sp)] == outs
+    weights.write_bytes(b"\0" * (st.st_size + 1))  # the file changed: the cache no longer applies
+    with pytest.raises(Exception):
+        load_model(path, torch.float32, weights="auto")
