@@ -44,9 +44,9 @@ def test_few_row_linear_matches_linear():
         few = runner.FewRowLinear.sharing(lin)
         assert few.weight is lin.weight and few.bias is lin.bias
         got = few(x)
-        many = few(torch.randn(runner.FEW_ROWS + 1, 24, dtype=torch.float64))  # falls back to nn.Linear
+        many = few(torch.randn(kernels.FEW_ROWS + 1, 24, dtype=torch.float64))  # falls back to nn.Linear
         assert type(lin) is torch.nn.Linear
-        assert got.shape == want.shape and got.is_contiguous() and many.shape == (runner.FEW_ROWS + 1, 40)
+        assert got.shape == want.shape and got.is_contiguous() and many.shape == (kernels.FEW_ROWS + 1, 40)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -164,11 +164,11 @@ def test_engine_with_skinny_kernel_stays_exact():
 
     prompts = tiny.prompts(6, seed=11, lo=2, hi=40)
     try:
-        runner.skinny_linear = spy
+        kernels.skinny_linear = spy  # what the runner's linears call (kernels.linear)
         llm = tiny.fixed_llm(t, draft="prompt-lookup", num_draft_tokens=3, batch_size=6, check_invariants=True)
         outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=12))
     finally:
-        runner.skinny_linear = real
+        kernels.skinny_linear = real
     assert calls and all(calls), "the kernel never ran (or declined) inside the engine"
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 12) for p in prompts]
 

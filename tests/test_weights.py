@@ -67,33 +67,35 @@ def test_narrowest_format_wins_and_others_stay_fp32():
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16", "f16"])
 def test_packed_linear_gives_the_fp32_kernels_bits(kind):
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(75, 160, generator=g) * 0.1
+    x = torch.randn(75, 192, generator=g) * 0.1
     v = gguf_values(x, kind) if kind in GGUF else (x.bfloat16() if kind == "bf16" else x.half()).float()
     lin = W.PackedLinear(W.pack(v))
     assert lin.packed.kind == kind
-    a = torch.randn(80, 160, generator=g)
+    a = torch.randn(80, 192, generator=g)
     for rows in [*range(1, 22), 33, 64]:  # the kernel's every block shape, with and without AVX-512 blocks
         assert torch.equal(bits(lin(a[:rows])), bits(kernels.skinny_linear(a[:rows], v))), rows
-    many = a.repeat(2, 1)  # past the kernel's rows: torch's product with the expanded weight
-    assert torch.equal(bits(lin(many)), bits(torch.nn.functional.linear(many, v)))
-    assert torch.equal(bits(lin(a[:6].view(2, 3, 160))), bits(kernels.skinny_linear(a[:6], v)).view(2, 3, 75))
+    for many in (a.repeat(2, 1), a.repeat(4, 1)):  # past the kernel's rows: as the runner's fp32 linear, both ways
+        assert torch.equal(bits(lin(many)), bits(kernels.linear(many, v)))
+    assert torch.equal(bits(lin(a[:6].view(2, 3, 192))), bits(kernels.skinny_linear(a[:6], v)).view(2, 3, 75))
 
 
 def quantised_target(tmp_path, tie: bool = False):
     """The tiny fp32 Llama with every weight in a GGUF block format (as a model dequantised from a GGUF file is),
     the norms left as they are, saved as a Hugging Face directory with the tiny tokenizer."""
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = tiny.target(dtype=torch.float32)
-    model = LlamaForCausalLM(model.config).eval()
-    model.load_state_dict(tiny.target(dtype=torch.float32).state_dict())
+    torch.manual_seed(0)  # the block formats need rows of 32 (64 for 4 bits) weights: a tiny Llama of width 64
+    cfg = LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
     kinds = {"q_proj": "q4_1", "k_proj": "q4_0", "v_proj": "q8_0", "o_proj": "q4_1", "gate_proj": "q4_1",
              "up_proj": "q4_0", "down_proj": "q4_1", "embed_tokens": "q8_0", "lm_head": "q4_1"}
     with torch.no_grad():
         for name, p in model.named_parameters():
             kind = next((k for part, k in kinds.items() if part in name), None)
             if kind is not None:
-                p.copy_(gguf_values(p, kind))
+                p.copy_(gguf_values(p * 6, kind))  # larger than the default init: peaked, varied next tokens
     if tie:
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -125,9 +127,9 @@ def test_a_packed_model_gives_the_fp32_models_logits_bit_for_bit(tmp_path):
                 outs.append(state.append(ids, hidden=True))
         assert torch.equal(bits(outs[0].logits), bits(outs[1].logits)), q
         assert torch.equal(bits(outs[0].hidden), bits(outs[1].hidden)), q
-    x = torch.tensor([tiny.prompts(1, seed=3, lo=90, hi=100)[0]])  # HF's own forward (prefill-sized)
-    with torch.inference_mode():
-        assert torch.equal(bits(fp32(x).logits), bits(packed(x).logits))
+    long = [tiny.prompts(1, seed=3, lo=90, hi=100)[0]] * 2  # past the C layer's rows: the model's own modules
+    outs = [prefill(Runner(model), long, hidden=True)[1] for model in (fp32, packed)]
+    assert torch.equal(bits(outs[0]), bits(outs[1]))
 
 
 @pytest.mark.parametrize("draft", [None, "prompt-lookup"])

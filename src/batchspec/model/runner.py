@@ -26,11 +26,9 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 from ..engine.sampling import greedy
-from . import graphs, kv
+from . import graphs, kernels, kv
+from .kernels import linear as fp32_linear
 from .kernels import llama as fused_llama
-from .kernels import skinny_linear
-
-FEW_ROWS = 256  # up to this many rows (batch x new tokens), linear layers run as ``W @ x^T``
 SLOT_SDPA = "batchspec_slot_sdpa"
 
 
@@ -59,10 +57,9 @@ class TargetOutput:
 
 
 class FewRowLinear(torch.nn.Linear):
-    """``nn.Linear`` for few rows (decode and verification steps): the skinny kernel where it applies, else
-    ``W @ x^T``. On CPU (MKL), for a few rows against a large weight, that orientation streams the weight ~1.3-2x
-    faster than ``x @ W^T`` (the vocabulary projection of 8 rows: 2.3x); for many rows ``x @ W^T`` is used. The
-    products are the same; only their summation order may differ, like any change of batch size."""
+    """``nn.Linear`` as the runner computes it (``kernels.linear``: the skinny kernel, ``W @ x^T`` for few rows,
+    torch's product for many). The products are the same; only their summation order may differ, like any change of
+    batch size."""
 
     @classmethod
     def sharing(cls, linear: torch.nn.Linear) -> "FewRowLinear":
@@ -74,12 +71,9 @@ class FewRowLinear(torch.nn.Linear):
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1]
-        if rows > FEW_ROWS:
+        if rows > kernels.FEW_ROWS:
             return super().forward(x)
-        x2 = x.reshape(rows, x.shape[-1])
-        y = skinny_linear(x2, self.weight)
-        if y is None:
-            y = (self.weight @ x2.T).T.contiguous()
+        y = fp32_linear(x.reshape(rows, x.shape[-1]), self.weight)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -7,8 +7,8 @@ only bf16 values. ``pack`` finds, for one fp32 weight, the narrowest of these fo
 value *bit for bit* (it checks all of them), and ``packed.c`` expands a chunk of rows at a time to those very fp32
 values before the usual fp32 kernel runs over them: every logit keeps its bits, a step reads 2-7x fewer bytes.
 
-Formats (bits per weight): q4_0 4.5, q4_1 5, q8_0 8.5, bf16 16, f16 16 (fp32 32). A tensor no format holds exactly
-stays fp32. Activations stay fp32 throughout; nothing is approximated.
+Formats (bits per weight, resident: the block scales are fp16 values kept as fp32): q4_0 5, q4_1 6, q8_0 9, bf16 16,
+f16 16 (fp32 32). A tensor no format holds exactly stays fp32. Activations stay fp32 throughout; nothing is approximated.
 """
 
 from __future__ import annotations
@@ -22,15 +22,18 @@ from . import kernels
 
 BLOCK = 32  # weights of a row sharing one scale (and offset) in the block formats, as in GGUF
 KINDS = {"f32": 0, "bf16": 1, "f16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}  # packed.c's format codes
-BITS = {"q4_0": 4.5, "q4_1": 5.0, "q8_0": 8.5, "bf16": 16.0, "f16": 16.0, "f32": 32.0}
+BITS = {"q4_0": 5.0, "q4_1": 6.0, "q8_0": 9.0, "bf16": 16.0, "f16": 16.0, "f32": 32.0}  # resident, fp32 scales
 ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16")  # tried narrowest first
 
 
 @dataclass
 class PackedWeight:
-    """One weight ``[N, K]`` in ``kind``: ``q`` the codes (uint8 ``[N, K/2]``: two 4-bit codes a byte, weight j and
-    j + 16 of a block in byte j; int8 ``[N, K]`` for q8_0; int16 ``[N, K]`` bits for bf16 and f16), ``d`` and ``m``
-    fp16 ``[N, K/32]`` the blocks' scales and offsets (None where the format has none)."""
+    """One weight ``[N, K]`` in ``kind``: ``q`` the codes (int16 ``[N, K]`` bits for bf16 and f16; int32 words for
+    the block formats, laid out for eight 32-bit lanes as ``packed.c`` says: ``[N, K/64, 8]``, word j of group g
+    holding the 4-bit codes of weights 64g + 8p + j, p = 0..7, in bits 4p..4p+3; ``[N, K/32, 8]`` for q8_0, the 8-bit
+    codes of weights 32b + 8p + j, p = 0..3, in bits 8p..8p+7), ``d`` and ``m`` ``[N, K/32]`` the blocks' scales
+    and offsets (None where the format has none): fp16 values, kept in fp32 so that the kernel broadcasts them from
+    memory as they are."""
 
     kind: str
     shape: tuple[int, int]
@@ -86,21 +89,15 @@ def expand_torch(p: PackedWeight, rows: torch.Tensor | None = None) -> torch.Ten
     if p.kind == "f16":
         return q.view(torch.float16).float()
     if p.kind == "q8_0":
-        codes = q.float()
-    else:
-        codes = _nibbles(q, n, k)
-        codes = codes.float() - (8.0 if p.kind == "q4_0" else 0.0)
+        codes = q
+    else:  # nibble p of word j: weight 8p + j of the group of 64
+        codes = torch.stack([(q >> (4 * i)) & 0x0F for i in range(8)], -2)
+    codes = codes.reshape(n, k).float() - (8.0 if p.kind == "q4_0" else 0.0)
     codes = codes.view(n, k // BLOCK, BLOCK)
     w = codes * d.float()[..., None]  # exact: 11 significant bits times at most 8
     if p.kind == "q4_1":
         w = w + m.float()[..., None]  # the one rounding, as gguf's dequantiser (d * q, then + m)
     return w.view(n, k)
-
-
-def _nibbles(q: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """``[n, k]`` the 4-bit codes of ``q`` ``[n, k/2]`` (per block: the 16 low nibbles, then the 16 high ones)."""
-    b = q.view(n, k // BLOCK, BLOCK // 2)
-    return torch.cat([b & 0x0F, b >> 4], -1).view(n, k)
 
 
 def pack(weight: torch.Tensor, kinds=ORDER) -> PackedWeight | None:
@@ -119,9 +116,10 @@ def pack(weight: torch.Tensor, kinds=ORDER) -> PackedWeight | None:
             p = PackedWeight(kind, (n, k), (bits >> 16).to(torch.int16))
         elif kind == "f16" and torch.equal(w.half().float().view(torch.int32), bits):
             p = PackedWeight(kind, (n, k), w.half().view(torch.int16))
-        elif kind in ("q4_0", "q4_1", "q8_0") and k % BLOCK == 0:
-            q = torch.empty((n, k), dtype=torch.int8) if kind == "q8_0" else torch.empty((n, k // 2), dtype=torch.uint8)
-            d = torch.empty((n, k // BLOCK), dtype=torch.float16)
+        elif kind in ("q4_0", "q4_1", "q8_0") and k % (BLOCK if kind == "q8_0" else 2 * BLOCK) == 0:
+            q = (torch.empty((n, k), dtype=torch.int8) if kind == "q8_0"
+                 else torch.empty((n, k // (2 * BLOCK), 8), dtype=torch.int32))
+            d = torch.empty((n, k // BLOCK), dtype=torch.float32)
             m = torch.empty_like(d) if kind == "q4_1" else None
             found = lib.packed_find(KINDS[kind], w.data_ptr(), n, k, q.data_ptr(), d.data_ptr(),
                                     None if m is None else m.data_ptr())
@@ -132,8 +130,9 @@ def pack(weight: torch.Tensor, kinds=ORDER) -> PackedWeight | None:
 
 
 class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` (no bias) over a ``PackedWeight``: few rows through ``packed.c`` (the fp32 kernel's bits), many
-    rows as torch's product with the expanded weight (its fp32 values, so the fp32 module's bits too)."""
+    """``nn.Linear`` (no bias) over a ``PackedWeight``, computed as the runner computes an fp32 linear
+    (``kernels.linear``): few rows through ``packed.c`` (the skinny kernel's bits), more with the expanded weight
+    (its very fp32 values) in the same orientation: the fp32 path's bits at every row count."""
 
     def __init__(self, packed: PackedWeight):
         super().__init__()
@@ -153,9 +152,10 @@ class PackedLinear(torch.nn.Module):
         rows = x.numel() // self.in_features
         lib = kernels.library()
         p = self._weight()
+        x2 = x.reshape(rows, self.in_features)
         if lib is None or rows > kernels.MAX_ROWS or x.dtype != torch.float32:
-            return torch.nn.functional.linear(x, p.expand().to(x.dtype))
-        x2 = x.reshape(rows, self.in_features).contiguous()
+            return kernels.linear(x2, p.expand().to(x.dtype)).view(*x.shape[:-1], self.out_features)
+        x2 = x2.contiguous()
         y = torch.empty((rows, self.out_features), dtype=torch.float32)
         if lib.packed_linear(x2.data_ptr(), ctypes.byref(p.c_struct()), y.data_ptr(), rows, *p.shape):
             raise MemoryError("batchspec's packed linear kernel could not allocate its scratch memory")

@@ -1,17 +1,21 @@
 /* Linear layers over weights kept in a narrower format that holds their fp32 values exactly (``model/weights.py``).
  *
- * A weight is expanded, a chunk of rows at a time, to the very fp32 values it stands for, into a small buffer that
- * stays in cache; the chunk then goes through skinny.c's kernel as if it had been read from memory in fp32. So every
- * output has the bits of the fp32 path (same values, same order of sums), while a step reads 2-7x fewer bytes from
- * memory. Block formats hold 32 consecutive weights of a row with one scale (and offset), as GGUF's do:
+ * Each weight is expanded in a register, as it is read, to the very fp32 value it stands for, and the products are
+ * summed in skinny.c's order (eight lanes over k in steps of 8, then the same pairwise hsum): every output has the
+ * bits of the fp32 kernel, while a step reads 2-7x fewer bytes from memory. Formats (a block: 32 consecutive
+ * weights of a row with one scale d, and offset m, both fp16 values, kept as fp32 so that the kernel broadcasts them
+ * from memory without converting):
  *   bf16:  w = bits << 16
  *   f16:   w = (float) h
- *   q8_0:  w = d * q             q int8, d fp16
- *   q4_0:  w = d * (q - 8)       q 4 bits, d fp16
- *   q4_1:  w = d * q + m         q 4 bits, d and m fp16
+ *   q8_0:  w = d * q             q int8
+ *   q4_0:  w = d * (q - 8)       q 4 bits
+ *   q4_1:  w = d * q + m         q 4 bits
  * gguf's dequantiser computes d * q and then adds m, two roundings in fp32; d has 11 significant bits and |q| < 2^8,
  * so d * q is exact in fp32 and one fused multiply-add (a single rounding of d * q + m) gives the same bits.
- * 4-bit blocks are 16 bytes: byte j holds weight j (low nibble) and weight j + 16 (high nibble), GGUF's order. */
+ *
+ * 4-bit codes are laid out for eight 32-bit lanes, so that no byte shuffles are needed: a group of 8 words holds,
+ * in word j, the codes of weights 64g + 8p + j, p = 0..7, in bits 4p..4p+3; lane j of part p is one shift and one
+ * mask away. 8-bit codes are one byte per weight in row order (one sign-extending load gives 8 lanes). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -19,80 +23,211 @@
 #include <string.h>
 
 void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K);
-void skinny_rows(const float *x, const float *xi, int fill, const float *w, float *y, long M, long N, long K, long n0,
-                 long n1);
-long skinny_interleave(const float *x, float *xi, long M, long K, int fill);
 
 enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_Q8_0 = 3, W_Q4_0 = 4, W_Q4_1 = 5 };
 
-/* one weight [N, K]: ``q`` the codes (floats for f32), ``d`` and ``m`` the blocks' fp16 scales and offsets [N, K/32] */
+/* one weight [N, K]: ``q`` the codes (floats for f32; int32 words as above for the block formats; uint16 bits for
+ * bf16 / f16), ``d`` and ``m`` the blocks' scales and offsets [N, K/32] (fp32 holding fp16 values) */
 typedef struct {
     long kind;
     const void *q, *d, *m;
 } packed_t;
 
-#define CHUNK 12 /* weight rows expanded at a time: skinny.c's chunk (a multiple of every block's weight rows) */
+#define CHUNK 12 /* weight rows a thread task takes (skinny.c's chunk) */
+/* code groups (32 bytes each) prefetched ahead of the ones being read, and their scales: a row's codes, its scales
+ * and its offsets are three streams, and the block of rows read together several of each; without it a step read
+ * its packed weights at ~3 GB/s (24 ms for the default model's linears at batch 1), with it 16-20 ms */
+#define AHEAD_GROUPS 64
+/* weight rows a block of one or two rows of x takes at a time: 2 measured 1.2x as fast as 4 and 1.1x as fast as 1
+ * at one row (each weight row is a stream of codes, scales and offsets) */
+#define R1C 2
 
-static inline __m256 nibbles(__m128i b, int part) { /* weights 8 * part .. 8 * part + 7 of a 4-bit block */
-    __m128i v = part < 2 ? _mm_and_si128(b, _mm_set1_epi8(0x0F)) : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    if (part & 1) v = _mm_srli_si128(v, 8);
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+/* Each format's weights, expanded in registers: F_SETUP(c) reads group ``kb / GROUP`` of weight row ``row[c]`` (its
+ * code words, its scales), F_PART(c, P) gives its weights 8P .. 8P + 7 (P < GROUP / 8). */
+#define H16_DECL                                                                                              \
+    const uint16_t *h16 = (const uint16_t *)w->q;                                                             \
+    const uint16_t *hp[C_];
+#define BF16_GROUP 32
+#define BF16_DECL H16_DECL
+#define BF16_SETUP(c) hp[c] = h16 + row[c] * K + kb
+#define BF16_PART(c, P)                                                                                       \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(hp[c] + 8 * P))), 16))
+#define F16_GROUP 32
+#define F16_DECL H16_DECL
+#define F16_SETUP(c) hp[c] = h16 + row[c] * K + kb
+#define F16_PART(c, P) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hp[c] + 8 * P)))
+
+#define SCALE(ptr, b) _mm256_broadcast_ss((ptr) + (b))
+#define Q8_0_GROUP 32
+#define Q8_0_DECL                                                                                             \
+    const int8_t *codes = (const int8_t *)w->q;                                                               \
+    const float *dp = (const float *)w->d;                                                                    \
+    const int8_t *at[C_];                                                                                     \
+    long blk[C_];
+#define Q8_0_SETUP(c)                                                                                         \
+    do {                                                                                                      \
+        blk[c] = (row[c] * K + kb) / 32;                                                                      \
+        at[c] = codes + blk[c] * 32;                                                                          \
+        _mm_prefetch((const char *)(at[c] + 32 * AHEAD_GROUPS), _MM_HINT_T0);                                 \
+        _mm_prefetch((const char *)(dp + blk[c] + AHEAD_GROUPS), _MM_HINT_T0);                                \
+    } while (0)
+#define Q8_0_PART(c, P)                                                                                       \
+    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(at[c] + 8 * P)))), \
+                  SCALE(dp, blk[c]))
+#define Q4_GROUP 64
+#define Q4_DECL                                                                                               \
+    const __m256i *words = (const __m256i *)w->q;                                                             \
+    const float *dp = (const float *)w->d, *mp = (const float *)w->m;                                         \
+    const __m256i low = _mm256_set1_epi32(0x0F);                                                              \
+    __m256i code[C_];                                                                                         \
+    long blk[C_];                                                                                             \
+    (void)mp;
+#define Q4_SETUP(c)                                                                                           \
+    do {                                                                                                      \
+        long g = (row[c] * K + kb) / 64;                                                                      \
+        blk[c] = 2 * g;                                                                                       \
+        code[c] = _mm256_loadu_si256(words + g);                                                              \
+        _mm_prefetch((const char *)(words + g + AHEAD_GROUPS), _MM_HINT_T0);                                  \
+        _mm_prefetch((const char *)(dp + blk[c] + 2 * AHEAD_GROUPS), _MM_HINT_T0);                            \
+        if (mp) _mm_prefetch((const char *)(mp + blk[c] + 2 * AHEAD_GROUPS), _MM_HINT_T0);                    \
+    } while (0)
+#define NIB(c, P) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(code[c], 4 * P), low))
+#define Q4_0_GROUP Q4_GROUP
+#define Q4_0_DECL Q4_DECL
+#define Q4_0_SETUP(c) Q4_SETUP(c)
+#define Q4_0_PART(c, P) _mm256_mul_ps(_mm256_sub_ps(NIB(c, P), _mm256_set1_ps(8.0f)), SCALE(dp, blk[c] + P / 4))
+#define Q4_1_GROUP Q4_GROUP
+#define Q4_1_DECL Q4_DECL
+#define Q4_1_SETUP(c) Q4_SETUP(c)
+#define Q4_1_PART(c, P) /* d * q exact: the one rounding is the offset's */                                   \
+    _mm256_fmadd_ps(NIB(c, P), SCALE(dp, blk[c] + P / 4), SCALE(mp, blk[c] + P / 4))
+
+static inline float hsum8(__m256 v) { /* skinny.c's hsum: the same pairwise order */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
 }
 
-/* rows n0 .. n1 - 1 of ``w`` as fp32 into out [n1 - n0, K] (K a multiple of 32 for the block formats) */
-static void expand_rows(const packed_t *w, long K, long n0, long n1, float *out) {
-    long nb = K / 32, count = (n1 - n0) * K;
-    switch (w->kind) {
-        case W_BF16: {
-            const uint16_t *q = (const uint16_t *)w->q + n0 * K;
-            for (long j = 0; j + 8 <= count; j += 8)
-                _mm256_storeu_ps(out + j, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                              _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(q + j))), 16)));
-            for (long j = count / 8 * 8; j < count; j++) ((uint32_t *)out)[j] = (uint32_t)q[j] << 16;
-            break;
-        }
-        case W_F16: {
-            const uint16_t *q = (const uint16_t *)w->q + n0 * K;
-            for (long j = 0; j + 8 <= count; j += 8)
-                _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(q + j))));
-            for (long j = count / 8 * 8; j < count; j++) out[j] = _cvtsh_ss(q[j]);
-            break;
-        }
-        case W_Q8_0: {
-            const int8_t *q = (const int8_t *)w->q + n0 * K;
-            const uint16_t *d = (const uint16_t *)w->d + n0 * nb;
-            for (long b = 0; b < (n1 - n0) * nb; b++) {
-                __m256 vd = _mm256_set1_ps(_cvtsh_ss(d[b]));
-                for (int part = 0; part < 4; part++) {
-                    __m128i c = _mm_loadl_epi64((const __m128i *)(q + 32 * b + 8 * part));
-                    _mm256_storeu_ps(out + 32 * b + 8 * part, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), vd));
-                }
-            }
-            break;
-        }
-        case W_Q4_0:
-        case W_Q4_1: {
-            const uint8_t *q = (const uint8_t *)w->q + n0 * K / 2;
-            const uint16_t *d = (const uint16_t *)w->d + n0 * nb, *m = (const uint16_t *)w->m + n0 * nb;
-            int offset = w->kind == W_Q4_1;
-            for (long b = 0; b < (n1 - n0) * nb; b++) {
-                __m256 vd = _mm256_set1_ps(_cvtsh_ss(d[b]));
-                __m256 vm = offset ? _mm256_set1_ps(_cvtsh_ss(m[b])) : _mm256_setzero_ps();
-                __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * b));
-                for (int part = 0; part < 4; part++) {
-                    __m256 c = nibbles(bytes, part);
-                    __m256 v = offset ? _mm256_fmadd_ps(c, vd, vm)
-                                      : _mm256_mul_ps(_mm256_sub_ps(c, _mm256_set1_ps(8.0f)), vd);
-                    _mm256_storeu_ps(out + 32 * b + 8 * part, v);
-                }
-            }
-            break;
-        }
-        default: {
-            const float *q = (const float *)w->q + n0 * K;
-            for (long j = 0; j < count; j++) out[j] = q[j];
-        }
+/* weights 8P .. 8P + 7 of the group against the R rows of x (P past the group's parts: nothing) */
+#define PSTEP(F, P)                                                                                           \
+    if (8 * P < F##_GROUP) {                                                                                  \
+        __m256 wv[C_];                                                                                        \
+        for (int c = 0; c < C_; c++) wv[c] = F##_PART(c, P);                                                  \
+        for (int r = 0; r < R_; r++) {                                                                        \
+            __m256 t = _mm256_loadu_ps(x + r * K + kb + 8 * P);                                               \
+            for (int c = 0; c < C_; c++) acc[r][c] = _mm256_fmadd_ps(wv[c], t, acc[r][c]);                    \
+        }                                                                                                     \
     }
+
+/* R rows of x against weight rows n .. n + nw - 1 (nw <= C; a short block repeats its first row, unwritten) */
+#define PBLOCK(NAME, F, R, C)                                                                                 \
+    static void NAME(const float *x, const packed_t *w, float *y, long N, long K, long n, int nw) {           \
+        enum { R_ = R, C_ = C };                                                                              \
+        F##_DECL                                                                                              \
+        __m256 acc[R][C];                                                                                     \
+        long row[C];                                                                                          \
+        for (int c = 0; c < C; c++) {                                                                         \
+            row[c] = n + (c < nw ? c : 0);                                                                    \
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_setzero_ps();                                      \
+        }                                                                                                     \
+        for (long kb = 0; kb < K; kb += F##_GROUP) {                                                          \
+            for (int c = 0; c < C; c++) F##_SETUP(c);                                                         \
+            PSTEP(F, 0) PSTEP(F, 1) PSTEP(F, 2) PSTEP(F, 3) PSTEP(F, 4) PSTEP(F, 5) PSTEP(F, 6) PSTEP(F, 7)   \
+        }                                                                                                     \
+        for (int r = 0; r < R; r++)                                                                           \
+            for (int c = 0; c < nw; c++) y[r * N + n + c] = hsum8(acc[r][c]);                                 \
+    }
+
+/* F_rows: rows n0 .. n1 - 1 of y = x @ w^T, x's rows in blocks of 8 and one block of the rest */
+#define PBLOCKS(F)                                                                                            \
+    PBLOCK(F##_r1, F, 1, R1C)                                                                                 \
+    PBLOCK(F##_r2, F, 2, R1C)                                                                                 \
+    PBLOCK(F##_r3, F, 3, 2)                                                                                   \
+    PBLOCK(F##_r4, F, 4, 2)                                                                                   \
+    PBLOCK(F##_r5, F, 5, 1)                                                                                   \
+    PBLOCK(F##_r6, F, 6, 1)                                                                                   \
+    PBLOCK(F##_r7, F, 7, 1)                                                                                   \
+    PBLOCK(F##_r8, F, 8, 1)                                                                                   \
+    static void F##_rows(const float *x, const packed_t *w, float *y, long M, long N, long K, long n0, long n1) { \
+        for (long m = 0; m < M;) {                                                                            \
+            long r = M - m >= 8 ? 8 : M - m;                                                                  \
+            const float *xr = x + m * K;                                                              \
+            float *yr = y + m * N;                                                                            \
+            int C = r <= 2 ? R1C : r <= 4 ? 2 : 1;                                                            \
+            for (long n = n0; n < n1; n += C) {                                                               \
+                int nw = n1 - n < C ? (int)(n1 - n) : C;                                                      \
+                switch (r) {                                                                                  \
+                    case 1: F##_r1(xr, w, yr, N, K, n, nw); break;                                            \
+                    case 2: F##_r2(xr, w, yr, N, K, n, nw); break;                                            \
+                    case 3: F##_r3(xr, w, yr, N, K, n, nw); break;                                            \
+                    case 4: F##_r4(xr, w, yr, N, K, n, nw); break;                                            \
+                    case 5: F##_r5(xr, w, yr, N, K, n, nw); break;                                            \
+                    case 6: F##_r6(xr, w, yr, N, K, n, nw); break;                                            \
+                    case 7: F##_r7(xr, w, yr, N, K, n, nw); break;                                            \
+                    default: F##_r8(xr, w, yr, N, K, n, nw); break;                                           \
+                }                                                                                             \
+            }                                                                                                 \
+            m += r;                                                                                           \
+        }                                                                                                     \
+    }
+
+PBLOCKS(BF16)
+PBLOCKS(F16)
+PBLOCKS(Q8_0)
+PBLOCKS(Q4_0)
+PBLOCKS(Q4_1)
+
+static void rows_of(const float *x, const packed_t *w, float *y, long M, long N, long K, long n0, long n1) {
+    switch (w->kind) {
+        case W_BF16: BF16_rows(x, w, y, M, N, K, n0, n1); break;
+        case W_F16: F16_rows(x, w, y, M, N, K, n0, n1); break;
+        case W_Q8_0: Q8_0_rows(x, w, y, M, N, K, n0, n1); break;
+        case W_Q4_0: Q4_0_rows(x, w, y, M, N, K, n0, n1); break;
+        default: Q4_1_rows(x, w, y, M, N, K, n0, n1); break;
+    }
+}
+
+/* y = x @ w^T for x [M, K] (K a multiple of 32; of 64 for the 4-bit formats), with skinny_linear's bits. Returns 0. */
+int packed_linear(const float *x, const packed_t *w, float *y, long M, long N, long K) {
+    if (w->kind == W_F32) {
+        skinny_linear(x, (const float *)w->q, y, M, N, K);
+        return 0;
+    }
+    #pragma omp parallel for schedule(static)
+    for (long n0 = 0; n0 < N; n0 += CHUNK) rows_of(x, w, y, M, N, K, n0, n0 + CHUNK < N ? n0 + CHUNK : N);
+    return 0;
+}
+
+/* the value of weight i (0..31) of block b of a block format: exactly what the kernel's registers hold */
+static inline float value(long kind, const void *q, const float *d, const float *m, long b, int i) {
+    int p = i / 8, j = i % 8;
+    float dv = d[b];
+    if (kind == W_Q8_0) return (float)((const int8_t *)q)[b * 32 + i] * dv;
+    int c = (((const uint32_t *)q)[(b / 2) * 8 + j] >> (4 * (p + 4 * (b % 2)))) & 0x0F;
+    return kind == W_Q4_0 ? ((float)c - 8.0f) * dv : (float)c * dv + m[b];
+}
+
+/* rows n0 .. n1 - 1 of ``w`` as fp32 into out [n1 - n0, K] */
+static void expand_rows(const packed_t *w, long K, long n0, long n1, float *out) {
+    long count = (n1 - n0) * K;
+    if (w->kind == W_BF16 || w->kind == W_F16) {
+        const uint16_t *q = (const uint16_t *)w->q + n0 * K;
+        for (long j = 0; j < count; j++) {
+            uint32_t bits = (uint32_t)q[j] << 16;
+            if (w->kind == W_BF16)
+                memcpy(out + j, &bits, 4);
+            else
+                out[j] = _cvtsh_ss(q[j]);
+        }
+        return;
+    }
+    if (w->kind == W_F32) {
+        memcpy(out, (const float *)w->q + n0 * K, count * sizeof(float));
+        return;
+    }
+    for (long b = n0 * K / 32; b < n1 * K / 32; b++)
+        for (int i = 0; i < 32; i++) out[(b - n0 * K / 32) * 32 + i] = value(w->kind, w->q, w->d, w->m, b, i);
 }
 
 /* the whole weight as fp32 into out [N, K] (for forwards over many rows, which run as torch's matrix products) */
@@ -106,43 +241,10 @@ void packed_gather(const packed_t *w, long K, const int64_t *ids, long n, float 
     for (long i = 0; i < n; i++) expand_rows(w, K, ids[i], ids[i] + 1, out + i * K);
 }
 
-/* y = x @ w^T for x [M, K] with few rows (as skinny_linear, whose bits it gives): each thread expands CHUNK weight
- * rows into its buffer and runs skinny.c's blocks over them. Returns 0, or -1 without scratch memory. */
-int packed_linear(const float *x, const packed_t *w, float *y, long M, long N, long K) {
-    if (w->kind == W_F32) {
-        skinny_linear(x, (const float *)w->q, y, M, N, K);
-        return 0;
-    }
-    float *xi = M >= 4 ? malloc(sizeof(float) * ((M + 7) / 8 * 8) * K) : NULL;
-    if (xi && !skinny_interleave(x, xi, M, K, 1)) {
-        free(xi);
-        xi = NULL;
-    }
-    int failed = 0;
-    #pragma omp parallel
-    {
-        float *buf = malloc(sizeof(float) * CHUNK * K);
-        if (!buf) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(static)
-        for (long n0 = 0; n0 < N; n0 += CHUNK) {
-            if (!buf) continue;
-            long n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-            expand_rows(w, K, n0, n1, buf);
-            skinny_rows(x, xi, 1, buf, y + n0, M, N, K, 0, n1 - n0);
-        }
-        free(buf);
-    }
-    free(xi);
-    return failed ? -1 : 0;
-}
-
 /* The codes, scales (and offsets) of one block of 32 fp32 values in a block format such that its expansion gives
  * back every value bit for bit, trying the fp16 scales nearest to the block's estimate (the quantiser rounded its
  * own estimate to fp16). Returns 1 when found. */
-static int find_block(long kind, const float *v, uint8_t *codes, uint16_t *d_out, uint16_t *m_out) {
+static int find_block(long kind, const float *v, uint8_t *codes, float *d_out, float *m_out) {
     float lo = v[0], hi = v[0], far = v[0];
     for (int i = 1; i < 32; i++) {
         lo = v[i] < lo ? v[i] : lo;
@@ -180,35 +282,43 @@ static int find_block(long kind, const float *v, uint8_t *codes, uint16_t *d_out
             codes[i] = (uint8_t)(kind == W_Q4_0 ? code + 8 : code);
         }
         if (ok) {
-            *d_out = h;
-            if (m_out) *m_out = _cvtss_sh(m, 0);
+            *d_out = d;
+            if (m_out) *m_out = m;
             return 1;
         }
     }
     return 0;
 }
 
-/* Pack w [N, K] (K a multiple of 32) into a block format (q: [N, K/2] bytes for 4 bits, [N, K] for q8_0; d, m:
- * [N, K/32] fp16). Returns 0 when every block's expansion gives back its values bit for bit, else -1 (stops at the
- * first block that does not). */
-int packed_find(long kind, const float *w, long N, long K, void *q, uint16_t *d, uint16_t *m) {
+/* Pack w [N, K] into a block format (K a multiple of 32, of 64 for 4 bits): q the code words laid out as above
+ * ([N, K/8] int32 for 4 bits; [N, K] int8 for q8_0), d and m [N, K/32] (fp16 values, as fp32). Returns 0 when every block's expansion
+ * gives back its values bit for bit, else -1 (stops at the first block that does not). */
+int packed_find(long kind, const float *w, long N, long K, void *codes_out, float *d, float *m) {
+    uint32_t *q = codes_out;
     long nb = K / 32;
     int failed = 0;
     #pragma omp parallel for schedule(static)
     for (long n = 0; n < N; n++) {
         uint8_t codes[32];
-        for (long b = 0; b < nb; b++) {
+        for (long b = n * nb; b < (n + 1) * nb; b++) {
             if (failed) break;
-            long at = n * nb + b;
-            if (!find_block(kind, w + at * 32, codes, d + at, kind == W_Q4_1 ? m + at : NULL)) {
+            if (!find_block(kind, w + b * 32, codes, d + b, kind == W_Q4_1 ? m + b : NULL)) {
                 #pragma omp atomic write
                 failed = 1;
                 break;
             }
-            if (kind == W_Q8_0)
-                memcpy((int8_t *)q + at * 32, codes, 32);
-            else
-                for (int j = 0; j < 16; j++) ((uint8_t *)q)[at * 16 + j] = (uint8_t)(codes[j] | (codes[j + 16] << 4));
+            if (kind == W_Q8_0) {
+                memcpy((int8_t *)q + b * 32, codes, 32);
+                continue;
+            }
+            for (int j = 0; j < 8; j++) {
+                uint32_t word = 0;
+                for (int p = 0; p < 4; p++) word |= (uint32_t)codes[8 * p + j] << (4 * p);
+                if (b % 2 == 0)
+                    q[(b / 2) * 8 + j] = word;
+                else
+                    q[(b / 2) * 8 + j] |= word << 16;
+            }
         }
     }
     return failed ? -1 : 0;

@@ -1,0 +1,64 @@
+"""Plain batched decoding on llama-batched-bench's shape: B rows of NPP prompt tokens, NTG new tokens each, prefill
+and decode speed, for each ``--weights`` mode, the modes interleaved in one process (this machine's speed drifts).
+
+    .venv/bin/python scripts/decode_speed.py [--npp 400] [--ntg 64] [--batch-sizes 1,8] [--weights fp32,auto]
+        [--repeats 3] [--threads 2]
+
+Prompts are random token ids (a forward's cost does not depend on them), generation ignores EOS. Prints, per mode
+and batch size, the medians over repeats of prefill tokens/s (B x NPP over the prefill seconds: llama-batched-bench's
+S_PP) and decode tokens/s (B x NTG over the rest: its S_TG), and the modes' outputs compared token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import batchspec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--npp", type=int, default=400)
+    ap.add_argument("--ntg", type=int, default=64)
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--weights", default="fp32,auto")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = [m.strip() for m in args.weights.split(",") if m.strip()]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llms = {m: {b: batchspec.LLM(args.target, draft=None, batch_size=b, weights=m) for b in sizes} for m in modes}
+    for m in modes:
+        print(f"{m}: {llms[m][sizes[0]].weights.line()}")
+    g = torch.Generator().manual_seed(0)
+    params = batchspec.SamplingParams(max_tokens=args.ntg, ignore_eos=True)
+    for b in sizes:
+        prompts = torch.randint(100, 40000, (b, args.npp), generator=g).tolist()
+        runs = {m: [] for m in modes}
+        outs = {}
+        for rep in range(args.repeats + 1):  # the first round warms up
+            for m in modes:
+                llm = llms[m][b]
+                llm.reset_stats()
+                got = llm.generate(prompts, params)
+                s = llm.stats
+                if rep:
+                    runs[m].append((b * args.npp / s.prefill, s.generated / (s.total - s.prefill)))
+                outs[m] = [o.token_ids for o in got]
+        same = all(outs[m] == outs[modes[0]] for m in modes)
+        for m in modes:
+            pp = statistics.median(r[0] for r in runs[m])
+            tg = statistics.median(r[1] for r in runs[m])
+            tgs = ", ".join(f"{r[1]:.1f}" for r in runs[m])
+            print(f"B={b} {m:5s}: prefill {pp:6.1f} tok/s, decode {tg:6.1f} tok/s (runs {tgs})"
+                  + ("" if m == modes[0] else f", outputs {'identical' if same else 'DIFFER'}"))
+
+
+if __name__ == "__main__":
+    main()
