@@ -346,14 +346,16 @@ def load_model(spec, dtype=None, device=None, role: str = "target", weights: str
 
 def _packed_file(path) -> Path | None:
     """Where the packed weights of the model directory ``path`` are cached (keyed by its weight files' names, sizes
-    and times), or None for a model that is no local directory."""
+    and times, and by the kernels' sources, which define the codes' layout), or None for a model that is no local
+    directory."""
+    from .kernels import source_digest
     from .weights import CACHE_VERSION
 
     d = Path(path)
     if not d.is_dir():
         return None
     files = sorted(f for f in d.iterdir() if f.suffix in (".safetensors", ".bin"))
-    facts = [str(d.resolve()), CACHE_VERSION] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    facts = [str(d.resolve()), CACHE_VERSION, source_digest()] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
     return cache_base() / "packed" / f"{d.name}-{key}.safetensors"
 

@@ -101,18 +101,26 @@ def row_segments(visible: torch.Tensor, q: int) -> list[tuple[int, int, int]] | 
     return [(0, i + 1, h), (i + 1, b, t)]
 
 
-def slot_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, segments=None, **kwargs):
+def slot_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, segments=None, starts=None,
+              **kwargs):
     """Scaled dot-product attention for the runner's private model copy (HF's attention-function signature).
 
     Key/value heads are shared by their query heads without being copied (torch's ``enable_gqa``); with
     ``segments`` (see ``row_segments``) each run of rows attends over its own slots only. Without a mask (a fresh,
-    unpadded prefill) attention is causal."""
+    unpadded prefill) attention is causal. ``starts`` (a fresh, left-padded prefill): each row attends causally over
+    its own tokens, from its first one on, as it would alone (the masked rectangle would compute every padded query
+    against every key, twice the work of causal attention); the padding's outputs are 0."""
 
     def attend(q, k, v, mask):
         causal = mask is None and q.shape[2] > 1
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
 
+    if starts is not None:
+        out = query.new_zeros(query.shape)
+        for b, s in enumerate(starts):
+            out[b : b + 1, :, s:] = attend(query[b : b + 1, :, s:], key[b : b + 1, :, s:], value[b : b + 1, :, s:], None)
+        return out.transpose(1, 2).contiguous(), None
     if segments and attention_mask is not None:
         out = torch.cat([attend(query[a:b], key[a:b, :, s:], value[a:b, :, s:], attention_mask[a:b, ..., s:])
                          for a, b, s in segments])
@@ -226,9 +234,13 @@ class Runner:
         if visible is not None:
             q = input_ids.shape[1]
             mask = kv.attention_mask(model, visible, q)
-            segments = row_segments(visible, q) if model.config._attn_implementation == SLOT_SDPA else None
-            if segments:
-                extra["segments"] = segments
+            own = model.config._attn_implementation == SLOT_SDPA
+            if own and cache.length == 0 and visible.shape[1] == q:  # a fresh, left-padded prefill: one host read
+                extra["starts"] = visible.to(torch.uint8).argmax(1).tolist()
+            else:
+                segments = row_segments(visible, q) if own else None
+                if segments:
+                    extra["segments"] = segments
         res = model(position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True,
                     logits_to_keep=logits_to_keep, output_hidden_states=bool(hidden), **extra)
         states = None

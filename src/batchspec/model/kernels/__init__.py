@@ -42,12 +42,17 @@ def cache_dir() -> Path:
     return cache_base() / "kernels"
 
 
+def source_digest() -> str:
+    """A digest of the kernels' sources (what a build, and the layout of packed codes, depend on)."""
+    return hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES)).hexdigest()[:16]
+
+
 def _build() -> Path | None:
     """Compile the kernels once per source version; None when that is not possible here."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc or not sys.platform.startswith("linux") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES)).hexdigest()[:16]
+    digest = source_digest()
     out = cache_dir() / f"cpu-{digest}.so"
     if out.exists():
         return out
