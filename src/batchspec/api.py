@@ -175,7 +175,7 @@ class LLM:
         stops = [set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos) for sp in params]
         seeds = [sp.seed if sp.seed is not None else int(torch.randint(2**62, ())) for sp in params]
         return ids, [
-            Request(p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed, id=i)
+            Request(p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed, id=i, logprobs=sp.logprobs)
             for i, (p, sp, stop, seed) in enumerate(zip(ids, params, stops, seeds))
         ]
 
@@ -195,6 +195,7 @@ class LLM:
             num_rounds=f.rounds,
             num_drafted=f.drafted,
             num_accepted=f.accepted,
+            logprobs=f.logprobs,
         )
 
     def generate(self, prompts, sampling_params=None, progress: bool = False, on_tokens=None) -> list[RequestOutput]:

@@ -14,6 +14,9 @@ MAX_TOP_K = 2**31 - 1  # no vocabulary comes near it; a top_k above the vocabula
 # At temperature 10^4 the warped distribution is within a few percent of uniform for any logits a model produces
 # (spreads of a few hundred at most); larger values (Infinity, 1e308) only give noise, so they are taken for mistakes.
 MAX_TEMPERATURE = 1e4
+# Alternatives a request may ask for at each position (``SamplingParams.logprobs``): OpenAI's and vLLM's default bound.
+# Each one is computed on the device and read back with the round, so the bound also bounds what a round reads.
+MAX_LOGPROBS = 20
 
 
 class ParamError(ValueError):
@@ -59,11 +62,16 @@ class SamplingParams:
     sampled from the target's distribution warped by ``temperature``, then ``top_k`` (0: off), then ``top_p``
     (1.0: off); with a drafter, by speculative (rejection) sampling, which has exactly that distribution.
     ``seed`` (None: drawn from torch's global generator) makes a request reproducible whatever else is batched with it.
+    ``logprobs`` (None: off) asks for log-probabilities: for every generated token, the target's log-softmax of its
+    own logits (before temperature, top-k and top-p) at that token, and the ``logprobs`` most likely tokens there with
+    theirs (``RequestOutput.logprobs``); with speculation the values are the verification forward's, the same as
+    without.
 
     Every value is checked here, so a bad one fails at construction (``ParamError``, a ``ValueError`` naming the
     field), never in the middle of ``generate``: ``max_tokens`` in [1, 2**31); ``temperature`` finite in
     [0, ``MAX_TEMPERATURE``] (10^4: already near-uniform noise); ``top_k`` in [0, 2**31) (above the vocabulary it
-    keeps every token); ``top_p`` in (0, 1]; ``seed`` in [0, 2**63); ``stop_token_ids`` in [0, 2**63).
+    keeps every token); ``top_p`` in (0, 1]; ``seed`` in [0, 2**63); ``stop_token_ids`` in [0, 2**63);
+    ``logprobs`` None or in [0, ``MAX_LOGPROBS``].
     """
 
     max_tokens: int = 64
@@ -73,6 +81,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         max_tokens, top_k, temperature, top_p = (_integer(self.max_tokens), _integer(self.top_k),
@@ -95,8 +104,12 @@ class SamplingParams:
         if stops is None:
             raise ParamError("stop_token_ids", "stop_token_ids must be a list of integer token ids >= 0 and < 2**63, "
                                                f"got {show(self.stop_token_ids)}")
+        logprobs = None if self.logprobs is None else _integer(self.logprobs)
+        if self.logprobs is not None and (logprobs is None or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ParamError("logprobs", f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}] (the "
+                                         f"alternatives returned at each position), got {show(self.logprobs)}")
         self.max_tokens, self.temperature, self.top_k, self.top_p = max_tokens, temperature, top_k, top_p
-        self.seed, self.stop_token_ids = seed, stops
+        self.seed, self.stop_token_ids, self.logprobs = seed, stops, logprobs
 
 
 def _token_ids(values) -> list[int] | None:
@@ -109,6 +122,16 @@ def _token_ids(values) -> list[int] | None:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the target (log-softmax of its raw logits at that position), and
+    the most likely tokens there, most likely first, as ``(token_id, logprob)`` (as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -117,6 +140,7 @@ class RequestOutput:
     num_rounds: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids`` when asked for (``SamplingParams``)
 
     @property
     def acceptance_rate(self) -> float:

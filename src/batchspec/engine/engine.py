@@ -18,14 +18,14 @@ import torch
 from ..drafters.base import Proposal
 from ..model.loading import vocab_size
 from ..model.runner import Runner
-from ..params import Stats, show
+from ..params import MAX_LOGPROBS, Stats, TokenLogprob, show
 from ..speculation import FixedLength
 from ..speculation.budget import DRAFT, FIXED, NO_DRAFTER, NOT_WORTH, DraftBudget, Outcome, RoundView
 from .batch import Batch, InvariantError, check_invariants, prefill
 from .layouts.slotmask import SlotMask
 from .protocols import Drafter, Layout, Scheduler, SpeculationPolicy
 from .sampling import ACCEPT, TARGET
-from .sequences import Sequences
+from .sequences import RoundLogprobs, Sequences
 from .verify import emitted_block, greedy_accept, rejection_sample
 
 log = logging.getLogger("batchspec.engine")
@@ -41,6 +41,7 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     id: int | None = None  # given by ``Engine.add_request`` when None
+    logprobs: int | None = None  # alternatives to return with each token's log-probability (None: none at all)
 
 
 _INT64 = 2**63
@@ -57,8 +58,9 @@ def _is_real(v) -> bool:
 def check_request(r: Request, vocab: int | None = None, context: int | None = None) -> None:
     """Raise ``ValueError`` unless ``r`` can run in a batch without failing it (and so the rows beside it): a
     non-empty prompt of integer ids inside the vocabulary, ``max_tokens`` >= 1 with prompt + ``max_tokens`` inside
-    ``context``, a finite ``temperature`` >= 0, ``top_p`` in (0, 1], and every integer in int64. Cheap (one pass over
-    the prompt); ``LLM.requests`` checks more (the draft's context, the dtype's smallest temperature)."""
+    ``context``, a finite ``temperature`` >= 0, ``top_p`` in (0, 1], ``logprobs`` None or in [0, ``MAX_LOGPROBS``],
+    and every integer in int64. Cheap (one pass over the prompt); ``LLM.requests`` checks more (the draft's context,
+    the dtype's smallest temperature)."""
 
     def refuse(what: str):
         return ValueError(f"request {r.id}: {what}")
@@ -83,6 +85,8 @@ def check_request(r: Request, vocab: int | None = None, context: int | None = No
         raise refuse(f"temperature must be a finite number >= 0, got {show(r.temperature)}")
     if not _is_real(r.top_p) or not 0 < r.top_p <= 1:
         raise refuse(f"top_p must be in (0, 1], got {show(r.top_p)}")
+    if r.logprobs is not None and (not _is_int(r.logprobs) or not 0 <= r.logprobs <= MAX_LOGPROBS):
+        raise refuse(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {show(r.logprobs)}")
 
 
 @dataclass
@@ -93,15 +97,18 @@ class Finished:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids``, for requests that asked
 
 
 @dataclass
 class StepOutput:
-    """What a step did for one request: the tokens it gained, and its result when it finished in this step."""
+    """What a step did for one request: the tokens it gained (with their ``TokenLogprob``, one each, when the request
+    asked for log-probabilities), and its result when it finished in this step."""
 
     request_id: int
     new_token_ids: list[int]
     finished: Finished | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -146,11 +153,12 @@ class RoundResult:
     accepted: torch.Tensor  # [B] accepted drafts that were emitted
     n_drafts: torch.Tensor  # [B]
     kind: str | None = None  # the kind of round, for drafters whose rounds come in kinds (``Proposal.kind``)
+    logprobs: RoundLogprobs | None = None  # for the rows that asked (``Sequences.logprobs``)
 
 
 def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBudget) -> RoundResult:
     """One round on a batch: draft (within ``budget``: up to ``budget.k`` tokens per row) -> verify -> accept ->
-    hide rejected slots -> emit."""
+    hide rejected slots -> emit (with the log-probabilities of the emitted tokens, for rows that asked)."""
     seqs, target, drafter = batch.seqs, batch.target, parts.drafter
     with timer("draft"):
         if budget.k:
@@ -172,6 +180,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
         target.hide_tail(k + 1, accepted + 1)
         drafter.commit(batch.draft, proposal, accepted, out)
         block = emitted_block(drafts, accepted, bonus)
+        logprobs = seqs.logprobs(out, block)
         parts.policy.record(seqs, accepted, k)
         finished, n, cut = seqs.extend(block, accepted + 1)
         # count what was emitted: a round's first token is the target's own, drafts cut after a stop token or at
@@ -180,7 +189,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
         seqs.rounds += 1
         seqs.drafted += n_drafts
         seqs.accepted += accepted
-    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind)
+    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind, logprobs)
 
 
 def _room(parts: Parts, batch: Batch) -> int:
@@ -219,6 +228,7 @@ class Engine:
         self._next_id = 0
         self._aborted: set[int] = set()
         self._done: list[StepOutput] = []  # results to hand out at the next step (requests aborted while waiting)
+        self._logprobs: dict[int, list[TokenLogprob]] = {}  # per running request that asked: its tokens' so far
         model = getattr(parts.target, "model", None)
         self._vocab = vocab_size(model) if model is not None else None
         scheduler.forget([])
@@ -243,7 +253,8 @@ class Engine:
         for r in self.waiting:
             if r.id == request_id:
                 self.waiting.remove(r)
-                self._done.append(StepOutput(r.id, [], Finished(r.id, [], "abort")))
+                lps = None if r.logprobs is None else []
+                self._done.append(StepOutput(r.id, [], Finished(r.id, [], "abort", logprobs=lps), lps))
                 return True
         if self.batch is not None and request_id in self.batch.request_ids:
             self._aborted.add(request_id)
@@ -259,6 +270,7 @@ class Engine:
         self.batch = None
         self._aborted.clear()
         self._done = []
+        self._logprobs = {}
         self.scheduler.forget([])
 
     # ---------------------------------------------------------------------------------------------- the loop
@@ -275,7 +287,8 @@ class Engine:
         if self._aborted and self.batch is not None:
             gone = [rid in self._aborted for rid in self.batch.request_ids]
             self._aborted.clear()
-            outs += [StepOutput(f.request_id, [], f) for f in self._remove(gone, reason="abort")]
+            outs += [StepOutput(f.request_id, [], f, None if f.logprobs is None else [])
+                     for f in self._remove(gone, reason="abort")]
         self._admit()
         if self.batch is None:
             return outs
@@ -302,6 +315,10 @@ class Engine:
             outcome = Outcome(len(result.emitted), k_max, budget, drafted, result.kind, values)
             policy.observe(outcome)
             _count(stats, outcome)
+            if result.logprobs is not None:  # kept for each request's Finished (its StepOutputs carry them too)
+                for o in new:
+                    if o.logprobs is not None:
+                        self._logprobs.setdefault(o.request_id, []).extend(o.logprobs)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("round %d: %d rows, budget k=%d%s (%s), drafted %d%s", self.rounds, outcome.rows, budget.k,
                           " per row" if budget.per_row else "", budget.reason, drafted,
@@ -381,6 +398,9 @@ class Engine:
         """Take rows flagged in ``gone`` out of the batch; returns their results. The last surviving rows move into
         the places of leaving ones, so removing rows moves few of them."""
         done = _collect(self.batch.seqs, gone, reason)
+        for f in done:
+            if f.logprobs is not None:
+                f.logprobs = self._logprobs.pop(f.request_id, [])
         keep = _refill_from_tail(gone)
         self.scheduler.forget(keep)
         if keep:
@@ -394,26 +414,33 @@ class Engine:
 
 def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult, extra=None):
     """Update global counters and read what the host needs, in one host read: (finished flags of every running row,
-    widest remaining row, a ``StepOutput`` with the new tokens of each row of the round's batch, the values of
-    ``extra`` (a 1D tensor, or None), the drafts verified). Updates ``batch.lengths``."""
-    seqs = batch.seqs
+    widest remaining row, a ``StepOutput`` with the new tokens of each row of the round's batch (and their
+    log-probabilities, for rows that asked), the values of ``extra`` (a 1D tensor, or None), the drafts verified).
+    Updates ``batch.lengths``."""
+    seqs, lp = batch.seqs, r.logprobs
     width = (seqs.length - 1).masked_fill(r.finished, 0).max()
     acc = r.accepted.masked_fill(r.n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
     full = ((r.accepted == r.n_drafts) & (r.n_drafts > 0)).sum()
     ctrl = torch.stack([width, r.emitted.sum(), r.n_drafts.sum(), r.accepted.sum(), acc.max(),
                         acc.masked_fill(acc < 0, acc.max() + 1).min(), full, r.cut.sum()])
     n, b, w = len(seqs), r.block.shape[0], r.block.shape[1]
-    bits = extra.double().view(torch.int64) if extra is not None else r.emitted[:0]  # floats travel as their bits
-    flat = torch.cat([r.finished.long(), seqs.length, ctrl, r.emitted, r.block.flatten(), bits]).tolist()
-    values = None
-    if extra is not None:
-        values = torch.tensor(flat[len(flat) - len(bits):], dtype=torch.int64).view(torch.float64).tolist()
-        flat = flat[: len(flat) - len(bits)]
+    ints = [r.finished.long(), seqs.length, ctrl, r.emitted, r.block.flatten()]
+    floats = ([] if extra is None else [extra]) + ([] if lp is None else [lp.chosen.flatten(), lp.values.flatten()])
+    if lp is not None:
+        ints.append(lp.ids.flatten())
+    bits = [f.double().view(torch.int64) for f in floats]  # floats travel as their bits
+    flat = torch.cat(ints + bits).tolist()
+    n_bits = sum(len(x) for x in bits)
+    reals = torch.tensor(flat[len(flat) - n_bits :], dtype=torch.int64).view(torch.float64).tolist() if bits else []
+    values = reals[: len(extra)] if extra is not None else None
     fin, lengths = flat[:n], flat[n : 2 * n]
     width, generated, drafted, acc_sum, acc_max, acc_min, full, cut = flat[2 * n : 2 * n + 8]
-    emitted, block = flat[2 * n + 8 : 2 * n + 8 + b], flat[2 * n + 8 + b :]
+    emitted, block = flat[2 * n + 8 : 2 * n + 8 + b], flat[2 * n + 8 + b : 2 * n + 8 + b + b * w]
     ids = seqs.request_ids if rows is None else [seqs.request_ids[i] for i in rows]
     new = [StepOutput(rid, block[i * w : i * w + emitted[i]]) for i, rid in enumerate(ids)]
+    if lp is not None:
+        top_ids = flat[2 * n + 8 + b + b * w : len(flat) - n_bits]
+        _attach_logprobs(new, lp, w, reals[0 if extra is None else len(extra) :], top_ids)
     batch.lengths = lengths
     stats.generated += generated
     stats.drafted += drafted
@@ -425,6 +452,19 @@ def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult,
     stats.verify_calls += 1
     stats.row_rounds += b
     return fin, width, new, values, drafted
+
+
+def _attach_logprobs(new: list[StepOutput], lp: RoundLogprobs, w: int, reals: list[float], top_ids: list[int]):
+    """Give the ``StepOutput`` of each row that asked a ``TokenLogprob`` per new token, from the host copies of
+    ``lp``: ``reals`` its chosen values ``[R, w]`` then its top values ``[R, w, T]``, ``top_ids`` its top ids
+    ``[R, w, T]``, all flattened."""
+    t = len(top_ids) // (len(lp.rows) * w)
+    chosen, top_values = reals[: len(lp.rows) * w], reals[len(lp.rows) * w :]
+    for i, (row, keep) in enumerate(zip(lp.rows, lp.tops)):
+        out, at = new[row], [(i * w + j) * t for j in range(w)]
+        out.logprobs = [TokenLogprob(tok, chosen[i * w + j], list(zip(top_ids[at[j] : at[j] + keep],
+                                                                      top_values[at[j] : at[j] + keep])))
+                        for j, tok in enumerate(out.new_token_ids)]
 
 
 def _count(stats: Stats, outcome: Outcome) -> None:
@@ -458,7 +498,7 @@ def _collect(seqs: Sequences, fin: list, reason: str | None) -> list[Finished]:
     drafted, accepted = seqs.drafted[idx].tolist(), seqs.accepted[idx].tolist()
     return [
         Finished(seqs.request_ids[r], hist[j][start[j] : end[j]], reason or ("stop" if stopped[j] else "length"),
-                 rounds[j], drafted[j], accepted[j])
+                 rounds[j], drafted[j], accepted[j], None if seqs.top_logprobs[r] is None else [])
         for j, r in enumerate(rows)
     ]
 

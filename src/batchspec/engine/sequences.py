@@ -1,6 +1,9 @@
-"""Per-request state of the running batch: token history (prompt + generated), lengths, limits, stop sets, counters."""
+"""Per-request state of the running batch: token history (prompt + generated), lengths, limits, stop sets, counters,
+and which rows asked for log-probabilities."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -10,10 +13,25 @@ FIELDS = ("prompt_len", "limit", "history", "length", "stop", "stopped", "rounds
           "temperature", "top_k", "top_p", "seed")
 
 
+@dataclass
+class RoundLogprobs:
+    """A round's log-probabilities for the rows that asked, still on the device: ``rows`` (host indices into the
+    round's batch) and each one's ``tops`` (alternatives asked for); ``chosen`` ``[R, W]`` the log-probability of each
+    token of the round's block, ``ids`` and ``values`` ``[R, W, T]`` the T most likely tokens at each position (T the
+    most any of these rows asked for), most likely first. Only a row's first emitted entries mean anything."""
+
+    rows: list[int]
+    tops: list[int]
+    chosen: torch.Tensor
+    ids: torch.Tensor
+    values: torch.Tensor
+
+
 class Sequences:
     def __init__(self, requests, k, device):
-        """``requests``: objects with ``id``, ``prompt`` (token ids), ``max_tokens``, ``stop_ids`` and the sampling
-        parameters ``temperature``, ``top_k``, ``top_p``, ``seed``."""
+        """``requests``: objects with ``id``, ``prompt`` (token ids), ``max_tokens``, ``stop_ids``, the sampling
+        parameters ``temperature``, ``top_k``, ``top_p``, ``seed`` and ``logprobs`` (alternatives asked for, None:
+        no log-probabilities)."""
         prompts = [r.prompt for r in requests]
         max_tokens = [r.max_tokens for r in requests]
         stop_sets = [r.stop_ids for r in requests]
@@ -41,13 +59,38 @@ class Sequences:
         self.top_k = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=device)
         self.top_p = torch.tensor([float(r.top_p) for r in requests], device=device)
         self.seed = torch.tensor([r.seed for r in requests], dtype=torch.long, device=device)
+        self.top_logprobs = [getattr(r, "logprobs", None) for r in requests]  # host, per row, like request_ids
         self._flags(requests)
+        self._logprob_rows()
 
     def _flags(self, requests):
         """Host-side switches, set when rows join: does any row sample, filter (top-k / top-p), decode greedily."""
         self.sampling = any(r.temperature > 0 for r in requests)
         self.filtering = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in requests)
         self.greedy_rows = any(r.temperature == 0 for r in requests)
+
+    def _logprob_rows(self) -> None:
+        """The rows that asked for log-probabilities, as a device index (None: no row did), rebuilt when rows join
+        or leave, never per round."""
+        asked = [i for i, t in enumerate(self.top_logprobs) if t is not None]
+        self.lp_rows = torch.tensor(asked, dtype=torch.long, device=self.length.device) if asked else None
+        self.lp_index, self.lp_tops = asked, [self.top_logprobs[i] for i in asked]
+
+    def logprobs(self, out, block: torch.Tensor) -> RoundLogprobs | None:
+        """The target's log-softmax of its raw logits (``out.logits`` ``[B, W, V]``, before any warping) at each
+        token of ``block`` ``[B, W]`` and the most likely tokens at each position, for the rows that asked only, on
+        the device (the engine reads them with the round's one host read). None, touching nothing, when no row
+        asked. ``out.logits[:, j]`` is the distribution ``block[:, j]`` came from, draft or bonus alike, so the
+        values are the same with and without speculation."""
+        if self.lp_rows is None:
+            return None
+        x = out.logits[self.lp_rows]
+        x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        lsm = x.log_softmax(-1)
+        tokens = block[self.lp_rows].clamp(0, lsm.shape[-1] - 1)  # entries past a row's emitted ones are arbitrary
+        chosen = lsm.gather(-1, tokens[..., None]).squeeze(-1)
+        top = lsm.topk(min(max(self.lp_tops), lsm.shape[-1]), -1)
+        return RoundLogprobs(self.lp_index, self.lp_tops, chosen, top.indices, top.values)
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's sampling distribution from ``logits`` [B, Q, V] (one-hot argmax for greedy rows)."""
@@ -85,17 +128,23 @@ class Sequences:
         return finished, n, torch.where(hit, n_emit - n, 0)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.request_ids = [self.request_ids[i] for i in rows.tolist()]  # at row removal only
+        keep = rows.tolist()  # at row removal only
+        self.request_ids = [self.request_ids[i] for i in keep]
+        self.top_logprobs = [self.top_logprobs[i] for i in keep]
         for name in FIELDS:
             setattr(self, name, getattr(self, name)[rows])
+        self._logprob_rows()
 
     def take(self, rows: torch.Tensor) -> "Sequences":
         """A copy of ``rows`` (a batch drawn from a larger window)."""
         part = object.__new__(Sequences)
         for name in FIELDS:
             setattr(part, name, getattr(self, name)[rows])
-        part.request_ids = [self.request_ids[i] for i in rows.tolist()]
+        taken = rows.tolist()
+        part.request_ids = [self.request_ids[i] for i in taken]
+        part.top_logprobs = [self.top_logprobs[i] for i in taken]
         part.sampling, part.filtering, part.greedy_rows = self.sampling, self.filtering, self.greedy_rows
+        part._logprob_rows()
         return part
 
     def put(self, rows: torch.Tensor, part: "Sequences") -> None:
@@ -113,6 +162,8 @@ class Sequences:
                 b = torch.nn.functional.pad(b, (0, w - b.shape[1]), value=fill)
             setattr(self, name, torch.cat([a, b]))
         self.request_ids = self.request_ids + other.request_ids
+        self.top_logprobs = self.top_logprobs + other.top_logprobs
+        self._logprob_rows()
         self.sampling |= other.sampling
         self.filtering |= other.filtering
         self.greedy_rows |= other.greedy_rows

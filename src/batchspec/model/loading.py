@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from .cache import cache_base
+
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
 DRAFT_MODEL = "smollm2-135m-draft-model"
@@ -54,12 +56,6 @@ def default_device() -> torch.device:
 
 
 # --------------------------------------------------------------------------------------------------- cache layout
-
-
-def cache_base() -> Path:
-    """batchspec's cache folder: ``$BATCHSPEC_CACHE``, default ``~/.cache/batchspec``."""
-    base = os.environ.get("BATCHSPEC_CACHE")
-    return Path(base).expanduser() if base else Path.home() / ".cache" / "batchspec"
 
 
 def cache_root() -> Path:

@@ -4,7 +4,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (plain JSON o
 ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``. Requests go through one engine thread (``worker``): they join the
 running batch at a round boundary and leave when done; a client that disconnects has its row dropped at the next
-round boundary.
+round boundary. A request of ``n`` choices runs as n rows (choice i seeded ``seed + i``), streamed with each chunk
+naming its choice; log-probabilities come from the engine with the tokens (``protocol.Logprobs`` shapes them).
 
 Hardening: request bodies must be ``application/json`` (415) of at most ``max_body_bytes`` (413, checked on
 ``Content-Length`` and while reading, so an oversize body is never held); JSON parsing, validation, tokenising and
@@ -87,6 +88,7 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
     worker = EngineWorker(llm, max_queue=max_queue, retries=retries, prefill_tokens=prefill_tokens)
     metrics = ServerMetrics(worker, llm)
     created = P.now()
+    texts = P.TokenTexts(llm.tokenizer)  # each token's own text, for log-probabilities (decoded once per server)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -163,7 +165,7 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
 
     def prepare(raw: bytes, kind: str):
         """In a worker thread: parse, validate, tokenise (or render the chat template) and build the engine
-        request. Client mistakes raise ``APIError`` (400)."""
+        requests, one per choice. Client mistakes raise ``APIError`` (400)."""
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -174,11 +176,13 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
             raise P.bad("the request body is not valid JSON") from None
         req = P.parse_completion(body, info) if kind == "completion" else P.parse_chat(body, info)
         try:
-            _, (engine_request,) = llm.requests([req.prompt_ids], P.sampling_params(req))
+            _, engine_requests = llm.requests([req.prompt_ids] * req.n,
+                                              [P.sampling_params(req, i) for i in range(req.n)])
         except ValueError as e:  # a limit only the LLM knows (the draft's context, the dtype's smallest temperature)
             raise P.bad(P.show(str(e), 300), "temperature" if "temperature" in str(e) else None) from None
-        engine_request.id = None
-        return req, engine_request
+        for r in engine_requests:
+            r.id = None
+        return req, engine_requests
 
     @app.get("/health")
     async def health():
@@ -209,24 +213,30 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
         raw = await read_body(request)
         return await generate(request, *await asyncio.to_thread(prepare, raw, "chat"), "/v1/chat/completions")
 
-    async def generate(request: Request, req: P.GenRequest, engine_request, endpoint: str):
+    async def generate(request: Request, req: P.GenRequest, engine_requests, endpoint: str):
         rid = P.new_id(req.kind)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def deliver(event):  # called on the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
+        def deliver(index: int):
+            def put(event):  # called on the engine thread
+                loop.call_soon_threadsafe(events.put_nowait, (index, event))
+            return put
 
         arrival = time.perf_counter()
+        n = len(engine_requests)
+        if n > worker.capacity:  # would be refused whenever it came: not a 429
+            raise P.bad(f"n is {n}, more requests than this server holds at once ({worker.capacity})", "n")
         try:
-            job = worker.submit(engine_request, deliver, name=rid)
+            jobs = worker.submit_all(engine_requests, [deliver(i) for i in range(n)],
+                                     [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)])
         except QueueFull as e:
             raise P.APIError(429, f"the server is busy ({e}); retry later", "rate_limit_error", None,
                              "queue_full") from None
         except Unavailable as e:
             raise P.APIError(503, str(e), "server_error", None, "engine_unavailable") from None
         metrics.prompt_tokens.inc(len(req.prompt_ids))
-        run = _Run(req, rid, job, events, worker, metrics, llm.tokenizer, arrival)
+        run = _Run(req, rid, jobs, events, worker, metrics, llm.tokenizer, texts, arrival)
         if req.stream:
             count(endpoint, 200)
             return StreamingResponse(run.sse(), media_type="text/event-stream",
@@ -244,82 +254,108 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-class _Run:
-    """One request's output as it comes from the engine thread: text, stop strings, timings, response bodies."""
+class _Choice:
+    """One choice of a request as it comes from the engine thread: its job, its text (with stop strings), the
+    log-probabilities of its kept tokens (for a non-streamed answer) and when its first token came."""
 
-    def __init__(self, req: P.GenRequest, rid: str, job, events: asyncio.Queue, worker: EngineWorker, metrics,
-                 tokenizer, arrival: float):
-        self.req, self.job, self.events, self.worker, self.metrics = req, job, events, worker, metrics
-        self.text = P.TextStream(tokenizer, req.stop)
-        self.rid, self.created, self.arrival = rid, P.now(), arrival
+    def __init__(self, index: int, job, tokenizer, stop):
+        self.index, self.job = index, job
+        self.text = P.TextStream(tokenizer, stop)
+        self.logprobs: list = []
         self.first: float | None = None
-        self.closed = False  # the engine is done with the request (or was told to drop it)
+        self.closed = False  # the engine is done with it (or was told to drop it)
+        self.reason: str | None = None  # its finish reason, once it has finished
+
+
+class _Run:
+    """One request's output as it comes from the engine thread, its choices side by side: text, stop strings,
+    log-probabilities, timings, response bodies."""
+
+    def __init__(self, req: P.GenRequest, rid: str, jobs, events: asyncio.Queue, worker: EngineWorker, metrics,
+                 tokenizer, texts: P.TokenTexts, arrival: float):
+        self.req, self.events, self.worker, self.metrics = req, events, worker, metrics
+        self.choices = [_Choice(i, job, tokenizer, req.stop) for i, job in enumerate(jobs)]
+        self.logprobs = P.Logprobs(texts, req.tokens_as_ids) if req.logprobs is not None else None
+        self.rid, self.created, self.arrival = rid, P.now(), arrival
 
     async def _next(self):
-        """The next engine event, or None after POLL seconds without one."""
+        """``(choice, event)`` for the next engine event (choice None: the engine thread stopped), or None after
+        POLL seconds without one."""
         try:
-            return await asyncio.wait_for(self.events.get(), POLL)
+            index, event = await asyncio.wait_for(self.events.get(), POLL)
+            return self.choices[index], event
         except asyncio.TimeoutError:
             if not self.worker.alive and self.events.empty():
-                return ("error", "the engine thread stopped")
+                return None, ("error", "the engine thread stopped")
             return None
 
-    def _tokens(self, ids) -> tuple[list[int], str]:
-        if self.first is None:
-            self.first = time.perf_counter()
-        kept, delta = self.text.add(ids)
-        if self.text.stopped is not None and not self.closed:
-            self.closed = True
-            self.worker.abort(self.job.id, "stop")
-        return kept, delta
+    def _tokens(self, c: _Choice, ids, logprobs) -> tuple[list[int], str, list]:
+        """Feed a choice its new tokens: (the ids kept, the text to send, their log-probabilities)."""
+        if c.first is None:
+            c.first = time.perf_counter()
+        kept, delta = c.text.add(ids)
+        if c.text.stopped is not None and not c.closed:
+            c.closed = True
+            self.worker.abort(c.job.id, "stop")
+        kept_logprobs = list(logprobs[: len(kept)]) if logprobs is not None else []
+        return kept, delta, kept_logprobs
 
-    def _observe(self) -> None:
+    def _render(self, c: _Choice, entries) -> dict | None:
+        """The ``logprobs`` field for ``entries``, the last of the choice's kept tokens (None when not asked for)."""
+        return None if self.logprobs is None else self.logprobs.render(self.req.kind, entries, c.text.ids)
+
+    def _observe(self, c: _Choice) -> None:
         end = time.perf_counter()
-        m, n = self.metrics, len(self.text.ids)
+        m, n = self.metrics, len(c.text.ids)
         m.e2e.observe(end - self.arrival)
-        if self.first is not None:
-            m.ttft.observe(self.first - self.arrival)
+        if c.first is not None:
+            m.ttft.observe(c.first - self.arrival)
             if n > 1:
-                m.tpot.observe((end - self.first) / (n - 1))
-        if self.job.started is not None:
-            m.queue_time.observe(max(0.0, self.job.started - self.job.submitted))
+                m.tpot.observe((end - c.first) / (n - 1))
+        if c.job.started is not None:
+            m.queue_time.observe(max(0.0, c.job.started - c.job.submitted))
 
-    def _reason(self, reason: str) -> str:
-        return "stop" if self.text.stopped is not None else P.FINISH_REASONS.get(reason, reason)
+    def _finish(self, c: _Choice, reason: str) -> None:
+        c.closed = True
+        c.text.flush()
+        self._observe(c)
+        c.reason = "stop" if c.text.stopped is not None else P.FINISH_REASONS.get(reason, reason)
 
-    def _abort_if_open(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.worker.abort(self.job.id)
+    def _abort_open(self) -> None:
+        for c in self.choices:
+            if not c.closed:
+                c.closed = True
+                self.worker.abort(c.job.id)
+
+    def _usage(self) -> dict:
+        return P.usage(len(self.req.prompt_ids), sum(len(c.text.ids) for c in self.choices))
 
     async def collect(self, request: Request):
         gone = asyncio.create_task(_disconnected(request))
         try:
-            while True:
-                ev = await self._next()
+            while any(c.reason is None for c in self.choices):
+                item = await self._next()
                 if gone.done():  # the client hung up: nobody to answer
-                    self._abort_if_open()
                     return Response(status_code=499)
-                if ev is None:
+                if item is None:
+                    continue
+                c, ev = item
+                if ev[0] == "error":
+                    raise P.APIError(500, ev[1], "server_error", None, "engine_error")
+                if c.reason is not None:  # events after a stop string ended the choice
                     continue
                 if ev[0] == "tokens":
-                    self._tokens(ev[1])
-                    if self.text.stopped is None:
-                        continue
-                    reason = "stop"
-                elif ev[0] == "error":
-                    self.closed = True
-                    raise P.APIError(500, ev[1], "server_error", None, "engine_error")
+                    c.logprobs += self._tokens(c, ev[1], ev[2])[2]
+                    if c.text.stopped is not None:
+                        self._finish(c, "stop")
                 else:
-                    self.closed = True
-                    reason = ev[1]
-                self.text.flush()
-                self._observe()
-                return P.response(self.req, self.rid, self.created, self.text.text, self.text.ids,
-                                  self._reason(reason))
+                    self._finish(c, ev[1])
+            return P.response(self.req, self.rid, self.created, [
+                P.Choice(c.index, c.text.text, c.text.ids, c.reason, self._render(c, c.logprobs))
+                for c in self.choices])
         finally:
             gone.cancel()
-            self._abort_if_open()
+            self._abort_open()
 
     async def sse(self):
         def event(body) -> str:
@@ -333,36 +369,44 @@ class _Run:
             yield event(internal_error(self.rid).body())
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away and the stream was cancelled
-            self._abort_if_open()
+            self._abort_open()
 
     async def _sse(self, event):
         req, rid, created = self.req, self.rid, self.created
         if req.kind == "chat" or req.return_token_ids:
-            yield event(P.chunk(req, rid, created, "", [], first=True))
+            for c in self.choices:
+                yield event(P.chunk(req, rid, created, "", [], first=True, index=c.index))
         while True:
-            ev = await self._next()
-            if ev is None:
+            item = await self._next()
+            if item is None:
                 continue
-            if ev[0] == "tokens":
-                kept, delta = self._tokens(ev[1])
-                if self.text.stopped is None:
-                    if kept or delta:
-                        yield event(P.chunk(req, rid, created, delta, kept))
-                    continue
-                reason = "stop"
-            elif ev[0] == "error":
-                self.closed = True
+            c, ev = item
+            if ev[0] == "error":
                 yield event(P.APIError(500, ev[1], "server_error", None, "engine_error").body())
                 yield "data: [DONE]\n\n"
                 return
+            if c.reason is not None:  # events after a stop string ended the choice
+                continue
+            if ev[0] == "tokens":
+                kept, delta, entries = self._tokens(c, ev[1], ev[2])
+                if c.text.stopped is None:
+                    if kept or delta:
+                        yield event(P.chunk(req, rid, created, delta, kept, index=c.index,
+                                            logprobs=self._render(c, entries) if entries else None))
+                    continue
+                reason = "stop"
             else:
-                self.closed, kept, delta = True, [], ""
+                kept, delta, entries = [], "", []
                 reason = ev[1]
-            delta += self.text.flush()
-            self._observe()
-            use = P.usage(len(req.prompt_ids), len(self.text.ids))
-            yield event(P.chunk(req, rid, created, delta, kept, self._reason(reason), use=use))
-            if req.include_usage:
-                yield event(P.usage_chunk(req, rid, created, use))
-            yield "data: [DONE]\n\n"
-            return
+            sent = c.text.sent
+            self._finish(c, reason)
+            delta += c.text.text[sent:]
+            last = all(x.reason is not None for x in self.choices)
+            use = self._usage() if last else None  # the whole request's, on the last choice's last chunk
+            yield event(P.chunk(req, rid, created, delta, kept, c.reason, use=use, index=c.index,
+                                logprobs=self._render(c, entries) if entries else None))
+            if last:
+                if req.include_usage:
+                    yield event(P.usage_chunk(req, rid, created, use))
+                yield "data: [DONE]\n\n"
+                return

@@ -2,8 +2,8 @@
 (``APIError``), incremental detokenisation with stop strings (``TextStream``) and the JSON bodies of responses and
 stream chunks. Plain Python: nothing here needs the web framework.
 
-Field rules (OpenAI's, plus the vLLM extensions ``top_k``, ``stop_token_ids``, ``ignore_eos`` and
-``return_token_ids``):
+Field rules (OpenAI's, plus the vLLM extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``
+and ``return_tokens_as_token_ids``):
 
 - ``prompt`` (completions): a string, a list of token ids, or a one-element list of either; ``messages`` (chat):
   ``{"role", "content"}`` objects whose content is a string or a list of ``{"type": "text", "text"}`` parts, rendered
@@ -19,8 +19,12 @@ Field rules (OpenAI's, plus the vLLM extensions ``top_k``, ``stop_token_ids``, `
 - text (a prompt, message contents, stop strings) must be valid Unicode (no lone surrogates such as ``"\ud800"``);
   a text prompt of more than ``MAX_CHARS_PER_TOKEN`` characters a position of the context is refused before it is
   tokenised, a prompt of token ids longer than the context before its ids are checked;
-- ``n`` must be 1; ``logprobs``, ``top_logprobs``, ``echo``, ``suffix``, ``best_of`` > 1, non-zero penalties,
-  ``logit_bias``, tools and non-text response formats are refused (400).
+- ``n`` in [1, ``MAX_N``]: n choices, choice i sampled with ``seed + i`` when a seed is given;
+- log-probabilities: completions ``logprobs`` an integer in [0, ``MAX_LOGPROBS``] (the alternatives at each
+  position), chat ``logprobs: true`` with ``top_logprobs`` in [0, ``MAX_LOGPROBS``] (``top_logprobs`` needs
+  ``logprobs``); ``return_tokens_as_token_ids`` renders their tokens as ``"token_id:<id>"``;
+- ``echo``, ``suffix``, ``best_of`` > 1, non-zero penalties, ``logit_bias``, tools and non-text response formats are
+  refused (400).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..params import ParamError, SamplingParams, show
+from ..params import MAX_LOGPROBS, ParamError, SamplingParams, show
 
 # The largest request body by default (413 beyond): a full context of 128k tokens, as ids or as escaped text, takes
 # about 1 MB.
@@ -42,6 +46,11 @@ MAX_STOP_CHARS = 256  # each stop string; the held-back text is checked against 
 # tokenised (real text runs 3-5 characters a token; 32 leaves room for long runs of spaces or symbols).
 MAX_CHARS_PER_TOKEN = 32
 INT64 = 2**63
+# Choices one request may ask for (``n``): each is a row of the engine's batch, so the bound keeps one request from
+# taking more than a batch's worth of rows.
+MAX_N = 16
+# The log-probability sent for a token the model gives probability 0 (JSON has no -Infinity), as OpenAI and vLLM do.
+MIN_LOGPROB = -9999.0
 
 
 class APIError(Exception):
@@ -102,6 +111,9 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    n: int = 1  # choices
+    logprobs: int | None = None  # alternatives at each position (None: no log-probabilities)
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
 
 
 # ------------------------------------------------------------------------------------------------ field readers
@@ -148,8 +160,6 @@ def _get_bool(body: dict, name: str, default: bool = False) -> bool:
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
     if kind == "completion":
-        if body.get("logprobs") not in (None, False):
-            raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
         if body.get("echo"):
             raise bad("echo is not supported by this server", "echo", "unsupported_parameter")
         if body.get("suffix"):
@@ -157,8 +167,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         if body.get("best_of") not in (None, 1):
             raise bad("best_of other than 1 is not supported by this server", "best_of", "unsupported_parameter")
     else:
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-            raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
         if body.get("tools") or body.get("functions"):
             raise bad("tools are not supported by this server", "tools", "unsupported_parameter")
         fmt = body.get("response_format")
@@ -171,9 +179,46 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
                       "unsupported_parameter")
     if body.get("logit_bias"):
         raise bad("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
+
+
+def _choices(body: dict) -> int:
     n = body.get("n")
-    if n is not None and n != 1:
-        raise bad(f"n must be 1 (one choice per request), got {show(n)}", "n", "unsupported_parameter")
+    if n is None:
+        return 1
+    if isinstance(n, float) and n.is_integer():
+        n = int(n)
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise bad(f"n must be an integer in [1, {MAX_N}] (the choices to generate), got {show(n)}", "n")
+    return int(n)
+
+
+def _alternatives(v, name: str) -> int:
+    """An integer count of alternatives in [0, ``MAX_LOGPROBS``] (``name`` is the field it came as)."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v) or not 0 <= v <= MAX_LOGPROBS:
+        raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens returned at each "
+                  f"position), got {show(v)}", name)
+    return int(v)
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """The alternatives asked for at each position, None when no log-probabilities are asked for. Completions:
+    ``logprobs: <int>``; chat: ``logprobs: true`` and ``top_logprobs: <int>`` (0 when left out)."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == "completion":
+        if top is not None:
+            raise bad("top_logprobs is a chat field; on /v1/completions give logprobs: <number of alternatives>",
+                      "top_logprobs")
+        return None if lp is None or lp is False else _alternatives(lp, "logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise bad(f"logprobs must be true or false (give the alternatives as top_logprobs), got {show(lp)}",
+                  "logprobs")
+    if not lp:
+        if top not in (None, 0):
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return 0 if top is None else _alternatives(top, "top_logprobs")
 
 
 def _model(body: dict, info: ModelInfo) -> str:
@@ -368,8 +413,11 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
     if not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
     ignore_eos, return_token_ids = _get_bool(body, "ignore_eos"), _get_bool(body, "return_token_ids")
+    n, logprobs = _choices(body), _logprobs(body, kind)
+    tokens_as_ids = _get_bool(body, "return_tokens_as_token_ids")
     # the ranges of SamplingParams, the same as for LLM.generate (max_tokens is checked against the context below)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids,
+                    logprobs=logprobs)
     _sampling_params(max_tokens=1 if max_tokens is None else max_tokens, **sampling, param=param)
 
     ids = _prompt_ids(body, info) if kind == "completion" else _chat_ids(body, info)
@@ -384,7 +432,8 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
     return GenRequest(
         kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, stream=stream,
-        include_usage=stream and _get_bool(opts, "include_usage"), return_token_ids=return_token_ids,
+        include_usage=stream and _get_bool(opts, "include_usage"), return_token_ids=return_token_ids, n=n,
+        logprobs=logprobs, tokens_as_ids=tokens_as_ids,
     )
 
 
@@ -397,10 +446,13 @@ def _sampling_params(param: str = "max_tokens", **kw) -> SamplingParams:
                   param if e.param == "max_tokens" else e.param) from None
 
 
-def sampling_params(req: GenRequest) -> SamplingParams:
-    """The engine's settings for a validated request."""
+def sampling_params(req: GenRequest, index: int = 0) -> SamplingParams:
+    """The engine's settings for choice ``index`` of a validated request: its seed is ``seed + index`` (modulo
+    2**63), so choice i of a request equals a request of one choice with that seed."""
+    seed = None if req.seed is None else (req.seed + index) % INT64
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                          seed=req.seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+                          seed=seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                          logprobs=req.logprobs)
 
 
 def parse_completion(body, info: ModelInfo) -> GenRequest:
@@ -476,6 +528,94 @@ class TextStream:
         return rest
 
 
+# ------------------------------------------------------------------------------------------------ log-probabilities
+
+
+def token_id_text(token_id: int) -> str:
+    """A token as ``return_tokens_as_token_ids`` renders it (vLLM's spelling), which a client maps back to the id."""
+    return f"token_id:{token_id}"
+
+
+class TokenTexts:
+    """Each token id's own text (``decode([id])``, special tokens included: the strings log-probabilities are given
+    under), decoded once and kept (at most one entry per token of the vocabulary). Without a tokenizer a token is
+    ``"token_id:<id>"``."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def get(self, ids) -> list[str]:
+        missing = [t for t in dict.fromkeys(ids) if t not in self.cache]
+        if missing:
+            texts = (self.tok.batch_decode([[t] for t in missing], skip_special_tokens=False)
+                     if self.tok is not None else [token_id_text(t) for t in missing])
+            self.cache.update(zip(missing, texts))
+        return [self.cache[t] for t in ids]
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)  # -inf (probability 0) as OpenAI sends it
+
+
+class Logprobs:
+    """A request's ``TokenLogprob`` entries in the OpenAI shapes. Tokens are their own text (``TokenTexts``) or, with
+    ``as_ids`` (``return_tokens_as_token_ids``), ``"token_id:<id>"``."""
+
+    def __init__(self, texts: TokenTexts, as_ids: bool = False):
+        self.texts, self.as_ids = texts, as_ids
+
+    def _names(self, ids) -> list[str]:
+        return [token_id_text(t) for t in ids] if self.as_ids else self.texts.get(ids)
+
+    def completion(self, entries, output_ids: list[int]) -> dict:
+        """The legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of ``entries``, the last
+        ``len(entries)`` tokens of ``output_ids`` (the choice's tokens so far). ``top_logprobs[i]``: token -> logprob
+        of the alternatives and of the chosen token (OpenAI: up to logprobs + 1 of them), most likely first;
+        ``text_offset[i]``: where token i starts in the choice's text (the length of the text its earlier tokens
+        decode to)."""
+        names = self._names([e.token_id for e in entries])
+        tops = []
+        for e, name in zip(entries, names):
+            pairs = [(lp, t) for t, lp in e.top]
+            if all(t != e.token_id for t, _ in e.top):
+                pairs.append((e.logprob, e.token_id))
+            pairs.sort(key=lambda p: -p[0])  # stable: among equals the alternatives' order stays
+            top: dict = {}
+            for (lp, t), key in zip(pairs, self._names([t for _, t in pairs])):
+                top.setdefault(key, _lp(lp))  # two ids of one spelling: the likelier keeps it
+            tops.append(top)
+        return {"tokens": names, "token_logprobs": [_lp(e.logprob) for e in entries], "top_logprobs": tops,
+                "text_offset": self._offsets(output_ids, len(entries))}
+
+    def _offsets(self, ids: list[int], n: int) -> list[int]:
+        tok = self.texts.tok
+        if tok is None or not n:
+            return [0] * n
+        start = len(ids) - n
+        prefixes = [ids[:i] for i in range(start, len(ids))]
+        return [len(t) for t in tok.batch_decode(prefixes, skip_special_tokens=True)]
+
+    def chat(self, entries) -> dict:
+        """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``: the
+        chosen token and the alternatives asked for (``top_logprobs`` of them), most likely first; ``bytes`` are the
+        UTF-8 bytes of ``token``."""
+        content = []
+        for e in entries:
+            name, *alts = self._names([e.token_id] + [t for t, _ in e.top])
+            content.append({"token": name, "logprob": _lp(e.logprob), "bytes": _bytes(name),
+                            "top_logprobs": [{"token": a, "logprob": _lp(lp), "bytes": _bytes(a)}
+                                             for a, (_, lp) in zip(alts, e.top)]})
+        return {"content": content}
+
+    def render(self, kind: str, entries, output_ids: list[int]) -> dict:
+        return self.completion(entries, output_ids) if kind == "completion" else self.chat(entries)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
 # ------------------------------------------------------------------------------------------------ responses
 
 
@@ -491,33 +631,51 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def response(req: GenRequest, rid: str, created: int, text: str, token_ids: list[int], finish_reason: str) -> dict:
-    """The non-streamed response body."""
-    choice: dict = {"index": 0}
-    if req.kind == "completion":
-        obj = "text_completion"
-        choice.update(text=text, logprobs=None, finish_reason=finish_reason)
-    else:
-        obj = "chat.completion"
-        choice.update(message={"role": "assistant", "content": text}, logprobs=None, finish_reason=finish_reason)
-    if req.return_token_ids:
-        choice.update(prompt_token_ids=req.prompt_ids, token_ids=token_ids)
+@dataclass
+class Choice:
+    """One finished choice of a non-streamed answer: its text, token ids, finish reason and, when asked for, its
+    ``logprobs`` field (``Logprobs.completion`` / ``Logprobs.chat``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: dict | None = None
+
+
+def response(req: GenRequest, rid: str, created: int, choices: list[Choice]) -> dict:
+    """The non-streamed response body: every choice, in index order; usage counts the prompt once and the completion
+    tokens of every choice."""
+    out = []
+    for c in sorted(choices, key=lambda c: c.index):
+        choice: dict = {"index": c.index}
+        if req.kind == "completion":
+            choice.update(text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason)
+        else:
+            choice.update(message={"role": "assistant", "content": c.text}, logprobs=c.logprobs,
+                          finish_reason=c.finish_reason)
+        if req.return_token_ids:
+            choice.update(prompt_token_ids=req.prompt_ids, token_ids=c.token_ids)
+        out.append(choice)
+    obj = "text_completion" if req.kind == "completion" else "chat.completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "system_fingerprint": None,
-            "choices": [choice], "usage": usage(len(req.prompt_ids), len(token_ids))}
+            "choices": out, "usage": usage(len(req.prompt_ids), sum(len(c.token_ids) for c in choices))}
 
 
 def chunk(req: GenRequest, rid: str, created: int, text: str | None, token_ids: list[int] | None,
-          finish_reason: str | None = None, first: bool = False, use: dict | None = None) -> dict:
-    """One stream chunk. ``first``: the chat role delta (and, with ``return_token_ids``, the prompt's ids)."""
-    choice: dict = {"index": 0}
+          finish_reason: str | None = None, first: bool = False, use: dict | None = None, index: int = 0,
+          logprobs: dict | None = None) -> dict:
+    """One stream chunk of choice ``index``, with the ``logprobs`` of its tokens when asked for. ``first``: the chat
+    role delta (and, with ``return_token_ids``, the prompt's ids)."""
+    choice: dict = {"index": index}
     if req.kind == "completion":
         obj = "text_completion"
-        choice.update(text=text or "", logprobs=None, finish_reason=finish_reason)
+        choice.update(text=text or "", logprobs=logprobs, finish_reason=finish_reason)
     else:
         obj = "chat.completion.chunk"
         delta: dict = {"role": "assistant", "content": text or ""} if first else (
             {"content": text} if text else {})
-        choice.update(delta=delta, logprobs=None, finish_reason=finish_reason)
+        choice.update(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
     if req.return_token_ids:
         if first:
             choice["prompt_token_ids"] = req.prompt_ids

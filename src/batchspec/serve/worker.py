@@ -2,7 +2,9 @@
 
 HTTP handlers call ``submit`` (a request joins at the next round boundary), ``abort`` (its row leaves at the next
 round boundary) and read their tokens from the ``deliver`` callback they gave, which the engine thread calls with
-``("tokens", ids)``, then ``("done", Finished)`` or ``("error", message)``. Only the engine thread touches the engine.
+``("tokens", ids, logprobs)`` (``logprobs``: a ``TokenLogprob`` per id, or None when the request asked for none), then
+``("done", reason, Finished)`` or ``("error", message)``. Only the engine thread touches the engine. A request of n
+choices is n engine requests, submitted together (``submit_all``).
 
 Admission: at most ``batch_size + max_queue`` requests are in flight (running or waiting); ``submit`` raises
 ``QueueFull`` beyond that, so a burst is shed instead of queueing without bound.
@@ -118,16 +120,25 @@ class EngineWorker:
         """Hand a request to the engine thread (its id is set here; ``name``: the id its client sees, for the log).
         Raises ``QueueFull`` when ``capacity`` requests are in flight, ``Unavailable`` when the engine thread is not
         running."""
+        return self.submit_all([request], [deliver], [name])[0]
+
+    def submit_all(self, requests: list[Request], delivers: list[Callable[[tuple], None]],
+                   names: list[str | None]) -> list[Job]:
+        """``submit`` for several requests at once (the choices of one HTTP request): all are taken or, when they do
+        not all fit under ``capacity``, none (``QueueFull``)."""
         with self._lock:
             if not self.alive:
                 raise Unavailable("the engine is not running")
-            if self._in_flight >= self.capacity:
-                raise QueueFull(f"{self._in_flight} requests in flight (capacity {self.capacity})")
-            self._in_flight += 1
-            request.id = next(self._ids)
-        job = Job(request, deliver, name=name)
-        self.inbox.put(("add", job))
-        return job
+            if self._in_flight + len(requests) > self.capacity:
+                raise QueueFull(f"{self._in_flight} requests in flight, {len(requests)} more asked for (capacity "
+                                f"{self.capacity})")
+            self._in_flight += len(requests)
+            for request in requests:
+                request.id = next(self._ids)
+        jobs = [Job(r, d, name=n) for r, d, n in zip(requests, delivers, names)]
+        for job in jobs:
+            self.inbox.put(("add", job))
+        return jobs
 
     def abort(self, request_id: int, reason: str = "abort") -> None:
         """Drop a request; its row leaves the batch at the next round boundary. ``reason`` is what ``finished``
@@ -201,13 +212,14 @@ class EngineWorker:
             job = self.jobs.get(o.request_id)
             if job is None:
                 continue
-            new = o.new_token_ids
+            new, lps = o.new_token_ids, o.logprobs
             if job.skip:
                 n = min(job.skip, len(new))
                 new, job.skip = new[n:], job.skip - n
+                lps = None if lps is None else lps[n:]
             if new:
                 job.delivered += len(new)
-                self._send(job, ("tokens", list(new)))
+                self._send(job, ("tokens", list(new), lps))
             if o.finished is not None:
                 self._finish(job, o.finished.reason, o.finished)
 

@@ -37,7 +37,7 @@ _tried = False
 
 
 def cache_dir() -> Path:
-    from batchspec.model.loading import cache_base
+    from ..cache import cache_base
 
     return cache_base() / "kernels"
 
