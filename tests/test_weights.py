@@ -79,6 +79,16 @@ def test_packed_linear_gives_the_fp32_kernels_bits(kind):
     assert torch.equal(bits(lin(a[:6].view(2, 3, 192))), bits(kernels.skinny_linear(a[:6], v)).view(2, 3, 75))
 
 
+@pytest.mark.parametrize("k", [16, 48])
+def test_rows_the_kernel_cannot_read_whole_stay_fp32(k):
+    """The kernel reads ``BLOCK`` weights of a row at a time: a weight whose rows are not a multiple of that (a small
+    draft model's) stays fp32 rather than be read past its end."""
+    g = torch.Generator().manual_seed(4)
+    v = (torch.randn(40, k, generator=g)).half().float()
+    assert W.pack(v) is None
+    assert W.pack(torch.cat([v, v], 1) if k == 16 else torch.cat([v, v[:, :16]], 1)).kind == "f16"  # 32, 64 wide
+
+
 def quantised_target(tmp_path, tie: bool = False):
     """The tiny fp32 Llama with every weight in a GGUF block format (as a model dequantised from a GGUF file is),
     the norms left as they are, saved as a Hugging Face directory with the tiny tokenizer."""

@@ -102,10 +102,12 @@ def expand_torch(p: PackedWeight, rows: torch.Tensor | None = None) -> torch.Ten
 
 def pack(weight: torch.Tensor, kinds=ORDER) -> PackedWeight | None:
     """The narrowest format in ``kinds`` that holds every value of the fp32 ``weight`` ``[N, K]`` bit for bit (its
-    expansion is checked against it), or None (also where the kernels, which find the block formats' codes and
-    would run the packed weight, are not built here)."""
+    expansion is checked against it), or None: also where the kernels, which find the block formats' codes and
+    would run the packed weight, are not built here, and for rows whose length is not a multiple of ``BLOCK`` (the
+    kernel reads every format ``BLOCK`` weights of a row at a time, so such a row stays fp32)."""
     lib = kernels.library()
-    if lib is None or weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+    if (lib is None or weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu"
+            or weight.shape[1] % BLOCK):
         return None
     w = weight.detach().contiguous()
     n, k = w.shape
