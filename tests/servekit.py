@@ -1,6 +1,10 @@
-"""Shared pieces of the serving tests: a tiny tokenizer, tiny LLMs for a server, an OpenAI client, waiting."""
+"""Shared pieces of the serving tests: a tiny tokenizer, tiny LLMs for a server, an OpenAI client, waiting, and the
+plumbing of fake servers on loopback."""
 
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import tiny
@@ -30,6 +34,19 @@ def llm(**kw):
     return batchspec.LLM(tiny.target(), draft=tiny.draft(), scheduler="continuous", **kw)
 
 
+def served(engine=None):
+    """A ``batchspec serve`` app over ``engine`` (default ``llm()``) on loopback, as a context manager (``.url``)."""
+    from batchspec.serve.app import create_app
+    from batchspec.serve.server import ServerThread
+
+    return ServerThread(create_app(engine if engine is not None else llm(), model_name="tiny"))
+
+
+def faulty(fault):
+    """A server whose engine has the injected ``fault`` (fixed speculation length: drafts are verified every round)."""
+    return served(llm(fault=fault, speculation="fixed"))
+
+
 def client(url, key="none"):
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
 
@@ -52,3 +69,40 @@ def wait(cond, timeout=10.0):
             return False
         time.sleep(0.01)
     return True
+
+
+class FakeServer:
+    """An HTTP server on loopback answering with ``handler`` (which reaches this object as ``self.server.fake``) in a
+    daemon thread, while used as a context manager; ``release`` is set on exit, for handlers that hang until then."""
+
+    def __init__(self, handler):
+        self.release = threading.Event()
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.http.fake = self
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.http.shutdown()
+        self.http.server_close()
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A quiet request handler with ``send`` (bytes, any content type) and ``send_json``."""
+
+    def log_message(self, *args):
+        pass
+
+    def send(self, status: int, data: bytes, kind: str = "application/json"):
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_json(self, status: int, body):
+        self.send(status, json.dumps(body).encode())

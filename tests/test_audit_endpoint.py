@@ -7,30 +7,15 @@ import pytest
 import servekit
 import tiny
 
-import batchspec
 from batchspec.audit.endpoint import RETOKENIZED, TOKEN_IDS, EndpointClient, audit_endpoint, endpoint_markdown
 from batchspec.cli import main
-from batchspec.serve.app import create_app
-from batchspec.serve.server import ServerThread
 
 PROMPTS = tiny.prompts(8, seed=11, lo=2, hi=30)
 
 
 @pytest.fixture(scope="module")
-def good():
-    with ServerThread(create_app(servekit.llm(), model_name="tiny")) as s:
-        yield s
-
-
-def _faulty(fault):
-    llm = batchspec.LLM(tiny.target(), draft=tiny.draft(), tokenizer=servekit.tokenizer(), scheduler="continuous",
-                        batch_size=4, num_draft_tokens=3, fault=fault, speculation="fixed")
-    return ServerThread(create_app(llm, model_name="tiny"))
-
-
-@pytest.fixture(scope="module")
 def broken():
-    with _faulty("dsd-draft-token-accepted") as s:
+    with servekit.faulty("dsd-draft-token-accepted") as s:
         yield s
 
 
@@ -52,10 +37,10 @@ def test_endpoint_audit_catches_a_broken_server(broken):
     assert all(not r.clean and r.signature != "clean" and r.synchronization > 0 for r in report.rows)
 
 
-def test_endpoint_audit_sees_a_bug_that_needs_concurrency():
+def test_endpoint_audit_sees_a_bug_that_needs_concurrency(padding_bug):
     """Padding visible to attention only corrupts rows that share a batch: clean alone, caught under concurrency."""
-    with _faulty("dsd-unmasked-padding") as s:
-        report = audit_endpoint(s.url, tiny.target(), PROMPTS, concurrency=[1, 4], max_tokens=12, cache_dir=False)
+    report = audit_endpoint(padding_bug.url, tiny.target(), PROMPTS, concurrency=[1, 4], max_tokens=12,
+                            cache_dir=False)
     alone, together = report.rows
     assert alone.clean and not together.clean and together.synchronization > 0
 

@@ -11,7 +11,6 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import servekit
@@ -42,7 +41,7 @@ def oracle(prompt, stops=()):
     return tiny.oracle(target(), prompt, MAX_TOKENS, [EOS, *stops])
 
 
-class Fake:
+class Fake(servekit.FakeServer):
     """An OpenAI-compatible server on loopback (``/v1/models``, ``/v1/completions``, streamed or not).
 
     ``edit(prompt, choice)`` returns the choice to send (edited in place or not), or one of ``"500"``, ``"garbage"``
@@ -51,19 +50,8 @@ class Fake:
 
     def __init__(self, edit=None, models_hang=False):
         self.edit, self.models_hang = edit or (lambda prompt, choice: choice), models_hang
-        self.lock, self.release = threading.Lock(), threading.Event()
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self.http.fake = self
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-
-    def __enter__(self):
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.release.set()
-        self.http.shutdown()
-        self.http.server_close()
+        self.lock = threading.Lock()
+        super().__init__(_Handler)
 
     def choice(self, body: dict) -> dict:
         prompt = body["prompt"]
@@ -76,23 +64,14 @@ class Fake:
         return self.edit(prompt, choice)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def _send(self, status: int, data: bytes, kind: str = "application/json"):
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+class _Handler(servekit.JsonHandler):
 
     def do_GET(self):
         fake = self.server.fake
         if fake.models_hang:
             fake.release.wait(10)
             return
-        self._send(200, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode())
+        self.send(200, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode())
 
     def do_POST(self):
         fake = self.server.fake
@@ -103,11 +82,11 @@ class _Handler(BaseHTTPRequestHandler):
         if choice in ("close", "hang"):
             return
         if choice == "500":
-            return self._send(500, b'{"error": {"message": "the engine fell over", "type": "server_error"}}')
+            return self.send(500, b'{"error": {"message": "the engine fell over", "type": "server_error"}}')
         if choice == "garbage":
-            return self._send(200, b"<html>gateway error</html>", "text/html")
+            return self.send(200, b"<html>gateway error</html>", "text/html")
         if not body.get("stream"):
-            return self._send(200, json.dumps({"id": "cmpl-1", "object": "text_completion", "model": "fake",
+            return self.send(200, json.dumps({"id": "cmpl-1", "object": "text_completion", "model": "fake",
                                                "choices": [choice]}).encode())
         self.send_response(200)  # HTTP/1.0: the stream ends when the connection closes
         self.send_header("Content-Type", "text/event-stream")

@@ -16,7 +16,7 @@ PROMPTS = ["w5 w9 w14 w3", "w22 w41", "w60 w61 w62 w63 w64 w65 w66", "w7"]
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(create_app(servekit.llm(), model_name="tiny")) as s:
+    with servekit.served() as s:
         yield s
 
 

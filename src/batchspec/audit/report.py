@@ -43,17 +43,25 @@ class AuditRow:
         return sum(d.cls == "overrun" for d in self.divergences)
 
     @property
+    def unattributed(self) -> int:
+        """Divergences that could not be attributed (an endpoint audited against a reference server that returned no
+        log-probabilities)."""
+        return sum(d.cls == "unattributed" for d in self.divergences)
+
+    @property
     def clean(self) -> bool:
-        """No synchronization, reference or overrun divergence, and the signature says so (the endpoint audit also
-        names levels that are not clean for other reasons: failed requests, protocol errors, prompt mismatches)."""
-        return self.signature == "clean" and not (self.synchronization or self.reference or self.overrun)
+        """No synchronization, reference, overrun or unattributed divergence, and the signature says so (the endpoint
+        audit also names levels that are not clean for other reasons: failed requests, protocol errors, prompt
+        mismatches)."""
+        return self.signature == "clean" and not (self.synchronization or self.reference or self.overrun
+                                                  or self.unattributed)
 
     def as_dict(self, outputs: bool = True) -> dict:
         d = {
             "engine": self.engine, "batch_size": self.batch_size, "n": self.n, "exact_match": self.exact_match,
             "partial_match": self.partial_match, "rouge_l": self.rouge_l, "repetition_rate": self.repetition_rate,
             "numerical": self.numerical, "synchronization": self.synchronization, "reference": self.reference,
-            "overrun": self.overrun, "signature": self.signature,
+            "overrun": self.overrun, "unattributed": self.unattributed, "signature": self.signature,
             "first_violated_invariant": self.first_violated_invariant, "tokens_per_second": self.tokens_per_second,
             "divergences": [x.as_dict() for x in self.divergences],
         }
@@ -100,7 +108,8 @@ class AuditReport:
         return [
             r.engine, str(r.batch_size), *metrics,
             f"{r.numerical}/{r.synchronization}" + (f" ({r.reference} ref)" if r.reference else "")
-            + (f" ({r.overrun} overrun)" if r.overrun else ""), r.signature,
+            + (f" ({r.overrun} overrun)" if r.overrun else "")
+            + (f" ({r.unattributed} unattributed)" if r.unattributed else ""), r.signature,
             _invariant(r.first_violated_invariant), f"{r.tokens_per_second:.1f}",
         ]
 
@@ -112,13 +121,30 @@ class AuditReport:
             r.reference for r in self.rows) else ""
         if any(r.overrun for r in self.rows):
             ref += " (overrun: outputs with tokens past their first stop token or max_tokens)"
+        if any(r.unattributed for r in self.rows):
+            ref += " (unattributed: no log-probabilities to tell numerical from synchronization)"
         lines += [
             "",
             f"{m.get('n_prompts')} prompts, max_tokens {m.get('max_tokens')}, K={m.get('num_draft_tokens')}, "
-            f"oracle: HF greedy at batch size 1 ({m.get('target_dtype')}); num/sync: divergences within / beyond the "
+            f"oracle: {self.reference_line()}; num/sync: divergences within / beyond the "
             f"margin tolerance{ref}; oracle repetition rate {m.get('oracle_repetition_rate', 0):.3f}.",
         ]
         return "\n".join(lines) + "\n"
+
+    def reference_line(self) -> str:
+        """What the outputs were compared with, in words."""
+        return self.meta.get("oracle") or f"HF greedy at batch size 1 ({self.meta.get('target_dtype')})"
+
+    def verdict(self) -> tuple[int, str]:
+        """The local audit's exit status and verdict in a line: 1 when an engine other than an injected fault is not
+        clean at some batch size, else 0."""
+        broken = [f"{r.engine} B={r.batch_size}" for r in self.rows
+                  if not r.clean and not r.engine.startswith("fault:")]
+        if broken:
+            return 1, f"not clean: {', '.join(broken)}"
+        faults = [r for r in self.rows if r.engine.startswith("fault:")]
+        caught = sum(not r.clean for r in faults)
+        return 0, "clean" + (f" (injected faults caught: {caught} of {len(faults)} rows)" if faults else "")
 
     def rich_table(self):
         from rich.table import Table
@@ -135,11 +161,16 @@ class AuditReport:
 
     def plot(self, path) -> Path:
         """Exact match, partial match and ROUGE-L per engine and batch size, with each row's signature (PNG)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.figure().savefig(path, dpi=130)
+        return path
+
+    def figure(self):
+        """The figure of ``plot`` (a matplotlib ``Figure``)."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         n = len(self.rows)
         fig = Figure(figsize=(max(6.0, 0.9 * n + 2), 5.6), layout="constrained")
         FigureCanvasAgg(fig)
@@ -160,7 +191,7 @@ class AuditReport:
         ax.set_yticks([0, 0.25, 0.5, 0.75, 1.0])
         ax.axhline(1.0, color="#999999", lw=0.6, ls=":")
         ax.set_ylabel("fraction / mean over prompts")
-        ax.set_title("batchspec audit: agreement with batch-size-1 greedy decoding (signature above each group)")
+        against = "the reference server" if self.meta.get("reference") else "batch-size-1 greedy decoding"
+        ax.set_title(f"batchspec audit: agreement with {against}\n(signature above each group)", fontsize=10)
         ax.legend(loc="upper left", ncols=3, fontsize=8, framealpha=0.9)
-        fig.savefig(path, dpi=130)
-        return path
+        return fig

@@ -1,18 +1,26 @@
-"""``batchspec audit``: run engines against the batch-size-1 oracle and write audit.json, audit.md and audit.png; with
-``--temperature`` > 0, the distributional audit (distribution.json, distribution.md)."""
+"""``batchspec audit``: run engines against the batch-size-1 oracle and write audit.json, audit.md, audit.png and
+audit.html; with ``--temperature`` > 0, the distributional audit (distribution.json, distribution.md); with
+``--endpoint``, the audit of a running server (against the local oracle, a reference server or itself at concurrency
+1), or with ``--repeat`` its determinism run (determinism.json, .md, .png, .html)."""
 
 from __future__ import annotations
 
 import os
 
-from .common import (encode_prompts, int_list, model_args, positive_float, positive_int, prepare_out, read_prompt_set,
-                     resolve_draft, sampling_flags, write_atomic)
+from .common import (DEFAULT_TARGET, encode_prompts, int_list, model_args, positive_float, positive_int, prepare_out,
+                     read_prompt_set, resolve_draft, sampling_flags, write_atomic)
 
 HELP = "audit engines (or a running server) against the batch-size-1 oracle"
 
 
 def add_arguments(parser) -> None:
     model_args(parser)
+    for action in parser._actions:  # --target: its default depends on --endpoint (run() fills it in)
+        if action.dest == "target":
+            action.default = None
+            action.help = (f"target model: path, model id or built-in name (default {DEFAULT_TARGET}); with --endpoint "
+                           "it is the local oracle's model, or with --reference (or --repeat) only where the "
+                           "tokenizer comes from; --endpoint without --target audits against --reference self")
     parser.description = (
         "Compare engines with HF greedy decoding at batch size 1 (exact match, partial match, ROUGE-L, repetition), "
         "attribute each divergence to numerical noise or a synchronization error, and name each failure signature. "
@@ -33,8 +41,8 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--out", default="out/audit",
-        help="folder for audit.json, audit.md, audit.png; with --temperature > 0, distribution.json and "
-             "distribution.md (default out/audit)",
+        help="folder for audit.json, audit.md, audit.png, audit.html; with --temperature > 0, distribution.json "
+             "and distribution.md; with --repeat, determinism.json, .md, .png and .html (default out/audit)",
     )
     parser.add_argument(
         "--tolerance", type=float, default=None,
@@ -43,8 +51,10 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--limit", type=positive_int, default=None, help="audit only the first N prompts")
     endpoint = parser.add_argument_group(
-        "endpoint audit", "audit a running OpenAI-compatible server (any engine) against the local oracle of --target "
-        "at several concurrency levels instead of local engines (--engines and --batch-sizes do not apply). The whole "
+        "endpoint audit", "audit a running OpenAI-compatible server (any engine) at several concurrency levels instead "
+        "of local engines (--engines and --batch-sizes do not apply), against the local oracle of --target when "
+        "--target is given without --reference, else against --reference (default: self, the server at concurrency "
+        "1), with no model loaded. The whole "
         "output is compared: tokens past the first stop token or --max-tokens are an overrun; token ids that are not "
         "integers of the vocabulary, a finish_reason that disagrees with the tokens and prompt ids other than those "
         "sent are reported; requests that fail are not compared. Exit status: 1 when a level is not clean (a "
@@ -65,6 +75,22 @@ def add_arguments(parser) -> None:
     endpoint.add_argument("--timeout", type=positive_float, default=600.0,
                           help="seconds to wait for the server at most: for /v1/models and for each answer (a stream: "
                                "all of it); > 0 (default 600)")
+    endpoint.add_argument("--reference", default=None, metavar="URL|self",
+                          help="compare with another server's answers (e.g. the same model with speculation off) or "
+                               "with the server's own at concurrency 1 (self); no model is loaded: --target, if "
+                               "given, only provides the tokenizer to send text prompts as token ids (without it they "
+                               "go as text); divergences are attributed from the reference's logprobs, else "
+                               "unattributed (default: self when --target is not given)")
+    endpoint.add_argument("--reference-model", default=None,
+                          help="the reference server's model id (default: the first of its /v1/models)")
+    endpoint.add_argument("--top-logprobs", type=int, default=5,
+                          help="log-probabilities asked of the reference server per position, as token ids, to "
+                               "attribute divergences (0: none; default 5); --dtype names the servers' dtype for the "
+                               "tolerance (default float32; give bfloat16 or float16 for servers that compute in them)")
+    endpoint.add_argument("--repeat", type=positive_int, default=None, metavar="N",
+                          help="the determinism run instead: send each prompt N >= 2 times, greedy, at the "
+                               "--concurrency levels in turn, and count each prompt's unique outputs (no reference, "
+                               "no model); exit status 1 when a prompt has more than one")
     sampling = parser.add_argument_group("distributional audit (temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0,
                           help="sampling temperature; > 0 runs the distributional audit (default 0: greedy audit)")
@@ -90,6 +116,11 @@ def run(args) -> int:
 
     if args.endpoint is not None:
         return _run_endpoint(args)
+    for flag, value in (("--reference", args.reference), ("--reference-model", args.reference_model),
+                        ("--repeat", args.repeat)):
+        if value is not None:
+            raise ValueError(f"{flag} applies to the endpoint audit: give --endpoint URL as well")
+    args.target = args.target or DEFAULT_TARGET
     sampled = args.temperature > 0
     sampling = sampling_flags(args, max_tokens=args.n_tokens if sampled else args.max_tokens)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -112,26 +143,26 @@ def run(args) -> int:
     )
     _write_reports(out, "audit", report.as_dict(), report.to_markdown())
     report.plot(out / "audit.png")
+    _write_html(out / "audit.html", report)
     console = Console()
     if not console.is_terminal:  # a log file: keep every column readable instead of wrapping at 80
         console.width = max(console.width, 170)
     console.print(report.rich_table())
-    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}")
-    broken = [f"{r.engine} B={r.batch_size}" for r in report.rows if not r.clean and not r.engine.startswith("fault:")]
-    if broken:
-        console.print(f"[red]not clean: {', '.join(broken)}[/red]")
-        return 1
-    return 0
+    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}")
+    status, verdict = report.verdict()
+    if status:
+        console.print(f"[red]{verdict}[/red]")
+    return status
 
 
 def _run_endpoint(args) -> int:
     """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``); exit status 0 clean, 1 a level not clean,
-    2 a level that could not be audited."""
+    2 a level that could not be audited. With ``--repeat``: the determinism run."""
     import torch
     from rich.console import Console
     from rich.markup import escape
 
-    from ..audit.endpoint import COULD_NOT_AUDIT, audit_endpoint, endpoint_markdown
+    from ..audit.endpoint import COULD_NOT_AUDIT, SELF, audit_endpoint, endpoint_markdown, endpoint_verdict
 
     if args.temperature > 0:
         raise ValueError("--endpoint audits greedy decoding: leave --temperature at 0")
@@ -139,24 +170,44 @@ def _run_endpoint(args) -> int:
         import httpx  # noqa: F401
     except ImportError:
         raise ValueError("--endpoint needs httpx: install the serve extra, pip install 'batchspec[serve]'") from None
+    if args.top_logprobs < 0:
+        raise ValueError(f"--top-logprobs must be an integer >= 0, got {args.top_logprobs}")
     levels = int_list(args.concurrency, "--concurrency")
+    if args.repeat is not None:
+        return _run_determinism(args, levels)
+    reference = args.reference
+    if reference is None and args.reference_model is not None:
+        raise ValueError("--reference-model names the model of --reference URL: give --reference as well")
+    if reference is None and args.target is None:
+        reference = SELF
+    if reference is not None and reference != SELF and "://" not in reference:
+        raise ValueError(f"--reference must be 'self' or a server's URL (http://host:port), got {reference!r}")
     pairs = read_prompt_set(args.prompts)[: args.limit]
     out = prepare_out(args.out, folder=True)
     try:
         report = audit_endpoint(
-            args.endpoint, args.target, [t for _, t in pairs], levels, args.model, max_tokens=args.max_tokens,
-            api=args.api, stream=args.stream, chat_template=args.chat_template, api_key=args.api_key,
-            tolerance=args.tolerance, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
-            timeout=args.timeout, progress=True,
+            args.endpoint, args.target, [t for _, t in pairs], levels, args.model, reference=reference,
+            reference_model=args.reference_model, max_tokens=args.max_tokens, api=args.api, stream=args.stream,
+            chat_template=args.chat_template, api_key=args.api_key, tolerance=args.tolerance,
+            dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device, timeout=args.timeout,
+            top_logprobs=args.top_logprobs, progress=True,
         )
     except ConnectionError as e:  # connection refused, unknown host, no answer from /v1/models
         raise ValueError(str(e)) from None
     _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report))
     report.plot(out / "audit.png")
+    _write_html(out / "audit.html", report)
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 170)
     console.print(report.rich_table())
+    ref = report.meta.get("reference")
+    if ref is not None:
+        console.print(escape(f"reference: {report.meta['oracle']}; {ref['answers']} of {ref['requests']} answers "
+                             f"usable ({ref['seconds']:.1f} s)"))
+        for p in ref["problems"][:3]:
+            console.print(escape(f"  prompt {p['prompt']} ({pairs[p['prompt']][0]}): reference {p['kind']}: "
+                                 f"{p['detail']}"))
     ep = report.meta["endpoint"]
     for row, lv in zip(report.rows, ep["levels"]):
         console.print(escape(_level_line(row, lv)))
@@ -165,20 +216,72 @@ def _run_endpoint(args) -> int:
             console.print(escape(f"  prompt {p['prompt']} ({pairs[p['prompt']][0]}): {p['kind']}: {p['detail']}"))
         if shown and len(lv["problems"]) > len(shown):
             console.print(f"  ... {len(lv['problems']) - len(shown)} more in audit.json")
+        for d in [d for d in row.divergences if d.cls not in ("numerical", "overrun")][:3]:
+            console.print(escape(f"  prompt {d.prompt} ({pairs[d.prompt][0]}): first divergence at token {d.index}: "
+                                 f"{d.engine_token} where the reference has {d.oracle_token} ({d.cls})"))
     if ep["retokenized"]:
         console.print("[yellow]the server returned no token ids: its text was re-tokenized locally (last resort)"
                       "[/yellow]")
-    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}")
-    broken = [f"concurrency {r.batch_size} ({r.signature})" for r in report.rows
-              if not r.clean and r.signature != COULD_NOT_AUDIT]
-    if broken:
-        console.print(f"[red]not clean: {escape(', '.join(broken))}[/red]")
-        return 1
-    unaudited = [f"concurrency {r.batch_size}" for r in report.rows if r.signature == COULD_NOT_AUDIT]
-    if unaudited:
-        console.print(f"[red]could not audit: {', '.join(unaudited)} (every request failed)[/red]")
-        return 2
-    return 0
+    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}")
+    status, verdict = endpoint_verdict(report)
+    if status:
+        console.print(f"[red]{escape(verdict)}[/red]")
+    return status
+
+
+def _run_determinism(args, levels) -> int:
+    """``--endpoint URL --repeat N``: the determinism run (``batchspec.audit.determinism``); exit status 0 when every
+    prompt gave one output, 1 when one gave more (or requests failed), 2 when every request failed."""
+    import json
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    from ..audit.determinism import determinism_run
+
+    if args.repeat < 2:
+        raise ValueError(f"--repeat must be an integer >= 2 (each prompt is sent that many times), got {args.repeat}")
+    for flag, value in (("--reference", args.reference), ("--reference-model", args.reference_model)):
+        if value is not None:
+            raise ValueError(f"--repeat runs the determinism run, which needs no reference: leave out {flag}")
+    pairs = read_prompt_set(args.prompts)[: args.limit]
+    out = prepare_out(args.out, folder=True)
+    try:
+        report = determinism_run(
+            args.endpoint, [t for _, t in pairs], args.repeat, levels, args.model, names=[i for i, _ in pairs],
+            tokenizer=args.target, max_tokens=args.max_tokens, api=args.api, stream=args.stream,
+            chat_template=args.chat_template, api_key=args.api_key, timeout=args.timeout, progress=True,
+        )
+    except ConnectionError as e:
+        raise ValueError(str(e)) from None
+    write_atomic(out / "determinism.json", lambda f: f.write(json.dumps(report.as_dict(), indent=1)))
+    write_atomic(out / "determinism.md", lambda f: f.write(report.to_markdown()))
+    report.plot(out / "determinism.png")
+    _write_html(out / "determinism.html", report)
+    console = Console()
+    spread = [p for p in report.prompts if p["unique"] > 1]
+    for p in spread[:10]:
+        counts = ", ".join(str(o["count"]) for o in p["outputs"])
+        console.print(escape(f"prompt {p['name']}: {p['unique']} unique outputs ({counts} answers), first divergent "
+                             f"token {p['first_divergence']}"))
+    if len(spread) > 10:
+        console.print(f"... {len(spread) - 10} more in determinism.json")
+    m = report.meta
+    console.print(f"{m['requests']} requests ({m['n_prompts']} prompts x {m['repeat']}) at concurrency "
+                  f"{', '.join(map(str, levels))} in {m['seconds']:.1f} s")
+    console.print(f"wrote {out / 'determinism.json'}, {out / 'determinism.md'}, {out / 'determinism.png'}, "
+                  f"{out / 'determinism.html'}")
+    status, verdict = report.verdict()
+    console.print(escape(verdict) if not status else f"[red]{escape(verdict)}[/red]")
+    return status
+
+
+def _write_html(path, report) -> None:
+    """The report as one self-contained HTML page (``batchspec.audit.html``), written whole or not at all."""
+    from ..audit.html import audit_html, determinism_html
+
+    page = determinism_html(report) if hasattr(report, "prompts") else audit_html(report)
+    write_atomic(path, lambda f: f.write(page))
 
 
 def _level_line(row, lv: dict) -> str:
@@ -190,7 +293,8 @@ def _level_line(row, lv: dict) -> str:
         sent = f"{lv['failed']} of {sent} failed (first: {first})"
     counts = [f"{lv[key]} {what}" for key, what in (
         ("protocol_errors", "protocol errors"), ("finish_mismatches", "finish_reason mismatches"),
-        ("prompt_mismatches", "prompt mismatches"), ("overruns", "overruns")) if lv[key]]
+        ("prompt_mismatches", "prompt mismatches"), ("overruns", "overruns"),
+        ("unreferenced", "prompts without a reference answer")) if lv.get(key)]
     source = [f"tokens from {lv['token_source']}"] if lv["token_source"] else []
     return "; ".join([f"concurrency {lv['concurrency']}: {row.signature}: {sent}", *counts, *source,
                       f"{lv['seconds']:.1f} s"])
