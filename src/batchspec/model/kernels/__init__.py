@@ -7,8 +7,9 @@
   verification block as in a decode step.
 - ``layer.c``: one Llama decoder layer per call (driven by ``llama.py``), attention over visible slots only.
 - ``match.c``: prompt lookup's matching, a row at a time (``lookup_match``).
-- ``packed.c``: linear layers over weights kept in a narrower exact format (``model/weights.py``), expanded a chunk
-  of rows at a time to their fp32 values and run through ``skinny.c``: the same bits, fewer bytes read.
+- ``packed.c``: linear layers over weights kept in a narrower exact format (``model/weights.py``), each weight
+  expanded in a register to its fp32 value as it is read (AVX2, or two weight rows a register with AVX-512 for
+  blocks of 1 and 4 rows) and summed in ``skinny.c``'s order: the same bits, fewer bytes read.
 
 They are compiled on first use with the system C compiler into ``$BATCHSPEC_CACHE/kernels`` (default
 ``~/.cache/batchspec/kernels``); without a compiler or AVX2, for other dtypes or devices, or with
