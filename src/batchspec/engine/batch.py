@@ -183,6 +183,10 @@ def compact_index(valid: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
 # with 16-128 as without (docs/benchmarks.md)
 PREFILL_OVERHEAD = {"cuda": 4096, "cpu": 32}
 PREFILL_MAX_TOKENS = 1 << 16  # padded tokens per prefill forward at most (bounds its activations)
+# leading tokens the prompts of a prefill must share before that prefix is computed once for all of them (a chat
+# template's system prompt: 24 tokens for SmolLM2's, 40% of the built-in chat prompts' tokens); below it, one more
+# forward and the copies of its keys and values cost about what sharing saves
+SHARED_PREFIX_MIN = 16
 
 
 def prefill_groups(lengths: list[int], overhead: int, max_tokens: int = PREFILL_MAX_TOKENS) -> list[list[int]]:
@@ -206,6 +210,47 @@ def prefill_groups(lengths: list[int], overhead: int, max_tokens: int = PREFILL_
     return groups[::-1]
 
 
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """How many leading tokens all of ``prompts`` share."""
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return n
+
+
+def _prefix(runner, prefix: list[int], hidden: bool):
+    """The forward of a prefix shared by every prompt of a prefill, once: its one-row cache and, with ``hidden``, its
+    final hidden states ``[1, P, H]``."""
+    dev = runner.device
+    cache = kv.new_cache(runner.model)
+    out = runner.forward(cache, torch.tensor([prefix], device=dev), torch.arange(len(prefix), device=dev)[None, :],
+                         None, logits_to_keep=1, hidden="all" if hidden else False)
+    return cache, out.hidden
+
+
+def _prefill_after(runner, prefix, cached: list[list[int]], shared: int, hidden: bool):
+    """One group's forward after the shared prefix (``_prefix``): the prefix's keys and values copied for each row,
+    then the rows' own tokens (``cached[r][shared:]``), left-padded, attending to it; each row's slots are then
+    right-aligned (prefix, then its own tokens). Returns the group's cache and, with ``hidden``, its final hidden
+    states ``[R, n, H]`` laid out like its slots (zeros on padding)."""
+    dev, rows = runner.device, len(cached)
+    head, head_states = prefix
+    part = kv.take_rows(head, torch.zeros(rows, dtype=torch.long, device=dev))
+    m = max(len(c) for c in cached) - shared
+    pad = torch.tensor([m - (len(c) - shared) for c in cached], device=dev)[:, None]
+    col = torch.arange(m, device=dev)[None, :]
+    ids = torch.tensor([[0] * (m - len(c) + shared) + c[shared:] for c in cached], device=dev)
+    visible = torch.cat([torch.ones((rows, shared), dtype=torch.bool, device=dev), col >= pad], 1)
+    out = runner.forward(part, ids, shared + (col - pad).clamp(min=0), visible, logits_to_keep=1,
+                         hidden="all" if hidden else False)
+    index, hole = compact_index(visible, shared + m)
+    kv.gather_slots(part, index, hole)
+    if not hidden:
+        return part, None
+    states = torch.cat([head_states.expand(rows, -1, -1), out.hidden], 1)
+    return part, states.gather(1, index[..., None].expand(-1, -1, states.shape[-1])).masked_fill(hole[..., None], 0)
+
+
 def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None,
             hidden: bool = False, embeds=None):
     """Cache every prompt but its last token as one left-padded ``SlotState``; with ``hidden``, returns
@@ -214,8 +259,11 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
 
     Rows are grouped by ``prefill_groups`` (``overhead`` defaults by device: ``PREFILL_OVERHEAD``): each group is one
     forward, left-padded to its longest row (padding slots hidden), and its keys and values are then copied once
-    into its rows of the final rectangle. ``embeds(rows, n)``: a group's input vectors ``[len(rows), n, H]`` (its rows'
-    last n, right-aligned) in place of the token embeddings (a head that reads the target's features).
+    into its rows of the final rectangle. When every prompt starts with the same
+    ``SHARED_PREFIX_MIN`` or more tokens (a chat template's) and sharing saves more than a forward's overhead, that
+    prefix is computed once and the groups are formed and run over the tokens after it (``_prefix``,
+    ``_prefill_after``). ``embeds(rows, n)``: a group's input vectors ``[len(rows), n, H]`` (its rows' last n,
+    right-aligned) in place of the token embeddings (a head that reads the target's features).
     """
     runner = runner if isinstance(runner, Runner) else Runner(runner)  # a model: a runner of its own
     dev = runner.device
@@ -225,27 +273,42 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         overhead = PREFILL_OVERHEAD.get(dev.type, 1)
     cache = kv.new_cache(runner.model)
     states = None
-    for rows in prefill_groups(lengths, overhead):
+    # the prefix every prompt shares, up to each row's last cached token (every row keeps one of its own): computed
+    # once where that saves more than a forward's overhead
+    shared = 0
+    if embeds is None and len(prompts) > 1 and min(lengths) > 0:
+        shared = min(shared_prefix([p[:n] for p, n in zip(prompts, lengths)]), min(lengths) - 1)
+        if shared < SHARED_PREFIX_MIN or (len(prompts) - 1) * shared <= overhead:
+            shared = 0
+    prefix = _prefix(runner, prompts[0][:shared], hidden) if shared else None
+    for rows in prefill_groups([n - shared for n in lengths], overhead):
         rows = [r for r in rows if lengths[r]]
         if not rows:
             continue
         n = max(lengths[r] for r in rows)
-        pad = torch.tensor([n - lengths[r] for r in rows], device=dev)[:, None]
-        col = torch.arange(n, device=dev)[None, :]
-        ids = torch.tensor([[0] * (n - lengths[r]) + prompts[r][: lengths[r]] for r in rows], device=dev)
-        visible = None if not pad.any() else col >= pad  # one host read per group, at prefill only
-        part = kv.new_cache(runner.model)
-        inputs = embeds(rows, n) if embeds is not None else None
-        out = runner.forward(part, ids, (col - pad).clamp(min=0), visible, logits_to_keep=1,
-                             hidden="all" if hidden else False, embeds=inputs)
+        cached = [prompts[r][: lengths[r]] for r in rows]
+        if prefix is not None:
+            part, h = _prefill_after(runner, prefix, cached, shared, hidden)
+        else:
+            pad = torch.tensor([n - len(c) for c in cached], device=dev)[:, None]
+            col = torch.arange(n, device=dev)[None, :]
+            ids = torch.tensor([[0] * (n - len(c)) + c for c in cached], device=dev)
+            visible = None if not pad.any() else col >= pad  # one host read per group, at prefill only
+            part = kv.new_cache(runner.model)
+            inputs = embeds(rows, n) if embeds is not None else None
+            out = runner.forward(part, ids, (col - pad).clamp(min=0), visible, logits_to_keep=1,
+                                 hidden="all" if hidden else False, embeds=inputs)
+            h = None if not hidden or visible is None else out.hidden.masked_fill(~visible[..., None], 0)
+            h = out.hidden if hidden and h is None else h
         index = torch.tensor(rows, device=dev)
         kv.place_rows(cache, index, part, len(prompts), width)
         if hidden:
             if states is None:
-                states = out.hidden.new_zeros((len(prompts), width, out.hidden.shape[-1]))
-            h = out.hidden if visible is None else out.hidden.masked_fill(~visible[..., None], 0)
+                states = h.new_zeros((len(prompts), width, h.shape[-1]))
             states[index, width - n:] = h
         part.release()
+    if prefix is not None:
+        prefix[0].release()
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]
     valid = col >= (width - n[:, None])
