@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .endpoint import (ConcurrentRun, EndpointClient, check_levels, check_request, model_name, prompt_items,
                        reference_tokenizer)
+from .report import save_png
 
 DETERMINISTIC = "deterministic"
 NOT_DETERMINISTIC = "not deterministic"
@@ -122,10 +123,7 @@ class DeterminismReport:
         return fig
 
     def plot(self, path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.figure().savefig(path, dpi=130)
-        return path
+        return save_png(self.figure(), path)
 
 
 def determinism_run(url: str, prompts, repeat: int = 100, concurrency=(1, 8, 32), model: str | None = None, *,

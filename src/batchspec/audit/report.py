@@ -70,6 +70,14 @@ class AuditRow:
         return d
 
 
+def save_png(figure, path) -> Path:
+    """``figure`` (matplotlib) written to ``path`` as a PNG, its folder made if need be."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=130)
+    return path
+
+
 def _invariant(v: dict | None) -> str:
     if not v:
         return "none"
@@ -161,10 +169,7 @@ class AuditReport:
 
     def plot(self, path) -> Path:
         """Exact match, partial match and ROUGE-L per engine and batch size, with each row's signature (PNG)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.figure().savefig(path, dpi=130)
-        return path
+        return save_png(self.figure(), path)
 
     def figure(self):
         """The figure of ``plot`` (a matplotlib ``Figure``)."""

@@ -14,13 +14,10 @@ HELP = "audit engines (or a running server) against the batch-size-1 oracle"
 
 
 def add_arguments(parser) -> None:
-    model_args(parser)
-    for action in parser._actions:  # --target: its default depends on --endpoint (run() fills it in)
-        if action.dest == "target":
-            action.default = None
-            action.help = (f"target model: path, model id or built-in name (default {DEFAULT_TARGET}); with --endpoint "
-                           "it is the local oracle's model, or with --reference (or --repeat) only where the "
-                           "tokenizer comes from; --endpoint without --target audits against --reference self")
+    model_args(parser, None, (  # the default depends on --endpoint: run() fills it in
+        f"target model: path, model id or built-in name (default {DEFAULT_TARGET}); with --endpoint it is the local "
+        "oracle's model, or with --reference (or --repeat) only where the tokenizer comes from; --endpoint without "
+        "--target audits against --reference self"))
     parser.description = (
         "Compare engines with HF greedy decoding at batch size 1 (exact match, partial match, ROUGE-L, repetition), "
         "attribute each divergence to numerical noise or a synchronization error, and name each failure signature. "

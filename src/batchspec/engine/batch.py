@@ -228,26 +228,33 @@ def _prefix(runner, prefix: list[int], hidden: bool):
     return cache, out.hidden
 
 
-def _prefill_after(runner, prefix, cached: list[list[int]], shared: int, hidden: bool):
-    """One group's forward after the shared prefix (``_prefix``): the prefix's keys and values copied for each row,
-    then the rows' own tokens (``cached[r][shared:]``), left-padded, attending to it; each row's slots are then
-    right-aligned (prefix, then its own tokens). Returns the group's cache and, with ``hidden``, its final hidden
-    states ``[R, n, H]`` laid out like its slots (zeros on padding)."""
+def _prefill_group(runner, cached: list[list[int]], prefix, shared: int, hidden: bool, inputs=None):
+    """One group's forward: its rows' tokens ``cached[r][shared:]``, left-padded, after the shared prefix when there
+    is one (``prefix`` from ``_prefix``: its keys and values copied for each row, attended to by every row; each row's
+    slots are then right-aligned, prefix first). Returns the group's cache and, with ``hidden``, its final hidden
+    states ``[R, n, H]`` laid out like its slots (zeros on padding). ``inputs``: input vectors in place of the token
+    embeddings (only without a prefix)."""
     dev, rows = runner.device, len(cached)
-    head, head_states = prefix
-    part = kv.take_rows(head, torch.zeros(rows, dtype=torch.long, device=dev))
     m = max(len(c) for c in cached) - shared
     pad = torch.tensor([m - (len(c) - shared) for c in cached], device=dev)[:, None]
     col = torch.arange(m, device=dev)[None, :]
     ids = torch.tensor([[0] * (m - len(c) + shared) + c[shared:] for c in cached], device=dev)
-    visible = torch.cat([torch.ones((rows, shared), dtype=torch.bool, device=dev), col >= pad], 1)
+    if prefix is None:
+        part = kv.new_cache(runner.model)
+        visible = None if not pad.any() else col >= pad  # one host read per group, at prefill only
+    else:
+        part = kv.take_rows(prefix[0], torch.zeros(rows, dtype=torch.long, device=dev))
+        visible = torch.cat([torch.ones((rows, shared), dtype=torch.bool, device=dev), col >= pad], 1)
     out = runner.forward(part, ids, shared + (col - pad).clamp(min=0), visible, logits_to_keep=1,
-                         hidden="all" if hidden else False)
+                         hidden="all" if hidden else False, embeds=inputs)
+    if prefix is None:
+        h = out.hidden if visible is None or not hidden else out.hidden.masked_fill(~visible[..., None], 0)
+        return part, h
     index, hole = compact_index(visible, shared + m)
     kv.gather_slots(part, index, hole)
     if not hidden:
         return part, None
-    states = torch.cat([head_states.expand(rows, -1, -1), out.hidden], 1)
+    states = torch.cat([prefix[1].expand(rows, -1, -1), out.hidden], 1)
     return part, states.gather(1, index[..., None].expand(-1, -1, states.shape[-1])).masked_fill(hole[..., None], 0)
 
 
@@ -262,7 +269,7 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     into its rows of the final rectangle. When every prompt starts with the same
     ``SHARED_PREFIX_MIN`` or more tokens (a chat template's) and sharing saves more than a forward's overhead, that
     prefix is computed once and the groups are formed and run over the tokens after it (``_prefix``,
-    ``_prefill_after``). ``embeds(rows, n)``: a group's input vectors ``[len(rows), n, H]`` (its rows' last n,
+    ``_prefill_group``). ``embeds(rows, n)``: a group's input vectors ``[len(rows), n, H]`` (its rows' last n,
     right-aligned) in place of the token embeddings (a head that reads the target's features).
     """
     runner = runner if isinstance(runner, Runner) else Runner(runner)  # a model: a runner of its own
@@ -286,20 +293,8 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         if not rows:
             continue
         n = max(lengths[r] for r in rows)
-        cached = [prompts[r][: lengths[r]] for r in rows]
-        if prefix is not None:
-            part, h = _prefill_after(runner, prefix, cached, shared, hidden)
-        else:
-            pad = torch.tensor([n - len(c) for c in cached], device=dev)[:, None]
-            col = torch.arange(n, device=dev)[None, :]
-            ids = torch.tensor([[0] * (n - len(c)) + c for c in cached], device=dev)
-            visible = None if not pad.any() else col >= pad  # one host read per group, at prefill only
-            part = kv.new_cache(runner.model)
-            inputs = embeds(rows, n) if embeds is not None else None
-            out = runner.forward(part, ids, (col - pad).clamp(min=0), visible, logits_to_keep=1,
-                                 hidden="all" if hidden else False, embeds=inputs)
-            h = None if not hidden or visible is None else out.hidden.masked_fill(~visible[..., None], 0)
-            h = out.hidden if hidden and h is None else h
+        inputs = embeds(rows, n) if embeds is not None else None
+        part, h = _prefill_group(runner, [prompts[r][: lengths[r]] for r in rows], prefix, shared, hidden, inputs)
         index = torch.tensor(rows, device=dev)
         kv.place_rows(cache, index, part, len(prompts), width)
         if hidden:
