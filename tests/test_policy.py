@@ -238,7 +238,7 @@ def test_one_slow_round_changes_no_cost():
 def test_profile_measured_once_then_read_from_the_cache(monkeypatch):
     """The first use measures the target (and the drafter's model) and writes the profile under the cache folder;
     later uses, in this process or another, read it; another thread count is another machine; costs never fall with
-    the width or the rows."""
+    the width or the rows; other kernels, another profile."""
     from batchspec.model.runner import Runner
     from batchspec.speculation import costs
 
@@ -263,6 +263,8 @@ def test_profile_measured_once_then_read_from_the_cache(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert costs.profile_key(runner, drafter, 8) != prof.key and costs.profile_key(runner, None, 4) != prof.key
+    monkeypatch.setattr(costs.kernels, "source_digest", lambda: "other kernels")  # kernels changed: measured anew
+    assert costs.profile_key(runner, drafter, 4) != prof.key
 
 
 def test_rounds_are_counted_by_decision():

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..model import kv
+from ..model import kernels, kv
 from ..model.loading import cache_base
 
 PROFILE_VERSION = 1  # bump when what is measured changes: older cached profiles are measured again
@@ -230,8 +230,9 @@ def _rising(values: list[float]) -> list[float]:
 
 
 def profile_key(target_runner, drafter, batch_size: int) -> str:
-    """What a profile is valid for: this machine (processor, threads, device), torch, the target's and the drafter's
-    shapes and dtypes (not their weights: a forward's cost does not depend on them), the batch sizes."""
+    """What a profile is valid for: this machine (processor, threads, device), torch, the C kernels' sources (a
+    change there changes what a forward costs), the target's and the drafter's shapes and dtypes (not their weights: a
+    forward's cost does not depend on them), the batch sizes."""
     def shape(model):
         if model is None:
             return None
@@ -243,7 +244,7 @@ def profile_key(target_runner, drafter, batch_size: int) -> str:
 
     device = target_runner.device
     facts = {
-        "version": PROFILE_VERSION, "torch": torch.__version__,
+        "version": PROFILE_VERSION, "torch": torch.__version__, "kernels": kernels.source_digest(),
         "machine": platform.machine(), "processor": _processor(), "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "target": shape(target_runner.model), "graphs": target_runner.graphs, "packs": target_runner.packed_rows,
