@@ -26,6 +26,7 @@ from batchspec.engine.batch import InvariantError, prefill
 from batchspec.engine.schedulers import ExSpec
 from batchspec.model.kv import new_cache
 from batchspec.model.runner import Runner
+from batchspec.speculation import AdaptiveLength
 from batchspec.speculation.budget import DRAFT, NOT_WORTH, DraftBudget
 from batchspec.training.head import head_forward, head_unrolled
 
@@ -96,7 +97,8 @@ def test_rows_joining_and_leaving(scheduler, layout, bs, stop):
 def test_rounds_without_drafting(speculation):
     """The default adaptive policy, and a script with runs of k = 0 rounds (each adds a pair the head must catch up on)
     among drafting ones, with requests joining: exact, invariants held."""
-    policy = Scripted((0, 3, 0, 0, 2, 1, 3, 0, 0, 0, 3)) if speculation == "scripted" else "adaptive"
+    policy = (Scripted((0, 3, 0, 0, 2, 1, 3, 0, 0, 0, 3)) if speculation == "scripted"
+              else AdaptiveLength(tiny.profile(step=0.002, pair=0.0002)))
     llm = batchspec.LLM(tiny.target(), draft=tiny.eagle(), num_draft_tokens=3, batch_size=3, scheduler="continuous",
                         check_invariants=True, speculation=policy)
     assert llm.parts.policy.name == speculation

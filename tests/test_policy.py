@@ -11,7 +11,7 @@ import torch
 import batchspec
 from batchspec import SamplingParams
 from batchspec.engine.names import split_speculation
-from batchspec.speculation import AdaptiveLength, CostModel, Profile, RoundView, expected_tokens, get_policy
+from batchspec.speculation import AdaptiveLength, CostModel, RoundView, expected_tokens, get_policy
 from batchspec.speculation.acceptance import Acceptance
 from batchspec.speculation.adaptive import DRY_ROUNDS, LOOK_EVERY, PROBE_EVERY
 from batchspec.speculation.budget import DRAFT, DRY, FIXED, NO_DRAFTER, NO_ROOM, NOT_WORTH, PROBE, REASONS, Outcome
@@ -85,12 +85,7 @@ def test_expected_tokens():
     assert e[2, 3] > 3.9  # a draft that is always right: about k + 1 tokens
 
 
-def synthetic(fixed: float = 0.02, per_token: float = 0.002, step: float = 0.0, pair: float = 0.0,
-              rows=(1, 2, 4, 8)) -> Profile:
-    """A profile whose forward of r rows x w tokens takes ``fixed + per_token * r * w`` seconds; the drafter's step
-    ``step`` per row (0: none)."""
-    target = {r: [fixed + per_token * r * w for w in WIDTHS] for r in rows}
-    return Profile(target, {r: step * r for r in rows} if step else {}, pair)
+synthetic = tiny.profile
 
 
 def _policy(rate, profile, sizes_own=False):
@@ -216,10 +211,12 @@ def test_sized_budgets_carry_costs_per_row_or_per_width():
     p = _policy(0.5, c.profile, sizes_own=True)
     b = p.budget(_view(rows=4, k_max=5, packed=4 + 12))
     assert b.per_row and b.reason == DRAFT and len(b.verify) == 13 and b.worth is not None and len(b.worth) == 4
-    assert b.verify[3] == pytest.approx(c.verify(4, 3, True)) and b.step == pytest.approx(c.step(4))
+    assert b.verify[3] == pytest.approx(c.verify(4, 3, True) + c.overhead(4)) and b.step == pytest.approx(c.step(4))
+    assert b.verify[0] == 1.0  # a plain step has no drafting round's bookkeeping
     assert p.budget(_view(rows=4, k_max=5, packed=64, waiting=True)).worth is None
     b = p.budget(_view(rows=4, k_max=5, packed=4 + 3))  # the runner packs fewer than K a row: per width
-    assert not b.per_row and b.verify == pytest.approx([c.verify(4, j, False) for j in range(6)])
+    assert not b.per_row and b.verify == pytest.approx([c.verify(4, j, False) + (c.overhead(4) if j else 0)
+                                                         for j in range(6)])
     b = p.budget(_view(rows=1, k_max=5, packed=256))
     assert not b.per_row and len(b.verify) == 6
     assert p.budget(_view(rows=4, sampling=True)).reason == FIXED and p.budget(_view(k_max=0)).reason == NO_ROOM

@@ -157,8 +157,8 @@ def test_a_packed_model_gives_the_fp32_models_logits_bit_for_bit(tmp_path):
 @pytest.mark.parametrize("draft", [None, "prompt-lookup"])
 def test_packed_engine_matches_the_oracle_and_the_fp32_engine(tmp_path, draft):
     path, _ = quantised_target(tmp_path, tie=True)
-    llm = batchspec.LLM(path, draft=draft, batch_size=4)
-    ref = batchspec.LLM(path, draft=draft, batch_size=4, weights="fp32")
+    llm = tiny.fixed_llm(path, draft=draft, batch_size=4)  # drafting every round, whatever the tiny model's costs
+    ref = tiny.fixed_llm(path, draft=draft, batch_size=4, weights="fp32")
     assert llm.weights.formats and isinstance(llm.target.lm_head, W.PackedLinear)
     assert llm.target.lm_head.packed is llm.target.model.embed_tokens.packed  # tied: packed once
     assert not ref.weights.formats and ref.weights.bytes == ref.weights.fp32_bytes

@@ -84,16 +84,17 @@ class AdaptiveLength:
         pack = view.packed_rows - rows
         per_row = rows > 1 and pack >= view.k_max
         most = min(view.k_max * rows, pack) if per_row else view.k_max
-        verify = [costs.verify(rows, m, per_row) for m in range(most + 1)]
+        extra = costs.overhead(rows)
+        verify = [costs.verify(rows, m, per_row) + (extra if m else 0.0) for m in range(most + 1)]
         worth = row_values(view.seqs, costs.fixed_share(rows)) if per_row and not view.waiting else None
         return DraftBudget(view.k_max, verify, costs.step(rows), costs.pair(rows), per_row, worth, DRAFT)
 
     def round_cost(self, rows: int, k: int) -> float:
-        """A draft model's round of k drafts a row, in plain steps: verifying them, and k forwards of the draft model
-        (its first one also catches up on the tokens it missed)."""
+        """A draft model's round of k drafts a row, in plain steps: verifying them, k forwards of the draft model
+        (its first one also catches up on the tokens it missed) and the round's bookkeeping."""
         if k == 0:
             return 1.0
-        return self.costs.verify(rows, k, False) + k * self.costs.step(rows)
+        return self.costs.verify(rows, k, False) + k * self.costs.step(rows) + self.costs.overhead(rows)
 
     def best_length(self, rows: int, k_max: int) -> int:
         """The length with the most expected tokens per plain step (the shortest of equals)."""

@@ -33,6 +33,11 @@ WIDTHS = (1, 2, 3, 4, 6)  # new tokens per row measured (a verification of K = 5
 CONTEXT = 256  # cached tokens per row in the synthetic batch: a typical chat prompt plus some answer
 REPEATS = 3  # timed forwards per point, the fastest kept (the machine's noise only ever adds time), after a warm-up
 PAIRS = 64  # tokens per row of the drafter's catch-up forward that prices one cached pair
+# what a round that drafts costs beyond the forwards the profile times: the drafter's and the engine's bookkeeping
+# (matching, planning, the drafts' gathers and host reads, a longer acceptance and alignment). Measured with the
+# default head at batch 1 on a 2-core CPU: its drafting rounds took 13.6 ms where their forwards were priced 10.9 ms
+# (plain steps 7.45 ms); unpriced, such rounds were chosen where they cost more than they brought (0.91x plain)
+DRAFT_ROUND_SECONDS = 0.0027
 
 
 def row_points(batch_size: int) -> list[int]:
@@ -85,6 +90,10 @@ class CostModel:
         row) or, ``per_row``, in all (a runner that computes only each row's real tokens: ``rows + drafts`` tokens)."""
         tokens = rows + drafts if per_row else rows * (drafts + 1)
         return self.seconds(rows, tokens) / self.plain(rows)
+
+    def overhead(self, rows: int) -> float:
+        """What a round that drafts costs beyond its forwards (``DRAFT_ROUND_SECONDS``), in plain steps."""
+        return DRAFT_ROUND_SECONDS / self.plain(rows)
 
     def step(self, rows: int) -> float:
         """One drafting forward of the drafter's model, in plain steps (0 without one)."""
