@@ -41,11 +41,6 @@ typedef struct {
 /* weight rows a block of one or two rows of x takes at a time: 2 measured 1.2x as fast as 4 and 1.1x as fast as 1
  * at one row (each weight row is a stream of codes, scales and offsets) */
 #define R1C 2
-/* With AVX-512: blocks of 1 and of 4 rows of x run in the AVX-512 kind (below), where they measured 0.83-0.85x
- * the AVX2 blocks' time over the default model's q4_1 matrices on a CPU that runs 512-bit operations as two halves
- * (AMD Zen 4); 2-3 rows measured even, 5-8 rows 1.15-1.35x slower there (the x broadcasts cost what the halved
- * expansion saves) */
-#define ZROWS(r) ((r) == 1 || (r) == 4)
 /* pairs of weight rows a block of one row of x takes (4 streams of codes): 0.85x the time of one pair */
 #define ZR1C 2
 
@@ -54,17 +49,20 @@ typedef struct {
 #define H16_DECL                                                                                              \
     const uint16_t *h16 = (const uint16_t *)w->q;                                                             \
     const uint16_t *hp[C_];
+#define BF16_AT(c, P)
 #define BF16_GROUP 32
 #define BF16_DECL H16_DECL
 #define BF16_SETUP(c) hp[c] = h16 + row[c] * K + kb
 #define BF16_PART(c, P)                                                                                       \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(hp[c] + 8 * P))), 16))
+#define F16_AT(c, P)
 #define F16_GROUP 32
 #define F16_DECL H16_DECL
 #define F16_SETUP(c) hp[c] = h16 + row[c] * K + kb
 #define F16_PART(c, P) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hp[c] + 8 * P)))
 
 #define SCALE(ptr, b) _mm256_broadcast_ss((ptr) + (b))
+#define Q8_0_AT(c, P)
 #define Q8_0_GROUP 32
 #define Q8_0_DECL                                                                                             \
     const int8_t *codes = (const int8_t *)w->q;                                                               \
@@ -99,15 +97,44 @@ typedef struct {
         if (mp) _mm_prefetch((const char *)(mp + blk[c] + 2 * AHEAD_GROUPS), _MM_HINT_T0);                    \
     } while (0)
 #define NIB(c, P) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(code[c], 4 * P), low))
+#define Q4_0_AT(c, P)
 #define Q4_0_GROUP Q4_GROUP
 #define Q4_0_DECL Q4_DECL
 #define Q4_0_SETUP(c) Q4_SETUP(c)
 #define Q4_0_PART(c, P) _mm256_mul_ps(_mm256_sub_ps(NIB(c, P), _mm256_set1_ps(8.0f)), SCALE(dp, blk[c] + P / 4))
+#define Q4_1_AT(c, P)
 #define Q4_1_GROUP Q4_GROUP
 #define Q4_1_DECL Q4_DECL
 #define Q4_1_SETUP(c) Q4_SETUP(c)
 #define Q4_1_PART(c, P) /* d * q exact: the one rounding is the offset's */                                   \
     _mm256_fmadd_ps(NIB(c, P), SCALE(dp, blk[c] + P / 4), SCALE(mp, blk[c] + P / 4))
+
+/* The 4-bit formats by lookup (AVX-512VL): a block's 16 possible values, computed with the expansion's own
+ * operations (so the same bits), in two 8-lane tables (tab[c][0]: codes 0-7, tab[c][1]: 8-15), and one two-table
+ * permute per part takes lane j's value by its code in bits 0-3 (the permute ignores the bits above): two vector
+ * operations per 8 weights (shift, permute) where the expansion takes four (shift, mask, convert, multiply-add).
+ * The tables are built at a block's first part (LQ4_AT), two operations per 32 weights. */
+#define LQ4_DECL                                                                                              \
+    Q4_DECL                                                                                                   \
+    const __m256 iota0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                              \
+    const __m256 iota8 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);                                       \
+    __m256 tab[C_][2];                                                                                        \
+    (void)low;
+#define LQ4_AT(c, P, VALUES)                                                                                  \
+    if (P % 4 == 0) tab[c][0] = VALUES(blk[c] + P / 4, iota0), tab[c][1] = VALUES(blk[c] + P / 4, iota8)
+#define LQ4_PART(c, P) _mm256_permutex2var_ps(tab[c][0], P ? _mm256_srli_epi32(code[c], 4 * P) : code[c], tab[c][1])
+#define LQ4_0_GROUP Q4_GROUP
+#define LQ4_0_DECL LQ4_DECL
+#define LQ4_0_SETUP(c) Q4_SETUP(c)
+#define LQ4_0_VALUES(b, io) _mm256_mul_ps(_mm256_sub_ps(io, _mm256_set1_ps(8.0f)), _mm256_set1_ps(dp[b]))
+#define LQ4_0_AT(c, P) LQ4_AT(c, P, LQ4_0_VALUES)
+#define LQ4_0_PART(c, P) LQ4_PART(c, P)
+#define LQ4_1_GROUP Q4_GROUP
+#define LQ4_1_DECL LQ4_DECL
+#define LQ4_1_SETUP(c) Q4_SETUP(c)
+#define LQ4_1_VALUES(b, io) _mm256_fmadd_ps(io, _mm256_set1_ps(dp[b]), _mm256_set1_ps(mp[b]))
+#define LQ4_1_AT(c, P) LQ4_AT(c, P, LQ4_1_VALUES)
+#define LQ4_1_PART(c, P) LQ4_PART(c, P)
 
 static inline float hsum8(__m256 v) { /* skinny.c's hsum: the same pairwise order */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -120,7 +147,10 @@ static inline float hsum8(__m256 v) { /* skinny.c's hsum: the same pairwise orde
 #define PSTEP(F, P)                                                                                           \
     if (8 * P < F##_GROUP) {                                                                                  \
         __m256 wv[C_];                                                                                        \
-        for (int c = 0; c < C_; c++) wv[c] = F##_PART(c, P);                                                  \
+        for (int c = 0; c < C_; c++) {                                                                        \
+            F##_AT(c, P);                                                                                     \
+            wv[c] = F##_PART(c, P);                                                                           \
+        }                                                                                                     \
         for (int r = 0; r < R_; r++) {                                                                        \
             __m256 t = _mm256_loadu_ps(x + r * K + kb + 8 * P);                                               \
             for (int c = 0; c < C_; c++) acc[r][c] = _mm256_fmadd_ps(wv[c], t, acc[r][c]);                    \
@@ -128,8 +158,9 @@ static inline float hsum8(__m256 v) { /* skinny.c's hsum: the same pairwise orde
     }
 
 /* R rows of x against weight rows n .. n + nw - 1 (nw <= C; a short block repeats its first row, unwritten) */
-#define PBLOCK(NAME, F, R, C)                                                                                 \
-    static void NAME(const float *x, const packed_t *w, float *y, long N, long K, long n, int nw) {           \
+#define PBLOCK(NAME, F, R, C) PBLOCK_T(NAME, F, R, C, )
+#define PBLOCK_T(NAME, F, R, C, TARGET)                                                                       \
+    TARGET static void NAME(const float *x, const packed_t *w, float *y, long N, long K, long n, int nw) {    \
         enum { R_ = R, C_ = C };                                                                              \
         F##_DECL                                                                                              \
         __m256 acc[R][C];                                                                                     \
@@ -184,33 +215,6 @@ static inline float hsum8(__m256 v) { /* skinny.c's hsum: the same pairwise orde
                       _mm_loadl_epi64((const __m128i *)(at[c][0] + 8 * P)),                                   \
                       _mm_loadl_epi64((const __m128i *)(at[c][1] + 8 * P))))),                                \
                   dz[c])
-#define ZQ4_DECL                                                                                              \
-    const __m256i *words = (const __m256i *)w->q;                                                             \
-    const float *dp = (const float *)w->d, *mp = (const float *)w->m;                                         \
-    const __m512i low = _mm512_set1_epi32(0x0F);                                                              \
-    __m512i code[C_];                                                                                         \
-    __m512 dz[C_][2], mz[C_][2];                                                                              \
-    (void)mp, (void)mz;
-#define ZQ4_SETUP(c, OFFSET)                                                                                  \
-    do {                                                                                                      \
-        long g0 = (row[c][0] * K + kb) / 64, g1 = (row[c][1] * K + kb) / 64;                                  \
-        code[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(words + g0)),                  \
-                                     _mm256_loadu_si256(words + g1), 1);                                      \
-        _mm_prefetch((const char *)(words + g0 + AHEAD_GROUPS), _MM_HINT_T0);                                 \
-        _mm_prefetch((const char *)(words + g1 + AHEAD_GROUPS), _MM_HINT_T0);                                 \
-        for (int b = 0; b < 2; b++) {                                                                         \
-            dz[c][b] = ZSCALE(dp, 2 * g0 + b, 2 * g1 + b);                                                    \
-            if (OFFSET) mz[c][b] = ZSCALE(mp, 2 * g0 + b, 2 * g1 + b);                                        \
-        }                                                                                                     \
-    } while (0)
-#define ZNIB(c, P) _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(code[c], 4 * P), low))
-#define ZQ4_0_DECL ZQ4_DECL
-#define ZQ4_0_SETUP(c) ZQ4_SETUP(c, 0)
-#define ZQ4_0_PART(c, P) _mm512_mul_ps(_mm512_sub_ps(ZNIB(c, P), _mm512_set1_ps(8.0f)), dz[c][P / 4])
-#define ZQ4_1_DECL ZQ4_DECL
-#define ZQ4_1_SETUP(c) ZQ4_SETUP(c, 1)
-#define ZQ4_1_PART(c, P) _mm512_fmadd_ps(ZNIB(c, P), dz[c][P / 4], mz[c][P / 4])
-
 #define ZSTEP(F, P)                                                                                           \
     if (8 * P < F##_GROUP) {                                                                                  \
         __m512 wv[C_];                                                                                        \
@@ -244,9 +248,15 @@ static inline float hsum8(__m256 v) { /* skinny.c's hsum: the same pairwise orde
             }                                                                                                 \
     }
 
-/* F_rows: rows n0 .. n1 - 1 of y = x @ w^T, x's rows in blocks of 8 and one block of the rest; with ``z``, the
- * blocks of ``ZROWS`` rows in the AVX-512 kind (ZF_r1, ZF_r4) */
-#define PBLOCKS(F)                                                                                            \
+/* one block of rows of x: R rows against C weight rows at a time (nw <= C of them) */
+typedef void (*block_t)(const float *x, const packed_t *w, float *y, long N, long K, long n, int nw);
+typedef struct {
+    block_t run;
+    int C;
+} kind_t;
+
+/* F's blocks by row count r (1-8) in each kind: AVX2, and with AVX-512 where a block there is faster (else none) */
+#define PBLOCKS_AVX2(F)                                                                                       \
     PBLOCK(F##_r1, F, 1, R1C)                                                                                 \
     PBLOCK(F##_r2, F, 2, R1C)                                                                                 \
     PBLOCK(F##_r3, F, 3, 2)                                                                                   \
@@ -255,52 +265,56 @@ static inline float hsum8(__m256 v) { /* skinny.c's hsum: the same pairwise orde
     PBLOCK(F##_r6, F, 6, 1)                                                                                   \
     PBLOCK(F##_r7, F, 7, 1)                                                                                   \
     PBLOCK(F##_r8, F, 8, 1)                                                                                   \
+    static const kind_t F##_avx2[9] = {{0, 0},         {F##_r1, R1C}, {F##_r2, R1C}, {F##_r3, 2}, {F##_r4, 2}, \
+                                       {F##_r5, 1},    {F##_r6, 1},   {F##_r7, 1},   {F##_r8, 1}};
+/* the 16-bit and 8-bit formats: the 16-lane kind at 1 and 4 rows of x, where it measured 0.83-0.85x the AVX2 blocks'
+ * time on a CPU that runs 512-bit operations as two halves (AMD Zen 4); 2-3 rows measured even, 5-8 rows 1.15-1.35x
+ * slower there (the x broadcasts cost what the halved expansion saves) */
+#define PBLOCKS(F)                                                                                            \
+    PBLOCKS_AVX2(F)                                                                                           \
     ZPBLOCK(Z##F##_r1, F, 1, ZR1C)                                                                            \
     ZPBLOCK(Z##F##_r4, F, 4, 2)                                                                               \
-    static void F##_rows(const float *x, const packed_t *w, float *y, long M, long N, long K, long n0, long n1, \
-                         int z) {                                                                             \
-        for (long m = 0; m < M;) {                                                                            \
-            long r = M - m >= 8 ? 8 : M - m;                                                                  \
-            const float *xr = x + m * K;                                                                      \
-            float *yr = y + m * N;                                                                            \
-            int zr = z && ZROWS(r);                                                                           \
-            int C = zr ? (r == 1 ? 2 * ZR1C : 4) : r <= 2 ? R1C : r <= 4 ? 2 : 1;                             \
-            for (long n = n0; n < n1; n += C) {                                                               \
-                int nw = n1 - n < C ? (int)(n1 - n) : C;                                                      \
-                switch (zr ? -r : r) {                                                                        \
-                    case -1: Z##F##_r1(xr, w, yr, N, K, n, nw); break;                                        \
-                    case -4: Z##F##_r4(xr, w, yr, N, K, n, nw); break;                                        \
-                    case 1: F##_r1(xr, w, yr, N, K, n, nw); break;                                            \
-                    case 2: F##_r2(xr, w, yr, N, K, n, nw); break;                                            \
-                    case 3: F##_r3(xr, w, yr, N, K, n, nw); break;                                            \
-                    case 4: F##_r4(xr, w, yr, N, K, n, nw); break;                                            \
-                    case 5: F##_r5(xr, w, yr, N, K, n, nw); break;                                            \
-                    case 6: F##_r6(xr, w, yr, N, K, n, nw); break;                                            \
-                    case 7: F##_r7(xr, w, yr, N, K, n, nw); break;                                            \
-                    default: F##_r8(xr, w, yr, N, K, n, nw); break;                                           \
-                }                                                                                             \
-            }                                                                                                 \
-            m += r;                                                                                           \
-        }                                                                                                     \
-    }
+    static const kind_t F##_wide[9] = {[1] = {Z##F##_r1, 2 * ZR1C}, [4] = {Z##F##_r4, 4}};
+/* the 4-bit formats: lookups at 1-5 rows of x, against 4, 3, 2, 2, 2 weight rows a block. Over the default model's
+ * q4_1 MLP matrices in cache on Zen 4, against the blocks used before (the 16-lane kind at 1 and 4 rows, AVX2 at 2, 3,
+ * 5): 0.82x the time at 1 row (against 2 weight rows: 1.1x; 3: 1.04x; 6: 1.4x, registers spill), 0.84x at 2, even at
+ * 3, 0.90x at 4, 0.86x at 5; even at 6 and 1.06x at 8 (so 6-8 rows keep the AVX2 blocks) */
+#define LTARGET __attribute__((target("avx512f,avx512vl")))
+#define PBLOCKS4(F)                                                                                           \
+    PBLOCKS_AVX2(F)                                                                                           \
+    PBLOCK_T(L##F##_r1, L##F, 1, 4, LTARGET)                                                                  \
+    PBLOCK_T(L##F##_r2, L##F, 2, 3, LTARGET)                                                                  \
+    PBLOCK_T(L##F##_r3, L##F, 3, 2, LTARGET)                                                                  \
+    PBLOCK_T(L##F##_r4, L##F, 4, 2, LTARGET)                                                                  \
+    PBLOCK_T(L##F##_r5, L##F, 5, 2, LTARGET)                                                                  \
+    static const kind_t F##_wide[9] = {[1] = {L##F##_r1, 4}, [2] = {L##F##_r2, 3}, [3] = {L##F##_r3, 2},      \
+                                       [4] = {L##F##_r4, 2}, [5] = {L##F##_r5, 2}};
 
 PBLOCKS(BF16)
 PBLOCKS(F16)
 PBLOCKS(Q8_0)
-PBLOCKS(Q4_0)
-PBLOCKS(Q4_1)
+PBLOCKS4(Q4_0)
+PBLOCKS4(Q4_1)
 
-int skinny_avx512(int on);
-
+/* rows n0 .. n1 - 1 of y = x @ w^T, x's rows in blocks of 8 and one block of the rest; with ``z`` (AVX-512), in
+ * the wide kind where the format has a block of that many rows */
 static void rows_of(const float *x, const packed_t *w, float *y, long M, long N, long K, long n0, long n1, int z) {
+    const kind_t *avx2, *wide;
     switch (w->kind) {
-        case W_BF16: BF16_rows(x, w, y, M, N, K, n0, n1, z); break;
-        case W_F16: F16_rows(x, w, y, M, N, K, n0, n1, z); break;
-        case W_Q8_0: Q8_0_rows(x, w, y, M, N, K, n0, n1, z); break;
-        case W_Q4_0: Q4_0_rows(x, w, y, M, N, K, n0, n1, z); break;
-        default: Q4_1_rows(x, w, y, M, N, K, n0, n1, z); break;
+        case W_BF16: avx2 = BF16_avx2, wide = BF16_wide; break;
+        case W_F16: avx2 = F16_avx2, wide = F16_wide; break;
+        case W_Q8_0: avx2 = Q8_0_avx2, wide = Q8_0_wide; break;
+        case W_Q4_0: avx2 = Q4_0_avx2, wide = Q4_0_wide; break;
+        default: avx2 = Q4_1_avx2, wide = Q4_1_wide; break;
+    }
+    for (long m = 0; m < M; m += 8) {
+        long r = M - m >= 8 ? 8 : M - m;
+        kind_t k = z && wide[r].run ? wide[r] : avx2[r];
+        for (long n = n0; n < n1; n += k.C) k.run(x + m * K, w, y + m * N, N, K, n, n1 - n < k.C ? (int)(n1 - n) : k.C);
     }
 }
+
+int skinny_avx512(int on);
 
 /* y = x @ w^T for x [M, K] (K a multiple of 32; of 64 for the 4-bit formats), with skinny_linear's bits. Returns 0. */
 int packed_linear(const float *x, const packed_t *w, float *y, long M, long N, long K) {
