@@ -15,7 +15,8 @@ typedef struct {
     long kind;
     const void *q, *d, *m;
 } packed_t; /* packed.c: a weight in fp32 (kind 0: q the floats) or a narrower exact format */
-int packed_linear(const float *x, const packed_t *w, float *y, long M, long N, long K);
+void packed_linears(const float *x, const packed_t *w, float *const *ys, const long *Ns, int count, long M, long K,
+                    float **xi);
 void skinny_rows(const float *x, const float *xi, int fill, const float *w, float *y, long M, long N, long K, long n0,
                  long n1);
 long skinny_interleave(const float *x, float *xi, long M, long K, int fill);
@@ -206,30 +207,29 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
     float *qb = h + R * H, *att = qb + R * nh * D, *kb = att + R * nh * D, *vb = kb + R * nkv * D,
           *gate = vb + R * nkv * D, *up = gate + R * I;
 
-    rmsnorm(x, w[0].q, h, R, H, eps);
-    if (packed_linear(h, &w[1], qb, R, nh * D, H) || packed_linear(h, &w[2], kb, R, nkv * D, H) ||
-        packed_linear(h, &w[3], vb, R, nkv * D, H)) {
-        free(h);
-        return -1;
-    }
-    for (long r = 0, b = 0; r < R; r++) {
-        while (first && r >= first[b + 1]) b++;
-        long i = first ? r - first[b] : r % q;
-        if (!first) b = r / q;
-        const float *cs = cos + r * D, *sn = sin + r * D;
-        for (long n = 0; n < nh; n++) rope(qb + (r * nh + n) * D, cs, sn, D);
-        for (long g = 0; g < nkv; g++) {
-            float *kr = kb + (r * nkv + g) * D;
-            rope(kr, cs, sn, D);
-            long slot = ((b * nkv + g) * cap + S + i) * D;
-            memcpy(kc + slot, kr, D * sizeof(float));
-            memcpy(vc + slot, vb + (r * nkv + g) * D, D * sizeof(float));
-        }
-    }
     int failed = 0;
-    #pragma omp parallel
+    float *xi = NULL; /* the linears' shared scratch */
+    #pragma omp parallel /* one region for the layer: each step below is shared out, or run by one thread */
     {
-        float *p = malloc(sizeof(float) * q * G * (T + 2 * D)), *Q = p + q * G * T, *xi = Q + q * G * D;
+        #pragma omp single
+        rmsnorm(x, w[0].q, h, R, H, eps);
+        packed_linears(h, &w[1], (float *[]){qb, kb, vb}, (long[]){nh * D, nkv * D, nkv * D}, 3, R, H, &xi);
+        #pragma omp single
+        for (long r = 0, b = 0; r < R; r++) {
+            while (first && r >= first[b + 1]) b++;
+            long i = first ? r - first[b] : r % q;
+            if (!first) b = r / q;
+            const float *cs = cos + r * D, *sn = sin + r * D;
+            for (long n = 0; n < nh; n++) rope(qb + (r * nh + n) * D, cs, sn, D);
+            for (long g = 0; g < nkv; g++) {
+                float *kr = kb + (r * nkv + g) * D;
+                rope(kr, cs, sn, D);
+                long slot = ((b * nkv + g) * cap + S + i) * D;
+                memcpy(kc + slot, kr, D * sizeof(float));
+                memcpy(vc + slot, vb + (r * nkv + g) * D, D * sizeof(float));
+            }
+        }
+        float *p = malloc(sizeof(float) * q * G * (T + 2 * D)), *Q = p + q * G * T, *xa = Q + q * G * D;
         if (!p) {
             #pragma omp atomic write
             failed = 1;
@@ -242,30 +242,22 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
                 const unsigned char *seen_from = memchr(vis + b * T, 1, S);
                 long lo = seen_from ? seen_from - (vis + b * T) : S;
                 attend(qb + r0 * nh * D, kc + base, vc + base, att + r0 * nh * D, vis + b * T, S, n, nh, G, g, D,
-                       scale, lo, p, Q, xi);
+                       scale, lo, p, Q, xa);
             }
         free(p);
+        packed_linears(att, &w[4], (float *[]){h}, (long[]){H}, 1, R, nh * D, &xi);
+        #pragma omp single
+        {
+            for (long j = 0; j < R * H; j++) x[j] += h[j];
+            rmsnorm(x, w[5].q, h, R, H, eps);
+        }
+        packed_linears(h, &w[6], (float *[]){gate, up}, (long[]){I, I}, 2, R, H, &xi);
+        #pragma omp for schedule(static)
+        for (long j = 0; j < R * I; j++) gate[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+        packed_linears(gate, &w[8], (float *[]){h}, (long[]){H}, 1, R, I, &xi);
+        #pragma omp single
+        for (long j = 0; j < R * H; j++) x[j] += h[j];
     }
-    if (failed) {
-        free(h);
-        return -1;
-    }
-    if (packed_linear(att, &w[4], h, R, H, nh * D)) {
-        free(h);
-        return -1;
-    }
-    for (long j = 0; j < R * H; j++) x[j] += h[j];
-    rmsnorm(x, w[5].q, h, R, H, eps);
-    if (packed_linear(h, &w[6], gate, R, I, H) || packed_linear(h, &w[7], up, R, I, H)) {
-        free(h);
-        return -1;
-    }
-    for (long j = 0; j < R * I; j++) gate[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
-    if (packed_linear(gate, &w[8], h, R, H, I)) {
-        free(h);
-        return -1;
-    }
-    for (long j = 0; j < R * H; j++) x[j] += h[j];
     free(h);
-    return 0;
+    return failed ? -1 : 0; /* failed: an attention's scratch could not be had (x is then not to be used) */
 }
