@@ -313,7 +313,7 @@ static void rows_of(const float *x, const packed_t *w, float *y, long M, long N,
 }
 
 int skinny_avx512(int on);
-long skinny_interleave(const float *x, float *xi, long M, long K, int fill);
+float *skinny_scratch(const float *x, long M, long K);
 void skinny_rows(const float *x, const float *xi, int fill, const float *w, float *y, long M, long N, long K, long n0,
                  long n1);
 
@@ -322,7 +322,7 @@ void skinny_rows(const float *x, const float *xi, int fill, const float *w, floa
  * and it returns when every output is written. The weights' rows go to the threads in chunks, all the weights' in one
  * loop: one barrier for them all, where a parallel region each cost a start and an end (``layer.c`` runs a layer in
  * one region: decode 1.02-1.05x as fast at 1-8 rows on 2 cores). ``xi``: a pointer shared by the team, for fp32
- * weights' interleaved x (``skinny_interleave``). */
+ * weights' interleaved x (``skinny_scratch``). */
 void packed_linears(const float *x, const packed_t *w, float *const *ys, const long *Ns, int count, long M, long K,
                     float **xi) {
     long chunks = 0;
@@ -330,13 +330,7 @@ void packed_linears(const float *x, const packed_t *w, float *const *ys, const l
     for (int i = 0; i < count; i++) chunks += (Ns[i] + CHUNK - 1) / CHUNK, fp32 |= w[i].kind == W_F32;
     if (fp32) {
         #pragma omp single
-        {
-            *xi = M >= 4 ? malloc(sizeof(float) * ((M + 7) / 8 * 8) * K) : NULL; /* what xi may cover */
-            if (*xi && !skinny_interleave(x, *xi, M, K, 1)) {
-                free(*xi);
-                *xi = NULL; /* the AVX2 blocks */
-            }
-        }
+        *xi = skinny_scratch(x, M, K);
     }
     int z = skinny_avx512(-1);
     #pragma omp for schedule(static)

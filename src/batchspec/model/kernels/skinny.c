@@ -202,12 +202,19 @@ void skinny_rows(const float *x, const float *xi, int fill, const float *w, floa
     }
 }
 
-void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K) {
+/* x [M, K] interleaved for the AVX-512 blocks with ``fill`` (freed by the caller), or NULL where the AVX2 blocks
+ * take every row (or the memory could not be had: they give the same bits) */
+float *skinny_scratch(const float *x, long M, long K) {
     float *xi = M >= 4 ? malloc(sizeof(float) * ((M + 7) / 8 * 8) * K) : NULL;  /* what xi may cover */
     if (xi && !skinny_interleave(x, xi, M, K, 1)) {
         free(xi);
-        xi = NULL;  /* the AVX2 blocks */
+        xi = NULL;
     }
+    return xi;
+}
+
+void skinny_linear(const float *x, const float *w, float *y, long M, long N, long K) {
+    float *xi = skinny_scratch(x, M, K);
     #pragma omp parallel for schedule(static)
     for (long n0 = 0; n0 < N; n0 += CHUNK)
         skinny_rows(x, xi, 1, w, y, M, N, K, n0, n0 + CHUNK < N ? n0 + CHUNK : N);
