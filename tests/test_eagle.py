@@ -591,10 +591,15 @@ def test_head_cache_is_checked():
 # ------------------------------------------------------------------------------------------------ features
 
 
-@pytest.mark.parametrize("overhead", [1, 10**6], ids=["per-length", "one-padded-forward"])
-def test_prefill_features_are_the_final_hidden_states(overhead):
+@pytest.mark.parametrize("overhead", [1, 10**6, None], ids=["per-length", "one-padded-forward", "whole"])
+def test_prefill_features_are_the_final_hidden_states(overhead, monkeypatch):
     """``batch.prefill(hidden=True)``: per prompt, the target's ``hidden_states[-1]`` at every token but the last,
-    right-aligned, zeros on the left; whether rows of different lengths share one left-padded forward or not."""
+    right-aligned, zeros on the left; whether rows of different lengths share one left-padded forward or not, or
+    go end to end through one forward (``model/prefill.py``, no runner forward)."""
+    from batchspec.model import prefill as whole
+
+    if overhead is not None:
+        monkeypatch.setattr(whole, "supported", lambda model: False)
     t = tiny.target()
     prompts = [[7], [5, 9], PROMPTS[1], [3, 1, 4, 1, 5, 9, 2, 6], [8, 8, 8, 8, 8, 8, 8, 8], [2, 7, 1]]
     runner, calls = Runner(t), []
@@ -606,7 +611,8 @@ def test_prefill_features_are_the_final_hidden_states(overhead):
 
     runner.forward = spy
     state, feats = prefill(runner, prompts, overhead=overhead, hidden=True)
-    assert calls == ([False] * 4 if overhead == 1 else [True])  # a forward per length (1, 2, 7, 33) / one for all
+    # a forward per length (1, 2, 7, 33) / one for all / none of the runner's
+    assert calls == {1: [False] * 4, 10**6: [True], None: []}[overhead]
     w = max(map(len, prompts)) - 1
     assert feats.shape == (len(prompts), w, t.config.hidden_size) and feats.dtype == torch.float64
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """Prefill of prompts that share a prefix (a chat template's system prompt): the prefix is computed once and the rows'
-own tokens attend to it. The state it leaves is the one the plain prefill leaves (same slots, tokens and positions;
+own tokens attend to it, in the grouped prefill (a forward for the prefix, then one per group) and in the whole one
+(every token end to end in one forward, ``model/prefill.py``). The state it leaves is the one the plain prefill leaves (same slots, tokens and positions;
 keys, values and hidden states equal to float64 rounding), and generation from it is HF ``generate`` at batch size 1,
 with a draft model and with a feature-reading head (which reads the prefill's hidden states)."""
 
@@ -9,6 +10,7 @@ import torch
 
 import batchspec
 from batchspec.engine import batch
+from batchspec.model import prefill as whole
 from batchspec.model.runner import Runner
 
 PREFIX = tiny.prompts(1, seed=21, lo=20, hi=21)[0]  # 20 tokens, above SHARED_PREFIX_MIN
@@ -16,17 +18,28 @@ TAILS = tiny.prompts(7, seed=22, lo=1, hi=30)  # 1..29 tokens of each row's own 
 PROMPTS = [PREFIX + t for t in TAILS]
 
 
-@pytest.fixture
-def shared_calls(monkeypatch):
-    """How many times a prefill computed a shared prefix."""
+@pytest.fixture(params=["grouped", "whole"])
+def shared_calls(request, monkeypatch):
+    """The length of each shared prefix a prefill computed once, with the grouped prefill or the whole one."""
     calls = []
-    real = batch._prefix
+    if request.param == "grouped":
+        monkeypatch.setattr(whole, "supported", lambda model: False)
+        real = batch._prefix
 
-    def spy(runner, prefix, hidden):
-        calls.append(len(prefix))
-        return real(runner, prefix, hidden)
+        def spy(runner, prefix, hidden):
+            calls.append(len(prefix))
+            return real(runner, prefix, hidden)
 
-    monkeypatch.setattr(batch, "_prefix", spy)
+        monkeypatch.setattr(batch, "_prefix", spy)
+    else:
+        real_forward = whole._forward
+
+        def spy_forward(model, cache, prompts, rows, shared, *args):
+            if shared:
+                calls.append(shared)
+            return real_forward(model, cache, prompts, rows, shared, *args)
+
+        monkeypatch.setattr(whole, "_forward", spy_forward)
     return calls
 
 

@@ -258,13 +258,39 @@ def _prefill_group(runner, cached: list[list[int]], prefix, shared: int, hidden:
     return part, states.gather(1, index[..., None].expand(-1, -1, states.shape[-1])).masked_fill(hole[..., None], 0)
 
 
+def _grouped(runner, cache, prompts, lengths, shared, width, overhead, hidden, embeds):
+    """The prefill as one left-padded forward per group of rows (``prefill_groups``) into ``cache``, after the shared
+    prefix's own forward; returns the hidden states ``[B, width, H]`` (or None)."""
+    dev, states = runner.device, None
+    prefix = _prefix(runner, prompts[0][:shared], hidden) if shared else None
+    for rows in prefill_groups([n - shared for n in lengths], overhead):
+        rows = [r for r in rows if lengths[r]]
+        if not rows:
+            continue
+        n = max(lengths[r] for r in rows)
+        inputs = embeds(rows, n) if embeds is not None else None
+        part, h = _prefill_group(runner, [prompts[r][: lengths[r]] for r in rows], prefix, shared, hidden, inputs)
+        index = torch.tensor(rows, device=dev)
+        kv.place_rows(cache, index, part, len(prompts), width)
+        if hidden:
+            if states is None:
+                states = h.new_zeros((len(prompts), width, h.shape[-1]))
+            states[index, width - n:] = h
+        part.release()
+    if prefix is not None:
+        prefix[0].release()
+    return states
+
+
 def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None,
             hidden: bool = False, embeds=None):
     """Cache every prompt but its last token as one left-padded ``SlotState``; with ``hidden``, returns
     ``(state, states)``, ``states`` ``[B, W, H]`` the model's final hidden states at those tokens, laid out like the
     state's slots (zeros on padding).
 
-    Rows are grouped by ``prefill_groups`` (``overhead`` defaults by device: ``PREFILL_OVERHEAD``): each group is one
+    Where the runner can (``Runner.prefill``: a Llama on CPU), every prompt's tokens go end to end through one forward
+    (the shared prefix below once), with no padding. Elsewhere rows are grouped by ``prefill_groups`` (``overhead``
+    defaults by device: ``PREFILL_OVERHEAD``): each group is one
     forward, left-padded to its longest row (padding slots hidden), and its keys and values are then copied once
     into its rows of the final rectangle. When every prompt starts with the same
     ``SHARED_PREFIX_MIN`` or more tokens (a chat template's) and sharing saves more than a forward's overhead, that
@@ -287,23 +313,11 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         shared = min(shared_prefix([p[:n] for p, n in zip(prompts, lengths)]), min(lengths) - 1)
         if shared < SHARED_PREFIX_MIN or (len(prompts) - 1) * shared <= overhead:
             shared = 0
-    prefix = _prefix(runner, prompts[0][:shared], hidden) if shared else None
-    for rows in prefill_groups([n - shared for n in lengths], overhead):
-        rows = [r for r in rows if lengths[r]]
-        if not rows:
-            continue
-        n = max(lengths[r] for r in rows)
-        inputs = embeds(rows, n) if embeds is not None else None
-        part, h = _prefill_group(runner, [prompts[r][: lengths[r]] for r in rows], prefix, shared, hidden, inputs)
-        index = torch.tensor(rows, device=dev)
-        kv.place_rows(cache, index, part, len(prompts), width)
-        if hidden:
-            if states is None:
-                states = h.new_zeros((len(prompts), width, h.shape[-1]))
-            states[index, width - n:] = h
-        part.release()
-    if prefix is not None:
-        prefix[0].release()
+    whole = runner.prefill([p[:n] for p, n in zip(prompts, lengths)], shared, width, hidden) if embeds is None else None
+    if whole is not None:
+        cache, states = whole
+    else:
+        states = _grouped(runner, cache, prompts, lengths, shared, width, overhead, hidden, embeds)
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]
     valid = col >= (width - n[:, None])
