@@ -18,9 +18,11 @@ would not want); anything else returns None and the caller runs the grouped pref
 from __future__ import annotations
 
 import torch
+from transformers.activations import ACT2FN
 from transformers.models.llama import modeling_llama as hf
 
 from . import kv
+from . import weights as packed
 
 MAX_TOKENS = 1 << 14  # tokens per forward at most (bounds the activations: ~24 KB a token for a 576-wide model);
 # rows longer than that run alone. At 16k tokens a forward's fixed costs (expanding packed weights) are < 1%
@@ -36,6 +38,7 @@ def supported(model) -> bool:
                and type(layer.mlp) is hf.LlamaMLP for layer in model.model.layers)
 
 
+@torch.no_grad()
 def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bool):
     """Cache ``prompts`` (token ids, each at least ``shared`` long; ``shared`` leading tokens common to all, computed
     once) right-aligned in ``width`` slots of a new ``SlotCache`` of ``len(prompts)`` rows (padding zeros). Returns
@@ -84,42 +87,102 @@ def _where(rows: list[int], lengths: list[int], shared: int, width: int):
 
 def _forward(model, cache, prompts, rows, shared, width, batch, hidden):
     """One forward over ``prompts`` (the prefix once, then each row's own tokens) writing rows ``rows`` of the
-    ``batch``-row cache; returns the normed hidden states ``[T, H]`` when ``hidden``."""
+    ``batch``-row cache; returns the normed hidden states ``[T, H]`` when ``hidden``.
+
+    Each step writes into buffers made once per forward (``_Buffers``): a fresh tensor of this size costs its page
+    faults again each time it is allocated, as much as the elementwise step that fills it."""
     inner = model.model
     lengths = [len(p) for p in prompts]
     ids = torch.tensor(prompts[0][:shared] + [t for p in prompts for t in p[shared:]])
     positions = torch.cat([torch.arange(shared)] + [torch.arange(shared, n) for n in lengths])[None, :]
-    x = inner.embed_tokens(ids[None, :])  # [1, T, H]
-    cos, sin = inner.rotary_emb(x, positions)
+    x = inner.embed_tokens(ids[None, :])[0].contiguous()  # [T, H], the residual stream, updated in place
+    cos, sin = (t[0, :, None, :] for t in inner.rotary_emb(x[None], positions))  # [T, 1, D]
     # [first, last) of each row's own tokens in the sequence, after the prefix
     ends = torch.tensor(lengths).sub(shared).cumsum(0).add(shared).tolist()
     spans = list(zip([shared] + ends[:-1], ends))
+    starts = [width - n for n in lengths]  # each row's first slot
     src, dr, ds = _where(rows, lengths, shared, width)
+    b = _Buffers(model, x)
     for layer, slots in zip(inner.layers, cache.layers):
-        a = layer.self_attn
-        h = layer.input_layernorm(x)
-        shape = (1, x.shape[1], -1, a.head_dim)
-        q = a.q_proj(h).view(shape).transpose(1, 2)  # [1, heads, T, D]
-        k = a.k_proj(h).view(shape).transpose(1, 2)  # [1, kv heads, T, D]
-        v = a.v_proj(h).view(shape).transpose(1, 2)
-        q, k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+        a, m = layer.self_attn, layer.mlp
+        _rmsnorm(x, layer.input_layernorm, b.h)
+        q, k, v = (_linear(lin, b.h, out, b.w).view(len(x), -1, a.head_dim)  # [T, heads, D]
+                   for lin, out in ((a.q_proj, b.q), (a.k_proj, b.k), (a.v_proj, b.v)))
+        _rope(q, cos, sin, b.rot)
+        _rope(k, cos, sin, b.rot)
         if not slots.length:
-            slots.lazy_initialization(k, v)
-            slots.fresh(k, v, batch, width)
-        slots.keys.transpose(1, 2)[dr, ds] = k[0].transpose(0, 1)[src]  # [N, kv heads, D] into [B, S, kv heads, D]
-        slots.values.transpose(1, 2)[dr, ds] = v[0].transpose(0, 1)[src]
-        out = torch.empty_like(q)
-        starts = [width - n for n in lengths]  # each row's first slot
+            like = k.transpose(0, 1)[None]
+            slots.lazy_initialization(like, like)
+            slots.fresh(like, like, batch, width)
+        slots.keys.transpose(1, 2)[dr, ds] = k[src]  # [N, kv heads, D] into [B, S, kv heads, D]
+        slots.values.transpose(1, 2)[dr, ds] = v[src]
+        qt, out = q.transpose(0, 1)[None], b.att  # [1, heads, T, D]; [T, heads, D]
         if shared:  # the prefix attends to itself once
-            out[:, :, :shared] = _attend(q[:, :, :shared], slots, rows[0], starts[0], a.scaling)
+            out[:shared] = _attend(qt[:, :, :shared], slots, rows[0], starts[0], a.scaling)[0].transpose(0, 1)
         for r, start, (first, last) in zip(rows, starts, spans):
             # the row's queries after the prefix's (their outputs dropped): square and causal, so each query sees
             # the prefix and its row's tokens up to itself
-            mine = q[:, :, first:last] if not shared else torch.cat([q[:, :, :shared], q[:, :, first:last]], 2)
-            out[:, :, first:last] = _attend(mine, slots, r, start, a.scaling)[:, :, shared:]
-        x = x + a.o_proj(out.transpose(1, 2).reshape(1, x.shape[1], -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return inner.norm(x)[0] if hidden else None
+            mine = qt[:, :, first:last] if not shared else torch.cat([qt[:, :, :shared], qt[:, :, first:last]], 2)
+            out[first:last] = _attend(mine, slots, r, start, a.scaling)[0, :, shared:].transpose(0, 1)
+        x.add_(_linear(a.o_proj, out.view(len(x), -1), b.o, b.w))
+        _rmsnorm(x, layer.post_attention_layernorm, b.h)
+        g, u = _linear(m.gate_proj, b.h, b.g, b.w), _linear(m.up_proj, b.h, b.u, b.w)
+        if type(m.act_fn) in _SILU:
+            torch.nn.functional.silu(g, inplace=True)
+        else:
+            g.copy_(m.act_fn(g))
+        x.add_(_linear(m.down_proj, g.mul_(u), b.o, b.w))
+    return inner.norm(x) if hidden else None
+
+
+_SILU = (ACT2FN["silu"].__class__, torch.nn.SiLU)
+
+
+class _Buffers:
+    """A forward's work buffers for ``T`` tokens: ``h`` normed input ``[T, H]``, ``q``/``k``/``v`` projections,
+    ``rot`` rotary scratch, ``att`` attention output ``[T, heads, D]``, ``o`` a linear's output ``[T, H]``, ``g``/``u``
+    the MLP's ``[T, I]``, ``w`` a packed weight expanded (the largest's size)."""
+
+    def __init__(self, model, x):
+        a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        t, new = len(x), (lambda *shape: x.new_empty(shape))
+        self.h, self.o = new(t, x.shape[1]), new(t, x.shape[1])
+        self.q, self.att = new(t, a.q_proj.out_features), new(t, a.q_proj.out_features // a.head_dim, a.head_dim)
+        self.k, self.v = new(t, a.k_proj.out_features), new(t, a.v_proj.out_features)
+        self.rot = new(t * a.q_proj.out_features)
+        self.g, self.u = new(t, m.gate_proj.out_features), new(t, m.up_proj.out_features)
+        sizes = [lin.in_features * lin.out_features for lin in model.model.layers.modules()
+                 if isinstance(lin, packed.PackedLinear)]
+        self.w = new(max(sizes)) if sizes else None
+
+
+def _linear(module, x, out, scratch):
+    """``module(x)`` into ``out`` (a packed weight expanded into ``scratch``): the product as ``nn.Linear`` takes it."""
+    p = packed.packed_weight(module)
+    w = module.weight if p is None else p.expand(scratch)
+    torch.mm(x, w.t(), out=out)
+    if getattr(module, "bias", None) is not None:
+        out.add_(module.bias)
+    return out
+
+
+def _rmsnorm(x, norm, out):
+    """``norm(x)`` into ``out`` in the module's order of operations (``x * rsqrt(mean(x^2) + eps)``, then the weight);
+    the module computes in fp32 whatever the dtype: other dtypes call it."""
+    if x.dtype != torch.float32:
+        return out.copy_(norm(x))
+    variance = torch.pow(x, 2, out=out).mean(-1, keepdim=True)
+    torch.mul(x, torch.rsqrt(variance + norm.variance_epsilon), out=out)
+    return out.mul_(norm.weight)
+
+
+def _rope(t, cos, sin, scratch):
+    """``t * cos + rotate_half(t) * sin`` in place for ``t`` ``[T, heads, D]`` (the model's ``apply_rotary_pos_emb``)."""
+    half = t.shape[-1] // 2
+    rot = scratch[: t.numel()].view(t.shape)
+    torch.neg(t[..., half:], out=rot[..., :half])
+    rot[..., half:] = t[..., :half]
+    return t.mul_(cos).add_(rot.mul_(sin))
 
 
 def _attend(queries, slots, row, start, scale):

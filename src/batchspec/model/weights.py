@@ -52,12 +52,15 @@ class PackedWeight:
         ptr = (lambda t: t.data_ptr() if t is not None else None)
         return kernels.Packed(KINDS[self.kind], ptr(self.q), ptr(self.d), ptr(self.m))
 
-    def expand(self) -> torch.Tensor:
-        """The fp32 weight ``[N, K]`` (the kernel where built, else torch; the same bits either way)."""
+    def expand(self, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 weight ``[N, K]`` (the kernel where built, else torch; the same bits either way); written into
+        the start of ``scratch`` (fp32, contiguous, at least N * K elements) when given, so that a caller expanding
+        many weights in turn reuses one buffer."""
         lib = kernels.library()
         if lib is None:
             return expand_torch(self)
-        out = torch.empty(self.shape, dtype=torch.float32)
+        n = self.shape[0] * self.shape[1]
+        out = torch.empty(self.shape, dtype=torch.float32) if scratch is None else scratch.view(-1)[:n].view(self.shape)
         lib.packed_expand(ctypes.byref(self.c_struct()), self.shape[0], self.shape[1], out.data_ptr())
         return out
 
