@@ -107,3 +107,59 @@ def test_fp32_packed_weights_after_a_whole_prefill_are_the_oracles(forwards, tmp
     assert forwards  # more tokens than the C layer's few-row forwards take
     oracle_model = load_model(path, weights="fp32")
     assert [o.token_ids for o in outs] == [tiny.oracle(oracle_model, p, 12) for p in prompts]
+
+
+def _torch_causal(q, keys, values, first, scale):
+    """Reference: torch's attention over zero queries for positions 0..first-1 then ``q`` (square, so causal)."""
+    full = torch.cat([q.new_zeros((first, *q.shape[1:])), q]).transpose(0, 1)[None]
+    got = torch.nn.functional.scaled_dot_product_attention(full, keys[None], values[None], is_causal=True,
+                                                           scale=scale, enable_gqa=q.shape[1] != keys.shape[0])
+    return got[0, :, first:].transpose(0, 1)
+
+
+@pytest.mark.parametrize("n,first", [(1, 0), (5, 0), (7, 3), (40, 0), (70, 20), (97, 31), (300, 24)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_the_causal_kernel_is_torchs_attention(n, first, heads, kv_heads):
+    """``kernels.causal_attention`` against torch's (fp32, to its rounding): queries of positions ``first..n-1``,
+    blocks of 6 queries and 32 keys cut anywhere, grouped and plain heads, strided query and key views."""
+    from batchspec.model import kernels
+
+    if kernels.library() is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the kernel needs the built kernels and AVX-512")
+    g = torch.Generator().manual_seed(n * 100 + first)
+    q = torch.randn(n - first, heads + 2, 64, generator=g)[:, 1:-1] * 3  # heads 64 apart, rows (heads + 2) * 64
+    cache = torch.randn(2, kv_heads, n + 10, 64, generator=g) * 3  # [k/v, kv heads, slots, D]: rows of a wider cache
+    keys, values = cache[0, :, 5 : 5 + n], cache[1, :, 5 : 5 + n]
+    out = torch.full_like(q, float("nan"))
+    assert kernels.causal_attention(q, keys, values, out, first, 0.125)
+    torch.testing.assert_close(out, _torch_causal(q, keys, values, first, 0.125), rtol=1e-5, atol=1e-5)
+    narrow = [t[..., :32].contiguous() for t in (q, keys, values, out)]  # head dimension 32: not this kernel's
+    assert not kernels.causal_attention(*narrow, first, 0.1)
+
+
+def test_fp32_generation_with_the_causal_kernel_is_the_oracles(forwards, monkeypatch):
+    """An fp32 Llama with heads of 64 dimensions (two query heads on one key/value head): its whole prefill's
+    attention runs in the kernel, and generation is HF ``generate``'s at batch size 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from batchspec.model import kernels
+
+    if kernels.library() is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the kernel needs the built kernels and AVX-512")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0 if tiny.VOCAB in p.shape else 2.5)
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    ran, real = [], kernels.causal_attention
+    monkeypatch.setattr(kernels, "causal_attention", lambda *a: ran.append(real(*a)) or ran[-1])
+    prompts = [PREFIX + p for p in PROMPTS]
+    outs = batchspec.LLM(model, draft=None, batch_size=16).generate(prompts, batchspec.SamplingParams(max_tokens=12))
+    assert forwards and ran and all(ran)
+    assert [o.token_ids for o in outs] == [tiny.oracle(model, p, 12) for p in prompts]

@@ -7,9 +7,11 @@ once: the rows' tokens (and the shared prefix, once) are laid end to end as one 
 linear layer is one product over ``[T, H]``; attention runs per row, causally, over the row's own slots (prefix
 first); keys and values go straight to the row's right-aligned slots of the final cache.
 
-The arithmetic of each step is the model's own modules' (norms, projections, MLP, rotary tables) and torch's
-``scaled_dot_product_attention``, as in the model's forward; the products see more rows at once, so their sums may
-run in another order, like any change of batch size.
+Each step is the model's own arithmetic in its order of operations (norms, projections, MLP, rotary tables; the
+attention's softmax), written into buffers made once per forward; attention runs in ``kernels/causal.c`` where it
+applies (fp32, heads of 64, AVX-512: flash-style, 1.5-2x torch's attention on this project's CPU), else in torch's
+``scaled_dot_product_attention``. The products see more rows at once, so sums may run in another order, like any
+change of batch size.
 
 Used for ``LlamaForCausalLM`` models with sdpa attention on CPU (the per-row attention calls cost launches a GPU
 would not want); anything else returns None and the caller runs the grouped prefill.
@@ -21,7 +23,7 @@ import torch
 from transformers.activations import ACT2FN
 from transformers.models.llama import modeling_llama as hf
 
-from . import kv
+from . import kernels, kv
 from . import weights as packed
 
 MAX_TOKENS = 1 << 14  # tokens per forward at most (bounds the activations: ~24 KB a token for a 576-wide model);
@@ -38,7 +40,6 @@ def supported(model) -> bool:
                and type(layer.mlp) is hf.LlamaMLP for layer in model.model.layers)
 
 
-@torch.no_grad()
 def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bool):
     """Cache ``prompts`` (token ids, each at least ``shared`` long; ``shared`` leading tokens common to all, computed
     once) right-aligned in ``width`` slots of a new ``SlotCache`` of ``len(prompts)`` rows (padding zeros). Returns
@@ -47,11 +48,17 @@ def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bo
     if not supported(model):
         return None
     cache = kv.new_cache(model)
+    a = model.model.layers[0].self_attn
+    like = torch.empty((1, a.k_proj.out_features // a.head_dim, 0, a.head_dim), dtype=model.dtype)
+    for slots in cache.layers:  # made outside no_grad: the cache's views are written in place later, in any mode
+        slots.lazy_initialization(like, like)
+        slots.fresh(like, like, len(prompts), width)
     states = None
     rows = [r for r, p in enumerate(prompts) if len(p)]
     for chunk in _chunks([len(prompts[r]) - shared for r in rows], shared):
         chunk = [rows[i] for i in chunk]
-        h = _forward(model, cache, [prompts[r] for r in chunk], chunk, shared, width, len(prompts), hidden)
+        with torch.no_grad():
+            h = _forward(model, cache, [prompts[r] for r in chunk], chunk, shared, width, hidden)
         if hidden:
             if states is None:
                 states = h.new_zeros((len(prompts), width, h.shape[-1]))
@@ -85,9 +92,8 @@ def _where(rows: list[int], lengths: list[int], shared: int, width: int):
     return torch.tensor(src), torch.tensor(dr), torch.tensor(ds)
 
 
-def _forward(model, cache, prompts, rows, shared, width, batch, hidden):
-    """One forward over ``prompts`` (the prefix once, then each row's own tokens) writing rows ``rows`` of the
-    ``batch``-row cache; returns the normed hidden states ``[T, H]`` when ``hidden``.
+def _forward(model, cache, prompts, rows, shared, width, hidden):
+    """One forward over ``prompts`` (the prefix once, then each row's own tokens) writing rows ``rows`` of the cache; returns the normed hidden states ``[T, H]`` when ``hidden``.
 
     Each step writes into buffers made once per forward (``_Buffers``): a fresh tensor of this size costs its page
     faults again each time it is allocated, as much as the elementwise step that fills it."""
@@ -103,28 +109,26 @@ def _forward(model, cache, prompts, rows, shared, width, batch, hidden):
     starts = [width - n for n in lengths]  # each row's first slot
     src, dr, ds = _where(rows, lengths, shared, width)
     b = _Buffers(model, x)
-    for layer, slots in zip(inner.layers, cache.layers):
+    for i, (layer, slots) in enumerate(zip(inner.layers, cache.layers)):
         a, m = layer.self_attn, layer.mlp
+        # the last layer's keys and values are all the cache needs of it: without hidden states, its queries,
+        # attention and MLP would only feed a residual stream nobody reads
+        cache_only = not hidden and i == len(inner.layers) - 1
         _rmsnorm(x, layer.input_layernorm, b.h)
-        q, k, v = (_linear(lin, b.h, out, b.w).view(len(x), -1, a.head_dim)  # [T, heads, D]
-                   for lin, out in ((a.q_proj, b.q), (a.k_proj, b.k), (a.v_proj, b.v)))
-        _rope(q, cos, sin, b.rot)
+        k, v = (_linear(lin, b.h, out, b.w).view(len(x), -1, a.head_dim)  # [T, heads, D]
+                for lin, out in ((a.k_proj, b.k), (a.v_proj, b.v)))
         _rope(k, cos, sin, b.rot)
-        if not slots.length:
-            like = k.transpose(0, 1)[None]
-            slots.lazy_initialization(like, like)
-            slots.fresh(like, like, batch, width)
         slots.keys.transpose(1, 2)[dr, ds] = k[src]  # [N, kv heads, D] into [B, S, kv heads, D]
         slots.values.transpose(1, 2)[dr, ds] = v[src]
-        qt, out = q.transpose(0, 1)[None], b.att  # [1, heads, T, D]; [T, heads, D]
+        if cache_only:
+            break
+        q = _linear(a.q_proj, b.h, b.q, b.w).view(len(x), -1, a.head_dim)
+        _rope(q, cos, sin, b.rot)
         if shared:  # the prefix attends to itself once
-            out[:shared] = _attend(qt[:, :, :shared], slots, rows[0], starts[0], a.scaling)[0].transpose(0, 1)
+            _attend(q, b.att, 0, shared, slots, rows[0], starts[0], 0, a.scaling)
         for r, start, (first, last) in zip(rows, starts, spans):
-            # the row's queries after the prefix's (their outputs dropped): square and causal, so each query sees
-            # the prefix and its row's tokens up to itself
-            mine = qt[:, :, first:last] if not shared else torch.cat([qt[:, :, :shared], qt[:, :, first:last]], 2)
-            out[first:last] = _attend(mine, slots, r, start, a.scaling)[0, :, shared:].transpose(0, 1)
-        x.add_(_linear(a.o_proj, out.view(len(x), -1), b.o, b.w))
+            _attend(q, b.att, first, last, slots, r, start, shared, a.scaling)
+        x.add_(_linear(a.o_proj, b.att.view(len(x), -1), b.o, b.w))
         _rmsnorm(x, layer.post_attention_layernorm, b.h)
         g, u = _linear(m.gate_proj, b.h, b.g, b.w), _linear(m.up_proj, b.h, b.u, b.w)
         if type(m.act_fn) in _SILU:
@@ -185,9 +189,16 @@ def _rope(t, cos, sin, scratch):
     return t.mul_(cos).add_(rot.mul_(sin))
 
 
-def _attend(queries, slots, row, start, scale):
-    """Causal attention of ``queries`` ``[1, heads, n, D]`` over the n slots of ``row`` from ``start`` on."""
-    n = queries.shape[2]
-    keys, values = slots.keys[row : row + 1, :, start : start + n], slots.values[row : row + 1, :, start : start + n]
-    return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
-                                                            enable_gqa=queries.shape[1] != keys.shape[1])
+def _attend(q, out, first, last, slots, row, start, before, scale):
+    """``out[first:last]`` = causal attention of the queries ``q[first:last]`` (``[T, heads, D]`` buffers), positions
+    ``before ..`` of ``row`` (its slots from ``start`` on; ``before``: the shared prefix's, ahead of them) over the
+    row's keys up to each. The kernel (``kernels/causal.c``) where it applies, else torch's attention over the prefix's
+    queries and these (square, so causal; the prefix's outputs dropped)."""
+    n = before + last - first
+    keys, values = slots.keys[row, :, start : start + n], slots.values[row, :, start : start + n]  # [kv heads, n, D]
+    if kernels.causal_attention(q[first:last], keys, values, out[first:last], before, scale):
+        return
+    mine = (q[first:last] if not before else torch.cat([q[:before], q[first:last]])).transpose(0, 1)[None]
+    got = torch.nn.functional.scaled_dot_product_attention(mine, keys[None], values[None], is_causal=True, scale=scale,
+                                                           enable_gqa=mine.shape[1] != keys.shape[0])
+    out[first:last] = got[0, :, before:].transpose(0, 1)

@@ -7,6 +7,8 @@
   verification block as in a decode step.
 - ``layer.c``: one Llama decoder layer per call (driven by ``llama.py``), attention over visible slots only.
 - ``match.c``: prompt lookup's matching, a row at a time (``lookup_match``).
+- ``causal.c``: causal attention of a prompt over its own keys, for the whole prefill (``model/prefill.py``):
+  flash-style, each key/value read once per 6 queries of a head, nothing right of the diagonal computed.
 - ``packed.c``: linear layers over weights kept in a narrower exact format (``model/weights.py``), each weight
   expanded in a register to its fp32 value as it is read (AVX2, or two weight rows a register with AVX-512 for
   blocks of 1 and 4 rows) and summed in ``skinny.c``'s order: the same bits, fewer bytes read.
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 MAX_ROWS = 64  # measured no slower than torch up to 48 rows; beyond this torch is used
-_SOURCES = [Path(__file__).with_name(name) for name in ("skinny.c", "layer.c", "match.c", "packed.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("skinny.c", "layer.c", "match.c", "packed.c", "causal.c")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -100,6 +102,9 @@ def _load() -> ctypes.CDLL | None:
                     lib.packed_find.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [
                         ctypes.c_void_p] * 3
                     lib.packed_find.restype = ctypes.c_int
+                    lib.causal_attention.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2 + [
+                        ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 6 + [ctypes.c_float]
+                    lib.causal_attention.restype = ctypes.c_int
                     _lib = lib
             except OSError:
                 _lib = None
@@ -146,6 +151,21 @@ def linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] <= FEW_ROWS:
         return (weight @ x2.T).T.contiguous()
     return torch.nn.functional.linear(x2, weight)
+
+
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, first: int,
+                     scale: float) -> bool:
+    """``out`` ``[n - first, heads, D]`` = causal attention of the queries ``q`` (same shape) of positions
+    ``first .. n-1`` over ``keys`` / ``values`` ``[kv heads, n, D]`` of positions ``0 .. n-1`` (``causal.c``); False
+    (nothing written) where the kernel does not apply: then the caller uses torch's attention."""
+    lib = _load()
+    n, d = keys.shape[1], keys.shape[2]
+    if (lib is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, keys, values, out))
+            or q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1) or keys.stride()[1:] != (d, 1)
+            or values.stride() != keys.stride() or q.shape != out.shape or q.shape[0] != n - first):
+        return False
+    return lib.causal_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                                out.data_ptr(), out.stride(0), first, n, q.shape[1], keys.shape[0], d, scale) == 0
 
 
 def lookup_match(history: torch.Tensor, length: torch.Tensor, n_max: int):
