@@ -26,7 +26,7 @@ from transformers.models.llama import modeling_llama as hf
 from . import kernels, kv
 from . import weights as packed
 
-MAX_TOKENS = 1 << 14  # tokens per forward at most (bounds the activations: ~24 KB a token for a 576-wide model);
+MAX_TOKENS = 1 << 14  # tokens per forward at most (bounds the activations: ~28 KB a token for a 576-wide model);
 # rows longer than that run alone. At 16k tokens a forward's fixed costs (expanding packed weights) are < 1%
 
 
