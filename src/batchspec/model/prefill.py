@@ -93,7 +93,8 @@ def _where(rows: list[int], lengths: list[int], shared: int, width: int):
 
 
 def _forward(model, cache, prompts, rows, shared, width, hidden):
-    """One forward over ``prompts`` (the prefix once, then each row's own tokens) writing rows ``rows`` of the cache; returns the normed hidden states ``[T, H]`` when ``hidden``.
+    """One forward over ``prompts`` (the prefix once, then each row's own tokens) writing rows ``rows`` of the cache;
+    returns the normed hidden states ``[T, H]`` when ``hidden``.
 
     Each step writes into buffers made once per forward (``_Buffers``): a fresh tensor of this size costs its page
     faults again each time it is allocated, as much as the elementwise step that fills it."""
