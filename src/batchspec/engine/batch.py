@@ -258,10 +258,11 @@ def _prefill_group(runner, cached: list[list[int]], prefix, shared: int, hidden:
     return part, states.gather(1, index[..., None].expand(-1, -1, states.shape[-1])).masked_fill(hole[..., None], 0)
 
 
-def _grouped(runner, cache, prompts, lengths, shared, width, overhead, hidden, embeds):
-    """The prefill as one left-padded forward per group of rows (``prefill_groups``) into ``cache``, after the shared
-    prefix's own forward; returns the hidden states ``[B, width, H]`` (or None)."""
+def _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds):
+    """The prefill as one left-padded forward per group of rows (``prefill_groups``), after the shared prefix's own
+    forward; returns ``(cache, states)`` like ``Runner.prefill``: the hidden states ``[B, width, H]`` or None."""
     dev, states = runner.device, None
+    cache = kv.new_cache(runner.model)
     prefix = _prefix(runner, prompts[0][:shared], hidden) if shared else None
     for rows in prefill_groups([n - shared for n in lengths], overhead):
         rows = [r for r in rows if lengths[r]]
@@ -279,7 +280,7 @@ def _grouped(runner, cache, prompts, lengths, shared, width, overhead, hidden, e
         part.release()
     if prefix is not None:
         prefix[0].release()
-    return states
+    return cache, states
 
 
 def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None,
@@ -304,8 +305,6 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     width = max(lengths, default=0)
     if overhead is None:
         overhead = PREFILL_OVERHEAD.get(dev.type, 1)
-    cache = kv.new_cache(runner.model)
-    states = None
     # the prefix every prompt shares, up to each row's last cached token (every row keeps one of its own): computed
     # once where that saves more than a forward's overhead
     shared = 0
@@ -314,10 +313,7 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         if shared < SHARED_PREFIX_MIN or (len(prompts) - 1) * shared <= overhead:
             shared = 0
     whole = runner.prefill([p[:n] for p, n in zip(prompts, lengths)], shared, width, hidden) if embeds is None else None
-    if whole is not None:
-        cache, states = whole
-    else:
-        states = _grouped(runner, cache, prompts, lengths, shared, width, overhead, hidden, embeds)
+    cache, states = whole or _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds)
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]
     valid = col >= (width - n[:, None])

@@ -57,12 +57,13 @@ def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bo
     rows = [r for r, p in enumerate(prompts) if len(p)]
     for chunk in _chunks([len(prompts[r]) - shared for r in rows], shared):
         chunk = [rows[i] for i in chunk]
+        where = _where(chunk, [len(prompts[r]) for r in chunk], shared, width)
         with torch.no_grad():
-            h = _forward(model, cache, [prompts[r] for r in chunk], chunk, shared, width, hidden)
+            h = _forward(model, cache, [prompts[r] for r in chunk], chunk, shared, width, hidden, where)
         if hidden:
             if states is None:
                 states = h.new_zeros((len(prompts), width, h.shape[-1]))
-            src, dr, ds = _where(chunk, [len(prompts[r]) for r in chunk], shared, width)
+            src, dr, ds = where
             states[dr, ds] = h[src]
     return cache, states
 
@@ -92,9 +93,9 @@ def _where(rows: list[int], lengths: list[int], shared: int, width: int):
     return torch.tensor(src), torch.tensor(dr), torch.tensor(ds)
 
 
-def _forward(model, cache, prompts, rows, shared, width, hidden):
-    """One forward over ``prompts`` (the prefix once, then each row's own tokens) writing rows ``rows`` of the cache;
-    returns the normed hidden states ``[T, H]`` when ``hidden``.
+def _forward(model, cache, prompts, rows, shared, width, hidden, where):
+    """One forward over ``prompts`` (the prefix once, then each row's own tokens) writing rows ``rows`` of the cache
+    (``where``: ``_where``'s slots of its tokens); returns the normed hidden states ``[T, H]`` when ``hidden``.
 
     Each step writes into buffers made once per forward (``_Buffers``): a fresh tensor of this size costs its page
     faults again each time it is allocated, as much as the elementwise step that fills it."""
@@ -108,7 +109,7 @@ def _forward(model, cache, prompts, rows, shared, width, hidden):
     ends = torch.tensor(lengths).sub(shared).cumsum(0).add(shared).tolist()
     spans = list(zip([shared] + ends[:-1], ends))
     starts = [width - n for n in lengths]  # each row's first slot
-    src, dr, ds = _where(rows, lengths, shared, width)
+    src, dr, ds = where
     b = _Buffers(model, x)
     for i, (layer, slots) in enumerate(zip(inner.layers, cache.layers)):
         a, m = layer.self_attn, layer.mlp

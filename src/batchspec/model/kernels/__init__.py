@@ -34,6 +34,7 @@ import torch
 
 MAX_ROWS = 64  # measured no slower than torch up to 48 rows; beyond this torch is used
 _SOURCES = [Path(__file__).with_name(name) for name in ("skinny.c", "layer.c", "match.c", "packed.c", "causal.c")]
+_HEADERS = [Path(__file__).with_name("vexp.h")]  # included by the sources (a build depends on them too)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -47,7 +48,7 @@ def cache_dir() -> Path:
 
 def source_digest() -> str:
     """A digest of the kernels' sources (what a build, and the layout of packed codes, depend on)."""
-    return hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES)).hexdigest()[:16]
+    return hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES + _HEADERS)).hexdigest()[:16]
 
 
 def _build() -> Path | None:

@@ -10,6 +10,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "vexp.h"
+
 #define QB 6  /* queries a task: 12 score registers and 24 value-sum registers at most */
 #define KB 32 /* keys a step: two 16-lane registers of scores per query */
 #define NV (KB / 16)
@@ -17,23 +19,11 @@
 
 #define TARGET __attribute__((target("avx512f")))
 
-/* e^x for 16 lanes (the layer kernel's polynomial, exp8); lanes below -87 (the hidden keys' -inf) give 0 */
+/* e^x for 16 lanes: ``exp8`` on each half (Zen 4 runs a 512-bit operation as two halves anyway) */
 TARGET static inline __m512 exp16(__m512 x) {
-    __mmask16 hidden = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps(~hidden, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+    __m256 lo = exp8(_mm512_castps512_ps256(x));
+    __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
 /* Queries i0 .. i0+c-1 (c <= QB) of one head: q rows qs apart (scaled), keys kt [HD][ldk] (transposed), values v
