@@ -37,22 +37,35 @@ class TargetOutput:
     """A forward's result: ``logits`` ``[B, n, V]`` and, when asked for, ``hidden`` ``[B, n, H]``; ``tokens()`` the
     greedy token of each position ``[B, n]``.
 
+    ``logits`` may come as a function that computes them: then they are computed when first read, and ``tokens()``
+    asks ``fast_tokens()`` first (the same tokens without every logit, or None: ``PackedLinear.greedy``), so a greedy
+    round that reads only tokens never computes the vocabulary's logits.
+
     A packed forward (``counts``) computed only its real positions: ``packing`` ``(real, b, n)`` says where its
     logits' rows go (``real``: their flat positions in ``[b, n]``). The ``[B, n, V]`` logits (padding 0) are laid
     out only when read; ``tokens()`` takes the argmax of the real rows alone (padding's token 0)."""
 
-    def __init__(self, logits: torch.Tensor, hidden: torch.Tensor | None = None, packing: tuple | None = None):
+    def __init__(self, logits, hidden: torch.Tensor | None = None, packing: tuple | None = None, fast_tokens=None):
         self._logits, self.hidden, self._packing, self._tokens = logits, hidden, packing, None
+        self._fast = fast_tokens
+
+    def _computed(self) -> torch.Tensor:
+        if callable(self._logits):
+            self._logits = self._logits()
+        return self._logits
 
     @property
     def logits(self) -> torch.Tensor:
+        self._computed()
         if self._packing is not None:
             self._logits, self._packing = fused_llama.unpack(self._logits, *self._packing), None
         return self._logits
 
     def tokens(self) -> torch.Tensor:
         if self._tokens is None:
-            best = greedy(self._logits)
+            best = self._fast() if callable(self._logits) and self._fast is not None else None
+            if best is None:
+                best = greedy(self._computed())
             self._tokens = best if self._packing is None else fused_llama.unpack(best, *self._packing)
         return self._tokens
 

@@ -24,6 +24,7 @@ BLOCK = 32  # weights of a row sharing one scale (and offset) in the block forma
 KINDS = {"f32": 0, "bf16": 1, "f16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}  # packed.c's format codes
 BITS = {"q4_0": 5.0, "q4_1": 6.0, "q8_0": 9.0, "bf16": 16.0, "f16": 16.0, "f32": 32.0}  # resident, fp32 scales
 ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16")  # tried narrowest first
+GREEDY_ROWS = 8  # the most rows ``PackedLinear.greedy`` takes (argmax.c's MAX_ROWS: all scored in one pass)
 
 
 @dataclass
@@ -165,6 +166,31 @@ class PackedLinear(torch.nn.Module):
         if lib.packed_linear(x2.data_ptr(), ctypes.byref(p.c_struct()), y.data_ptr(), rows, *p.shape):
             raise MemoryError("batchspec's packed linear kernel could not allocate its scratch memory")
         return y.view(*x.shape[:-1], self.out_features)
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The index of the largest output of each row of ``x`` ``[M, K]`` (the first on ties): the tokens
+        ``sampling.greedy(self(x))`` gives, bit for bit, without computing every output (``kernels/argmax.c``: q8_0
+        weights, AVX-512 VNNI; an output head). None where that does not apply: the caller computes the outputs."""
+        lib = kernels.library()
+        p = self._weight()
+        rows = x.numel() // self.in_features
+        if (lib is None or p.kind != "q8_0" or x.dtype != torch.float32 or x.device.type != "cpu"
+                or not 0 < rows <= GREEDY_ROWS or not lib.q8_argmax_supported()):
+            return None
+        sums = getattr(self, "_sums", None)
+        if sums is None or sums[0] is not p.q:  # per row: the sum of the weights and of their magnitudes, once
+            t, r = torch.empty(self.out_features), torch.empty(self.out_features)
+            lib.q8_row_sums(ctypes.byref(p.c_struct()), *p.shape, t.data_ptr(), r.data_ptr())
+            sums = self._sums = (p.q, t, r)
+        scratch = getattr(self, "_scratch", None)
+        if scratch is None or scratch.numel() < rows * self.out_features:  # reused: fresh pages cost their faults
+            scratch = self._scratch = torch.empty(rows * self.out_features)
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        tokens = torch.empty(rows, dtype=torch.long)
+        if lib.q8_argmax(x2.data_ptr(), ctypes.byref(p.c_struct()), sums[1].data_ptr(), sums[2].data_ptr(), rows,
+                         *p.shape, scratch.data_ptr(), tokens.data_ptr()):
+            return None
+        return tokens.view(x.shape[:-1])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.packed.kind}"

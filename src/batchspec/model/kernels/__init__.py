@@ -12,6 +12,8 @@
 - ``packed.c``: linear layers over weights kept in a narrower exact format (``model/weights.py``), each weight
   expanded in a register to its fp32 value as it is read (AVX2, or two weight rows a register with AVX-512 for
   blocks of 1 and 4 rows) and summed in ``skinny.c``'s order: the same bits, fewer bytes read.
+- ``argmax.c``: the greedy tokens of a q8_0 output head without every logit: 8-bit integer scores within a proven
+  bound of the exact outputs, and only the outputs the bound cannot rule out computed (``packed.c``'s bits).
 
 They are compiled on first use with the system C compiler into ``$BATCHSPEC_CACHE/kernels`` (default
 ``~/.cache/batchspec/kernels``); without a compiler or AVX2, for other dtypes or devices, or with
@@ -33,8 +35,9 @@ from pathlib import Path
 import torch
 
 MAX_ROWS = 64  # measured no slower than torch up to 48 rows; beyond this torch is used
-_SOURCES = [Path(__file__).with_name(name) for name in ("skinny.c", "layer.c", "match.c", "packed.c", "causal.c")]
-_HEADERS = [Path(__file__).with_name("vexp.h")]  # included by the sources (a build depends on them too)
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("skinny.c", "layer.c", "match.c", "packed.c", "causal.c", "argmax.c")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("vexp.h", "packed.h")]  # included by the sources (a build depends on them too)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -106,6 +109,12 @@ def _load() -> ctypes.CDLL | None:
                     lib.causal_attention.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2 + [
                         ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 6 + [ctypes.c_float]
                     lib.causal_attention.restype = ctypes.c_int
+                    lib.q8_argmax_supported.argtypes = []
+                    lib.q8_argmax_supported.restype = ctypes.c_int
+                    lib.q8_row_sums.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 2
+                    lib.q8_row_sums.restype = None
+                    lib.q8_argmax.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
+                    lib.q8_argmax.restype = ctypes.c_int
                     _lib = lib
             except OSError:
                 _lib = None

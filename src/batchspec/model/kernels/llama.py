@@ -105,8 +105,9 @@ def plan(model) -> _Plan | None:
 
 
 def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hidden=False, embeds=None, counts=None):
-    """``(logits, hidden states or None, packing or None)`` of one forward over a slot cache (see ``Runner.forward``
-    and ``TargetOutput``), or None where this path does not apply. Reads the model's modules and weights; writes only
+    """``(logits, hidden states or None, packing or None, fast tokens or None)`` of one forward over a slot cache
+    (``TargetOutput``'s arguments; the logits a function computing them when read), or None where this path does not
+    apply. Reads the model's modules and weights; writes only
     the cache. ``counts`` ``[B]``: only the first ``counts[b]`` new tokens of row b are computed (packed: the others
     are padding, their cache slots are not written, their hidden states are 0; the logits come back as the real
     rows alone, with ``packing`` ``(real, b, q)`` to lay them out); only for all-position logits of token ids."""
@@ -146,7 +147,8 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     if packed:  # every position's states are the normed ones here (what ``hidden="all"`` asks for)
         states = inner.norm(x)
         # the logits stay packed (the runner lays them out when read): the greedy tokens need only the real rows
-        return _head(model, states), (unpack(states, real, b, q) if hidden else None), (real, b, q)
+        logits, tokens = _head(model, states, (len(real),))
+        return logits, (unpack(states, real, b, q) if hidden else None), (real, b, q), tokens
     normed = inner.norm(x.view(b, q, p.hidden)) if hidden == "all" else None  # every position's states
     states = x.view(b, q, p.hidden) if normed is None else normed
     if logits_to_keep:
@@ -154,10 +156,10 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     if normed is None:
         states = inner.norm(states)
     n = states.shape[1]
-    logits = _head(model, states.reshape(b * n, p.hidden))
+    logits, tokens = _head(model, states.reshape(b * n, p.hidden), (b, n))
     if normed is not None:
         states = normed
-    return logits.view(b, n, -1), (states if hidden else None), None
+    return logits, (states if hidden else None), None, tokens
 
 
 def unpack(flat: torch.Tensor, real: torch.Tensor, b: int, n: int) -> torch.Tensor:
@@ -165,8 +167,20 @@ def unpack(flat: torch.Tensor, real: torch.Tensor, b: int, n: int) -> torch.Tens
     return flat.new_zeros((b * n, *flat.shape[1:])).index_copy_(0, real, flat).view(b, n, *flat.shape[1:])
 
 
-def _head(model, flat):
-    if isinstance(model.lm_head, packed.PackedLinear):
-        return model.lm_head(flat)
-    logits = skinny_linear(flat, model.lm_head.weight)
-    return model.lm_head(flat) if logits is None else logits
+def _head(model, flat, shape):
+    """The output head over ``flat`` ``[rows, H]`` as ``(logits, tokens)``, two functions: the logits ``[*shape, V]``
+    computed when called, and their greedy tokens ``[*shape]`` without them where the head can (a q8_0 head:
+    ``PackedLinear.greedy``; else None), so that a round that reads only tokens skips the vocabulary's logits."""
+    head = model.lm_head
+    if isinstance(head, packed.PackedLinear):
+        def fast():
+            best = head.greedy(flat)
+            return None if best is None else best.view(shape)
+
+        return (lambda: head(flat).view(*shape, -1)), fast
+
+    def logits():
+        y = skinny_linear(flat, head.weight)
+        return (head(flat) if y is None else y).view(*shape, -1)
+
+    return logits, None

@@ -22,14 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_Q8_0 = 3, W_Q4_0 = 4, W_Q4_1 = 5 };
-
-/* one weight [N, K]: ``q`` the codes (floats for f32; int32 words as above for the block formats; uint16 bits for
- * bf16 / f16), ``d`` and ``m`` the blocks' scales and offsets [N, K/32] (fp32 holding fp16 values) */
-typedef struct {
-    long kind;
-    const void *q, *d, *m;
-} packed_t;
+#include "packed.h"
 
 #define CHUNK 12 /* weight rows a thread task takes (skinny.c's chunk) */
 /* code groups (32 bytes each) prefetched ahead of the ones being read, and their scales: a row's codes, its scales
@@ -348,6 +341,11 @@ void packed_linears(const float *x, const packed_t *w, float *const *ys, const l
         #pragma omp single
         free(*xi);
     }
+}
+
+/* rows n0 .. n1 - 1 of y = x @ w^T (y [M, N]), in the calling thread: the bits ``packed_linears`` gives them */
+void packed_rows(const float *x, const packed_t *w, float *y, long M, long N, long K, long n0, long n1) {
+    rows_of(x, w, y, M, N, K, n0, n1, skinny_avx512(-1));
 }
 
 /* y = x @ w^T for x [M, K], in a parallel region of its own. Returns 0. */

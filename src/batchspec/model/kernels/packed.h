@@ -1,0 +1,17 @@
+/* A weight kept in a narrower exact format (``packed.c``), as the kernels that read it see it. */
+#ifndef BATCHSPEC_PACKED_H
+#define BATCHSPEC_PACKED_H
+
+enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_Q8_0 = 3, W_Q4_0 = 4, W_Q4_1 = 5 };
+
+/* one weight [N, K]: ``q`` the codes (floats for f32; int32 words as above for the block formats; uint16 bits for
+ * bf16 / f16), ``d`` and ``m`` the blocks' scales and offsets [N, K/32] (fp32 holding fp16 values) */
+typedef struct {
+    long kind;
+    const void *q, *d, *m;
+} packed_t;
+
+/* rows n0 .. n1 - 1 of y = x @ w^T (y [M, N]) with the bits ``packed_linears`` gives them, in the calling thread */
+void packed_rows(const float *x, const packed_t *w, float *y, long M, long N, long K, long n0, long n1);
+
+#endif
