@@ -35,7 +35,7 @@ def states(m, k=192, seed=1) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_fast_greedy_is_the_argmax_of_the_packed_outputs(rows):
     head, _ = q8_head()
     for seed in range(6):
@@ -43,7 +43,7 @@ def test_fast_greedy_is_the_argmax_of_the_packed_outputs(rows):
         got = head.greedy(x)
         assert got is not None
         assert torch.equal(got, greedy(head(x)))
-    assert torch.equal(head.greedy(states(6).view(2, 3, 192)), greedy(head(states(6))).view(2, 3))  # any shape
+    assert torch.equal(head.greedy(states(4).view(2, 2, 192)), greedy(head(states(4))).view(2, 2))  # any shape
 
 
 def test_ties_and_near_ties_are_decided_by_the_exact_outputs():
@@ -82,7 +82,7 @@ def test_where_it_cannot_decide_it_says_so():
         y[1, 3] = bad
         assert head.greedy(y) is None
     assert head.greedy(torch.zeros(1, 192)) is None
-    assert head.greedy(states(9)) is None
+    assert head.greedy(states(W.GREEDY_ROWS + 1)) is None
     same = W.PackedLinear(W.pack(v[:1].repeat(2000, 1)))  # 2000 equal outputs: too many candidates
     assert same.greedy(x) is None
     q41 = W.PackedLinear(W.pack(gguf_values(v, "q4_1")))

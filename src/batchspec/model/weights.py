@@ -24,7 +24,7 @@ BLOCK = 32  # weights of a row sharing one scale (and offset) in the block forma
 KINDS = {"f32": 0, "bf16": 1, "f16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}  # packed.c's format codes
 BITS = {"q4_0": 5.0, "q4_1": 6.0, "q8_0": 9.0, "bf16": 16.0, "f16": 16.0, "f32": 32.0}  # resident, fp32 scales
 ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16")  # tried narrowest first
-GREEDY_ROWS = 8  # the most rows ``PackedLinear.greedy`` takes (argmax.c's MAX_ROWS: all scored in one pass)
+GREEDY_ROWS = 4  # the most rows ``PackedLinear.greedy`` takes (argmax.c's MAX_ROWS: where it measured faster)
 
 
 @dataclass

@@ -35,8 +35,8 @@
 
 #define SLACK 2e-5          /* >= 2.7x the rounding bound above (~123u = 7.3e-6) */
 #define MAX_CANDIDATES 512  /* more in one row: a degenerate x; every output is computed instead */
-#define MAX_ROWS 8          /* rows of x at most, all scored in one pass over the weights (at 2 rows as fast as
-                             * packed.c, at 1 row 1.5x, at 3-8 rows 1.1x; more would read the weights twice) */
+#define MAX_ROWS 4          /* rows of x at most, scored in one pass over the weights: against packed.c, from
+                             * memory, 1.5x as fast at 1 row, even at 2, 1.1x at 3-4 and 8 (in a batch-8 step: even) */
 #define AHEAD_ROWS 7        /* weight rows prefetched ahead (~4 KB of codes): 1.3-1.6x faster from memory than 3.5 */
 #define STORE_MARGIN 4e-7f  /* the candidate test in fp32: >= 6u of its terms (A_i stored in fp32, one product, two sums) */
 
@@ -109,12 +109,12 @@ static inline float hsum8(__m256 v) {
             const float *dr = d + i * (K / 32);                                                               \
             _mm_prefetch((const char *)(dr + AHEAD_ROWS * (K / 32)), _MM_HINT_T0);                            \
             __m256 acc[R];                                                                                    \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                 \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                 \
             for (long b = 0; b < K / 32; b++) {                                                               \
                 _mm_prefetch((const char *)(row + AHEAD_ROWS * K + 32 * b), _MM_HINT_T0);                     \
                 __m256i wq = _mm256_loadu_si256((const __m256i *)(row + 32 * b));                             \
                 __m256 dv = _mm256_broadcast_ss(dr + b);                                                      \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                         \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
                     __m256i h = _mm256_loadu_si256((const __m256i *)(hi + r * K + 32 * b));                   \
                     __m256i l = _mm256_loadu_si256((const __m256i *)(lo + r * K + 32 * b));                   \
                     __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), h, wq);                           \
@@ -122,7 +122,7 @@ static inline float hsum8(__m256 v) {
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), dv, acc[r]);                              \
                 }                                                                                             \
             }                                                                                                 \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
                 double a = se[r] * ((double)hsum8(acc[r]) - 32896.0 * T[i]);                                  \
                 A[r * N + i] = (float)a;                                                                      \
                 a -= Rs[i] * c[r];                                                                            \
@@ -134,15 +134,10 @@ SCORE(score_1, 1)
 SCORE(score_2, 2)
 SCORE(score_3, 3)
 SCORE(score_4, 4)
-SCORE(score_5, 5)
-SCORE(score_6, 6)
-SCORE(score_7, 7)
-SCORE(score_8, 8)
 
 typedef void (*score_t)(const uint8_t *, const uint8_t *, const int8_t *, const float *, const float *, const float *,
                         const double *, const double *, float *, double *, long, long, long, long);
-static const score_t SCORES[MAX_ROWS + 1] = {0,       score_1, score_2, score_3, score_4,
-                                              score_5, score_6, score_7, score_8};
+static const score_t SCORES[MAX_ROWS + 1] = {0, score_1, score_2, score_3, score_4};
 
 /* Of weight rows n0 .. n1 - 1 of row r, the candidates' exact outputs (written over their scores) and the first
  * largest: *best and *arg (-1: none); returns how many candidates, or MAX_CANDIDATES + 1 when there are more. */
