@@ -557,6 +557,30 @@ def test_checkpoint_round_trip(tmp_path):
     assert runs["path"] == runs["memory"] and runs["dirs"] == runs["memory"]  # the same drafts, too
 
 
+def test_an_f16_head_keeps_its_weights_f16_biased_fc_included(tmp_path):
+    """``weights="auto"``: a head whose weights are fp16 values (as the shipped one's) runs them as f16 in an fp32
+    target, its biased ``fc`` too (the bias added after the product); the outputs are still the oracle's."""
+    from batchspec.model.weights import PackedLinear
+
+    mem = tiny.eagle()
+    model = type(mem.model)(mem.model.config).float()  # a copy in fp32: the cached head stays as it is
+    fc = torch.nn.Linear(mem.fc.in_features, mem.fc.out_features)
+    model.load_state_dict({k: v.half().float() for k, v in mem.model.state_dict().items()})
+    with torch.no_grad():
+        fc.weight.copy_(mem.fc.weight.half().float())
+        fc.bias.copy_(mem.fc.bias.half().float())
+    head = tmp_path / "head"
+    EagleDrafter.save(head, model, fc, mem.token_map)
+    target = tiny.target(dtype=torch.float32)
+    llm = tiny.fixed_llm(target, draft=str(head), num_draft_tokens=3, batch_size=4)
+    d = llm.drafter
+    assert isinstance(d.fc, PackedLinear) and d.fc.packed.kind == "f16" and d.fc.bias is not None
+    x = torch.randn(3, fc.in_features)
+    assert torch.allclose(d.fc(x), fc(x), rtol=1e-6, atol=1e-6)
+    got = [o.token_ids for o in llm.generate(PROMPTS, SP(max_tokens=MAX_TOKENS))]
+    assert got == _oracle(PROMPTS, MAX_TOKENS, dtype=torch.float32) and llm.stats.accepted > 0
+
+
 # ------------------------------------------------------------------------------------------------ faults
 
 

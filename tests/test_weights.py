@@ -92,6 +92,18 @@ def test_packed_linear_gives_the_fp32_kernels_bits(kind, avx512):
     assert torch.equal(bits(lin(a[:6].view(2, 3, 192))), bits(kernels.skinny_linear(a[:6], v)).view(2, 3, 77))
 
 
+def test_a_bias_is_added_after_the_product():
+    """A biased packed linear (a draft head's input layer): the product's bits, then the bias, at few rows and many."""
+    g = torch.Generator().manual_seed(5)
+    v = (torch.randn(48, 64, generator=g) * 0.1).half().float()
+    bias = torch.randn(48, generator=g)
+    plain, biased = W.PackedLinear(W.pack(v)), W.PackedLinear(W.pack(v), bias)
+    for rows in (1, 3, 100):
+        x = torch.randn(rows, 64, generator=g)
+        assert torch.equal(bits(biased(x)), bits(plain(x) + bias))
+        assert torch.allclose(biased(x), torch.nn.functional.linear(x, v, bias), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("k", [16, 48])
 def test_rows_the_kernel_cannot_read_whole_stay_fp32(k):
     """The kernel reads ``BLOCK`` weights of a row at a time: a weight whose rows are not a multiple of that (a small

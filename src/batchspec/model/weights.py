@@ -136,16 +136,19 @@ def pack(weight: torch.Tensor, kinds=ORDER) -> PackedWeight | None:
 
 
 class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` (no bias) over a ``PackedWeight``, computed as the runner computes an fp32 linear
-    (``kernels.linear``): few rows through ``packed.c`` (the skinny kernel's bits), more with the expanded weight
-    (its very fp32 values) in the same orientation: the fp32 path's bits at every row count."""
+    """``nn.Linear`` over a ``PackedWeight``, computed as the runner computes an fp32 linear (``kernels.linear``):
+    few rows through ``packed.c`` (the skinny kernel's bits), more with the expanded weight (its very fp32 values) in
+    the same orientation: the fp32 path's bits at every row count. A ``bias`` is added after the product (torch adds
+    it within its own, so a biased ``nn.Linear`` gives other bits: ``pack_model`` leaves those alone; a drafter,
+    whose outputs only propose, packs its own)."""
 
-    def __init__(self, packed: PackedWeight):
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None):
         super().__init__()
         self.packed = packed
         self.out_features, self.in_features = packed.shape
         for name, t in packed.tensors().items():  # buffers: moved, shared and counted like the model's own
             self.register_buffer(name, t, persistent=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def _weight(self) -> PackedWeight:
         """The packed weight over this module's own buffers (a deep copy of the module shares them)."""
@@ -160,11 +163,14 @@ class PackedLinear(torch.nn.Module):
         p = self._weight()
         x2 = x.reshape(rows, self.in_features)
         if lib is None or rows > kernels.MAX_ROWS or x.dtype != torch.float32:
-            return kernels.linear(x2, p.expand().to(x.dtype)).view(*x.shape[:-1], self.out_features)
-        x2 = x2.contiguous()
-        y = torch.empty((rows, self.out_features), dtype=torch.float32)
-        if lib.packed_linear(x2.data_ptr(), ctypes.byref(p.c_struct()), y.data_ptr(), rows, *p.shape):
-            raise MemoryError("batchspec's packed linear kernel could not allocate its scratch memory")
+            y = kernels.linear(x2, p.expand().to(x.dtype))
+        else:
+            x2 = x2.contiguous()
+            y = torch.empty((rows, self.out_features), dtype=torch.float32)
+            if lib.packed_linear(x2.data_ptr(), ctypes.byref(p.c_struct()), y.data_ptr(), rows, *p.shape):
+                raise MemoryError("batchspec's packed linear kernel could not allocate its scratch memory")
+        if self.bias is not None:
+            y += self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -105,11 +105,14 @@ class EagleDrafter(Drafter):
                 fc.bias.copy_(extra["fc.bias"])
         fc.requires_grad_(False)
         if weights == "auto":
-            from ...model.weights import pack_model
+            from ...model.weights import PackedLinear, pack, pack_model
 
             holder = torch.nn.ModuleDict({"model": model, "fc": fc})  # packs fc and the model's linears in place
             pack_model(holder)
             fc = holder["fc"]
+            packed = pack(fc.weight.detach()) if fc.bias is not None and fc.weight.device.type == "cpu" else None
+            if packed is not None:  # a biased fc (pack_model keeps torch's bits there; a draft's need not be)
+                fc = PackedLinear(packed, fc.bias)
         emb = target.get_input_embeddings()
         if emb.embedding_dim != hidden:
             raise ValueError(f"draft head {os.fspath(path)!r} has hidden size {hidden}; the target has "

@@ -37,19 +37,23 @@
 
 /* Each format's weights, expanded in registers: F_SETUP(c) reads group ``kb / GROUP`` of weight row ``row[c]`` (its
  * code words, its scales), F_PART(c, P) gives its weights 8P .. 8P + 7 (P < GROUP / 8). */
+/* 16-bit codes prefetched this many weights ahead (4 KB) within a row: a draft head's f16 weights read from memory
+ * 1.15-1.3x as fast as with the hardware prefetcher alone */
+#define AHEAD_H16 2048
+#define H16_PREFETCH(p) _mm_prefetch((const char *)((p) + AHEAD_H16), _MM_HINT_T0)
 #define H16_DECL                                                                                              \
     const uint16_t *h16 = (const uint16_t *)w->q;                                                             \
     const uint16_t *hp[C_];
 #define BF16_AT(c, P)
 #define BF16_GROUP 32
 #define BF16_DECL H16_DECL
-#define BF16_SETUP(c) hp[c] = h16 + row[c] * K + kb
+#define BF16_SETUP(c) hp[c] = h16 + row[c] * K + kb, H16_PREFETCH(hp[c])
 #define BF16_PART(c, P)                                                                                       \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(hp[c] + 8 * P))), 16))
 #define F16_AT(c, P)
 #define F16_GROUP 32
 #define F16_DECL H16_DECL
-#define F16_SETUP(c) hp[c] = h16 + row[c] * K + kb
+#define F16_SETUP(c) hp[c] = h16 + row[c] * K + kb, H16_PREFETCH(hp[c])
 #define F16_PART(c, P) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hp[c] + 8 * P)))
 
 #define SCALE(ptr, b) _mm256_broadcast_ss((ptr) + (b))
@@ -178,7 +182,9 @@ static inline float hsum8(__m256 v) { /* skinny.c's hsum: the same pairwise orde
 #define ZH16_DECL                                                                                             \
     const uint16_t *h16 = (const uint16_t *)w->q;                                                             \
     const uint16_t *hp[C_][2];
-#define ZH16_SETUP(c) hp[c][0] = h16 + row[c][0] * K + kb, hp[c][1] = h16 + row[c][1] * K + kb
+#define ZH16_SETUP(c)                                                                                         \
+    hp[c][0] = h16 + row[c][0] * K + kb, hp[c][1] = h16 + row[c][1] * K + kb, H16_PREFETCH(hp[c][0]),            \
+    H16_PREFETCH(hp[c][1])
 #define ZH16_LOAD(c, P)                                                                                       \
     _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(hp[c][0] + 8 * P))),    \
                             _mm_loadu_si128((const __m128i *)(hp[c][1] + 8 * P)), 1)
