@@ -28,7 +28,7 @@ import torch
 from ..model import kernels, kv
 from ..model.loading import cache_base
 
-PROFILE_VERSION = 1  # bump when what is measured changes: older cached profiles are measured again
+PROFILE_VERSION = 2  # bump when what is measured changes: older cached profiles are measured again
 WIDTHS = (1, 2, 3, 4, 6)  # new tokens per row measured (a verification of K = 5 drafts is 6 wide)
 CONTEXT = 256  # cached tokens per row in the synthetic batch: a typical chat prompt plus some answer
 REPEATS = 3  # timed forwards per point, the fastest kept (the machine's noise only ever adds time), after a warm-up
@@ -177,7 +177,8 @@ def time_forwards(state, widths, repeats: int = REPEATS, hidden: bool = False, i
     fastest of ``repeats``, the widths interleaved within each repetition so that a drift of the machine falls on
     all, after one untimed warm-up of each. ``inputs(ids)``: the input vectors in place of the ids' embeddings,
     computed inside the timed forward (a drafter's own input layer); ``keep``: logits of the last ``keep`` positions
-    only (0: all, as a verification needs)."""
+    only (0: all, as a verification needs). Each forward is timed with what its round reads: the target's greedy
+    tokens, the drafter's logits."""
     rows, width, dev = len(state), state.width, state.runner.device
     best = [float("inf")] * len(widths)
     for i in range(repeats + 1):
@@ -187,7 +188,10 @@ def time_forwards(state, widths, repeats: int = REPEATS, hidden: bool = False, i
             _sync(dev)
             t = time.perf_counter()
             embeds = inputs(ids) if inputs is not None else None
-            state.append(ids, logits_to_keep=keep, hidden=hidden, embeds=embeds, counts=counts)
+            out = state.append(ids, logits_to_keep=keep, hidden=hidden, embeds=embeds, counts=counts)
+            # what a round reads: a greedy verification its tokens (a fast argmax where the head has one), a
+            # drafter its logits (forwards compute them only when read)
+            out.tokens() if inputs is None else out.logits
             _sync(dev)
             if i:
                 best[j] = min(best[j], time.perf_counter() - t)
