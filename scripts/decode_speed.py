@@ -2,11 +2,13 @@
 and decode speed, for each ``--weights`` mode, the modes interleaved in one process (this machine's speed drifts).
 
     .venv/bin/python scripts/decode_speed.py [--npp 400] [--ntg 64] [--batch-sizes 1,8] [--weights fp32,auto]
-        [--repeats 3] [--threads 2]
+        [--fast-greedy on] [--repeats 3] [--threads 2]
 
 Prompts are random token ids (a forward's cost does not depend on them), generation ignores EOS. Prints, per mode
 and batch size, the medians over repeats of prefill tokens/s (B x NPP over the prefill seconds: llama-batched-bench's
 S_PP) and decode tokens/s (B x NTG over the rest: its S_TG), and the modes' outputs compared token for token.
+``--fast-greedy on,off`` runs each weights mode twice, with and without a q8_0 head's fast greedy tokens
+(``PackedLinear.greedy``; off: every logit computed, as before it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import torch
 
 import batchspec
+from batchspec.model import weights as packed_weights
 
 
 def main() -> None:
@@ -26,16 +29,22 @@ def main() -> None:
     ap.add_argument("--ntg", type=int, default=64)
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--weights", default="fp32,auto")
+    ap.add_argument("--fast-greedy", default="on", help="on, off or on,off")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    modes = [m.strip() for m in args.weights.split(",") if m.strip()]
+    weights = [m.strip() for m in args.weights.split(",") if m.strip()]
+    fast = [f.strip() for f in args.fast_greedy.split(",") if f.strip()]
+    if not set(fast) <= {"on", "off"}:
+        ap.error("--fast-greedy takes on, off or on,off")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llms = {m: {b: batchspec.LLM(args.target, draft=None, batch_size=b, weights=m) for b in sizes} for m in modes}
-    for m in modes:
+    llms = {m: {b: batchspec.LLM(args.target, draft=None, batch_size=b, weights=m) for b in sizes} for m in weights}
+    for m in weights:
         print(f"{m}: {llms[m][sizes[0]].weights.line()}")
+    modes = [m if f == "on" else f"{m}/off" for m in weights for f in fast]  # "auto/off": without the fast greedy
+    rows = packed_weights.GREEDY_ROWS
     g = torch.Generator().manual_seed(0)
     params = batchspec.SamplingParams(max_tokens=args.ntg, ignore_eos=True)
     for b in sizes:
@@ -44,7 +53,8 @@ def main() -> None:
         outs = {}
         for rep in range(args.repeats + 1):  # the first round warms up
             for m in modes:
-                llm = llms[m][b]
+                llm = llms[m.split("/")[0]][b]
+                packed_weights.GREEDY_ROWS = 0 if m.endswith("/off") else rows
                 llm.reset_stats()
                 got = llm.generate(prompts, params)
                 s = llm.stats
@@ -56,7 +66,7 @@ def main() -> None:
             pp = statistics.median(r[0] for r in runs[m])
             tg = statistics.median(r[1] for r in runs[m])
             tgs = ", ".join(f"{r[1]:.1f}" for r in runs[m])
-            print(f"B={b} {m:5s}: prefill {pp:6.1f} tok/s, decode {tg:6.1f} tok/s (runs {tgs})"
+            print(f"B={b} {m:8s}: prefill {pp:6.1f} tok/s, decode {tg:6.1f} tok/s (runs {tgs})"
                   + ("" if m == modes[0] else f", outputs {'identical' if same else 'DIFFER'}"))
 
 

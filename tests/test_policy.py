@@ -15,7 +15,7 @@ from batchspec.speculation import AdaptiveLength, CostModel, RoundView, expected
 from batchspec.speculation.acceptance import Acceptance
 from batchspec.speculation.adaptive import DRY_ROUNDS, LOOK_EVERY, PROBE_EVERY
 from batchspec.speculation.budget import DRAFT, DRY, FIXED, NO_DRAFTER, NO_ROOM, NOT_WORTH, PROBE, REASONS, Outcome
-from batchspec.speculation.costs import WIDTHS
+from batchspec.speculation.costs import DRAFT_FORWARD_SECONDS, WIDTHS
 from batchspec.speculation.fixed import FixedLength
 
 
@@ -123,7 +123,8 @@ def test_cost_model_reads_the_profile_in_plain_steps():
     assert c.verify(4, 2, True) == pytest.approx((0.02 + 0.002 * 6) / 0.028)  # 2 drafts in all: 6 tokens
     assert c.plain(3) == pytest.approx(0.026) and c.plain(16) == pytest.approx(0.052)  # between; beyond
     assert c.verify(1, 9, False) == pytest.approx((0.02 + 0.002 * 10) / 0.022)  # past the widest: the line
-    assert c.step(4) == pytest.approx(0.004 / 0.028) and c.pair(4) == pytest.approx(0.002 / 0.028)
+    assert c.step(4) == pytest.approx((0.004 + DRAFT_FORWARD_SECONDS) / 0.028)  # the forward and its bookkeeping
+    assert c.pair(4) == pytest.approx(0.002 / 0.028)
     assert c.fixed_share(8) == pytest.approx(1 - 0.002 * 8 / 0.036) and c.fixed_share(1) == 1.0
     assert CostModel(synthetic(rows=(1, 2))).step(2) == 0.0  # no drafter model
 

@@ -46,5 +46,5 @@ def run(args) -> int:
     console = Console()
     console.print(table)
     console.print(f"verify j: a round verifying j drafts a row, in plain steps; draft step: one forward of the draft's "
-                  f"own model, in plain steps. Cached in {profile_path(profile.key)}")
+                  f"own model and its bookkeeping, in plain steps. Cached in {profile_path(profile.key)}")
     return 0

@@ -34,10 +34,12 @@ CONTEXT = 256  # cached tokens per row in the synthetic batch: a typical chat pr
 REPEATS = 3  # timed forwards per point, the fastest kept (the machine's noise only ever adds time), after a warm-up
 PAIRS = 64  # tokens per row of the drafter's catch-up forward that prices one cached pair
 # what a round that drafts costs beyond the forwards the profile times: the drafter's and the engine's bookkeeping
-# (matching, planning, the drafts' gathers and host reads, a longer acceptance and alignment). Measured with the
-# default head at batch 1 on a 2-core CPU: its drafting rounds took 13.6 ms where their forwards were priced 10.9 ms
-# (plain steps 7.45 ms); unpriced, such rounds were chosen where they cost more than they brought (0.91x plain)
-DRAFT_ROUND_SECONDS = 0.0027
+# (matching, planning, a longer acceptance and alignment), and per drafting forward its own (the slots' positions,
+# the drafts' gathers, the head's confidence). Measured with the default head at batch 1 on a 2-core CPU, rounds of
+# 1 and 3 drafts every round: 1.0 and 2.1 ms over their priced forwards (plain steps 7.9 and 6.2 ms), so ~0.45 ms a
+# round and ~0.55 ms a forward; unpriced, such rounds were chosen where they cost more than they brought
+DRAFT_ROUND_SECONDS = 0.00045
+DRAFT_FORWARD_SECONDS = 0.00055
 
 
 def row_points(batch_size: int) -> list[int]:
@@ -96,11 +98,12 @@ class CostModel:
         return DRAFT_ROUND_SECONDS / self.plain(rows)
 
     def step(self, rows: int) -> float:
-        """One drafting forward of the drafter's model, in plain steps (0 without one)."""
+        """One drafting forward of the drafter's model and its bookkeeping (``DRAFT_FORWARD_SECONDS``), in plain
+        steps (0 without one)."""
         if not self.profile.step:
             return 0.0
         points = self.profile.step
-        return _interp(sorted(points), lambda r: points[r], rows) / self.plain(rows)
+        return (_interp(sorted(points), lambda r: points[r], rows) + DRAFT_FORWARD_SECONDS) / self.plain(rows)
 
     def pair(self, rows: int) -> float:
         """Caching one token (a pair of the head) of every row in the drafter's model, in plain steps."""
