@@ -123,3 +123,18 @@ def test_the_engine_reads_greedy_tokens_without_the_logits_and_matches_the_oracl
         calls.update(fast=0, logits=0, wide=0)  # log-probabilities need the logits: they are computed
         out = llm.generate(prompts[:2], SamplingParams(max_tokens=6, logprobs=1))
         assert [o.token_ids for o in out] == [g[:6] for g in got[:2]] and calls["logits"] > 0
+
+
+def test_threads_sharing_a_head_get_their_own_tokens():
+    """Engines may share a model across threads: each thread's scores are its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    head, _ = q8_head()
+    xs = [states(1 + i % 4, seed=i) for i in range(8)]
+    want = [greedy(head(x)) for x in xs]
+
+    def run(i):
+        return all(torch.equal(head.greedy(xs[i]), want[i]) for _ in range(30))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(run, range(8)))

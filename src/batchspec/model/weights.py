@@ -14,6 +14,7 @@ f16 16 (fp32 32). A tensor no format holds exactly stays fp32. Activations stay 
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,9 @@ KINDS = {"f32": 0, "bf16": 1, "f16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}  # pack
 BITS = {"q4_0": 5.0, "q4_1": 6.0, "q8_0": 9.0, "bf16": 16.0, "f16": 16.0, "f32": 32.0}  # resident, fp32 scales
 ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16")  # tried narrowest first
 GREEDY_ROWS = 4  # the most rows ``PackedLinear.greedy`` takes (argmax.c's MAX_ROWS: where it measured faster)
+# per thread (engines may share a model across threads): the fast argmax's scores, one buffer reused (fresh pages
+# would cost their faults every step)
+_scores = threading.local()
 
 
 @dataclass
@@ -188,9 +192,9 @@ class PackedLinear(torch.nn.Module):
             t, r = torch.empty(self.out_features), torch.empty(self.out_features)
             lib.q8_row_sums(ctypes.byref(p.c_struct()), *p.shape, t.data_ptr(), r.data_ptr())
             sums = self._sums = (p.q, t, r)
-        scratch = getattr(self, "_scratch", None)
-        if scratch is None or scratch.numel() < rows * self.out_features:  # reused: fresh pages cost their faults
-            scratch = self._scratch = torch.empty(rows * self.out_features)
+        scratch = getattr(_scores, "buffer", None)
+        if scratch is None or scratch.numel() < rows * self.out_features:
+            scratch = _scores.buffer = torch.empty(rows * self.out_features)
         x2 = x.reshape(rows, self.in_features).contiguous()
         tokens = torch.empty(rows, dtype=torch.long)
         if lib.q8_argmax(x2.data_ptr(), ctypes.byref(p.c_struct()), sums[1].data_ptr(), sums[2].data_ptr(), rows,
