@@ -107,10 +107,10 @@ def plan(model) -> _Plan | None:
 def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hidden=False, embeds=None, counts=None):
     """``(logits, hidden states or None, packing or None, fast tokens or None)`` of one forward over a slot cache
     (``TargetOutput``'s arguments; the logits a function computing them when read), or None where this path does not
-    apply. Reads the model's modules and weights; writes only
-    the cache. ``counts`` ``[B]``: only the first ``counts[b]`` new tokens of row b are computed (packed: the others
-    are padding, their cache slots are not written, their hidden states are 0; the logits come back as the real
-    rows alone, with ``packing`` ``(real, b, q)`` to lay them out); only for all-position logits of token ids."""
+    apply. Reads the model's modules and weights; writes only the cache. ``counts`` ``[B]``: only the first
+    ``counts[b]`` new tokens of row b are computed (packed: the others are padding, their cache slots are not
+    written, their hidden states are 0; the logits come back as the real rows alone, with ``packing`` ``(real, b,
+    q)`` to lay them out); only for all-position logits of token ids."""
     b, q = input_ids.shape
     packed = counts is not None and logits_to_keep in (0, q) and embeds is None
     rows = int(counts.sum()) if packed else b * q
