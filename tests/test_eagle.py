@@ -28,6 +28,7 @@ from batchspec.model.kv import new_cache
 from batchspec.model.runner import Runner
 from batchspec.speculation import AdaptiveLength
 from batchspec.speculation.budget import DRAFT, NOT_WORTH, DraftBudget
+from batchspec.speculation.fixed import FixedLength
 from batchspec.training.head import head_forward, head_unrolled
 
 JOIN_PROMPTS = tiny.prompts(13, seed=9) + [[4]]
@@ -721,10 +722,20 @@ def test_round_costs_from_the_budget():
     assert head == pytest.approx([c + 0.3 * m / 3 for m, c in enumerate(copy)])
 
 
-def test_rows_joining_a_running_batch_cache_their_prompt_at_admission(monkeypatch):
+class DryFixed(FixedLength):
+    """Drafts every round, yet says its drafter is dry: rows joining leave their prompt's pairs waiting."""
+
+    def dry(self):
+        return True
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["drafting", "dry"])
+def test_rows_joining_a_running_batch_cache_their_prompt_at_admission(dry, monkeypatch):
     """A batch's first rows leave their prompt's pairs waiting (the head catches up when it first runs); rows joining
     a running batch cache them at admission, grouped by length, so the running rows' catch-up never widens to a
-    joiner's prompt: their state starts one feature wide with every pair but the pending one's cached."""
+    joiner's prompt: their state starts one feature wide with every pair but the pending one's cached. While the
+    policy says the drafter is dry, joining rows leave theirs waiting too, and the catch-up takes them: the outputs
+    are the oracle's either way."""
     seen, real = [], EagleDrafter.prefill
 
     def spy(self, prompts, hidden=None, joining=False):
@@ -734,13 +745,16 @@ def test_rows_joining_a_running_batch_cache_their_prompt_at_admission(monkeypatc
 
     monkeypatch.setattr(EagleDrafter, "prefill", spy)
     llm = batchspec.LLM(tiny.target(), draft=tiny.eagle(), num_draft_tokens=3, batch_size=3, scheduler="continuous",
-                        check_invariants=True, speculation="fixed")
+                        check_invariants=True, speculation=DryFixed() if dry else "fixed")
     prompts, max_tokens = JOIN_PROMPTS[:9], JOIN_MAX[:9]
     outs = llm.generate(prompts, [SP(max_tokens=m) for m in max_tokens])
     assert [o.token_ids for o in outs] == _oracle(prompts, max_tokens)
+    assert llm.stats.joined_running > 0 and llm.stats.accepted > 0
     first = [s for s in seen if not s[0]]
     joined = [s for s in seen if s[0] and max(s[1]) > 2]
-    assert first and joined, seen
+    if dry:
+        assert len(first) == len(seen) > 1 and not joined, seen
+    assert first and (joined or dry), seen
     for _, lengths, processed, waiting in first:
         assert processed == [0] * len(lengths) and waiting == max(lengths) - 1
     for _, lengths, processed, waiting in joined:

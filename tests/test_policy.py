@@ -196,12 +196,15 @@ def test_a_dry_drafter_is_asked_every_few_rounds():
     ``LOOK_EVERY``-th round only (the others are plain steps without its work); a round that verifies drafts has it
     asked every round again."""
     p = _policy(0.5, synthetic(), sizes_own=True)
+    assert not p.dry()
     budgets = _run(p, DRY_ROUNDS + 3 * LOOK_EVERY)
+    assert p.dry()  # rows joining now leave their prompt for the drafter's next catch-up
     asked = [i for i, b in enumerate(budgets) if b.k]
     assert asked == list(range(DRY_ROUNDS)) + [DRY_ROUNDS + LOOK_EVERY * j - 1 for j in (1, 2, 3)]
     assert all(b.reason == DRY for b in budgets if not b.k)
     budgets = _run(p, 3, lambda n, b: 2 if b.k else 0)  # asked next at the 4th, verifies: every round again
     assert [b.k > 0 for b in _run(p, 4, lambda n, b: 2)] == [True] * 4
+    assert not p.dry()
 
 
 def test_sized_budgets_carry_costs_per_row_or_per_width():

@@ -366,7 +366,9 @@ class Engine:
         with self.timer("prefill"):
             if drafter.needs_hidden:  # a drafter that reads the target's features starts from the prompt's
                 target, states = self.parts.prefill(self.parts.target, prompts, hidden=True)
-                draft = drafter.prefill(prompts, states, joining=self.batch is not None)
+                # joining a running batch: cached now, unless the drafter is dry (then caught up when it next runs)
+                joining = self.batch is not None and not self.parts.policy.dry()
+                draft = drafter.prefill(prompts, states, joining=joining)
             else:
                 target, draft = self.parts.prefill(self.parts.target, prompts), drafter.prefill(prompts)
             new = Batch(Sequences(joins, self.parts.k, self.parts.target.device), target, draft,

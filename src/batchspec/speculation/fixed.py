@@ -29,3 +29,6 @@ class FixedLength:
 
     def observe(self, outcome) -> None:
         pass
+
+    def dry(self) -> bool:
+        return False  # it drafts every round
