@@ -14,7 +14,8 @@ head has not cached (right-aligned, rows missing fewer have hidden holes on the 
 pending token, whose output gives the first draft. Pairs built from predicted features (the drafts') are hidden after
 verification: their true features replace them in the next round's catch-up. A batch's first rows leave their
 prompt's pairs waiting for the first round that runs the head; rows joining a running batch cache theirs at admission,
-so that a long prompt never widens the running rows' catch-up.
+so that a long prompt never widens the running rows' catch-up (unless the policy says the drafter is dry: then theirs
+wait too, rather than be cached for a head that may not run).
 
 Copies (greedy): text that repeats (a passage being summarised, code being edited) is better drafted by prompt
 lookup than by any small head, and the two fail in different places. Each row's longest earlier match gives
