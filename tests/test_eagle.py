@@ -759,3 +759,29 @@ def test_rows_joining_a_running_batch_cache_their_prompt_at_admission(dry, monke
         assert processed == [0] * len(lengths) and waiting == max(lengths) - 1
     for _, lengths, processed, waiting in joined:
         assert processed == [max(n - 2, 0) for n in lengths] and waiting == 1
+
+
+def test_joining_rows_cache_only_the_heads_keys_and_values_end_to_end(monkeypatch):
+    """Rows joining a running batch cache their pairs in one forward of the head over their input vectors end to end
+    (``model/prefill.py``), which computes only what its cache holds: of the head's linears, the keys' and values'
+    (no queries, attention or MLP). Its keys and values are those of the grouped forwards the engine runs elsewhere."""
+    from batchspec.model import prefill as whole
+
+    d, t = tiny.eagle(), tiny.target()
+    prompts = [PROMPTS[1], [3, 1, 4, 1, 5, 9, 2, 6], [8] * 8, [2, 7, 1], [7, 5]]
+    _, feats = prefill(Runner(t), prompts, hidden=True)
+    used, linear = [], whole._linear
+    monkeypatch.setattr(whole, "_linear", lambda module, *a: used.append(module) or linear(module, *a))
+    ends = d.prefill(prompts, feats, joining=True)
+    attn = d.model.model.layers[0].self_attn
+    assert used and {id(m) for m in used} == {id(attn.k_proj), id(attn.v_proj)}
+    monkeypatch.setattr(whole, "supported", lambda model: False)
+    used.clear()
+    grouped = d.prefill(prompts, feats, joining=True)
+    assert not used
+    a, b = ends.slots, grouped.slots
+    assert torch.equal(a.valid, b.valid) and torch.equal(a.positions, b.positions) and a.valid.sum() > 20
+    assert torch.equal(ends.processed, grouped.processed) and torch.equal(ends.feats, grouped.feats)
+    for x, y in zip(a.cache.layers, b.cache.layers):
+        for u, v in ((x.keys, y.keys), (x.values, y.values)):  # [B, heads, S, D]: the valid slots'
+            torch.testing.assert_close(u.transpose(1, 2)[a.valid], v.transpose(1, 2)[b.valid], rtol=1e-12, atol=1e-12)

@@ -297,7 +297,8 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     ``SHARED_PREFIX_MIN`` or more tokens (a chat template's) and sharing saves more than a forward's overhead, that
     prefix is computed once and the groups are formed and run over the tokens after it (``_prefix``,
     ``_prefill_group``). ``embeds(rows, n)``: a group's input vectors ``[len(rows), n, H]`` (its rows' last n,
-    right-aligned) in place of the token embeddings (a head that reads the target's features).
+    right-aligned) in place of the token embeddings (a head that reads the target's features); the end-to-end forward
+    asks for each row's own n, rows of one length together (no prefix is shared then).
     """
     runner = runner if isinstance(runner, Runner) else Runner(runner)  # a model: a runner of its own
     dev = runner.device
@@ -312,7 +313,17 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         shared = min(shared_prefix([p[:n] for p, n in zip(prompts, lengths)]), min(lengths) - 1)
         if shared < SHARED_PREFIX_MIN or (len(prompts) - 1) * shared <= overhead:
             shared = 0
-    whole = runner.prefill([p[:n] for p, n in zip(prompts, lengths)], shared, width, hidden) if embeds is None else None
+
+    def vectors():  # each row's input vectors [n, H] for the end-to-end forward, asked for once per row length
+        out = [None] * len(prompts)
+        for n in set(lengths) - {0}:
+            rows = [r for r, m in enumerate(lengths) if m == n]
+            for r, v in zip(rows, embeds(rows, n)):
+                out[r] = v
+        return out
+
+    whole = runner.prefill([p[:n] for p, n in zip(prompts, lengths)], shared, width, hidden,
+                           vectors if embeds is not None else None)
     cache, states = whole or _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds)
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]

@@ -40,13 +40,16 @@ def supported(model) -> bool:
                and type(layer.mlp) is hf.LlamaMLP for layer in model.model.layers)
 
 
-def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bool):
+def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bool, embeds=None):
     """Cache ``prompts`` (token ids, each at least ``shared`` long; ``shared`` leading tokens common to all, computed
     once) right-aligned in ``width`` slots of a new ``SlotCache`` of ``len(prompts)`` rows (padding zeros). Returns
     ``(cache, states)``: ``states`` ``[B, width, H]`` the final (normed) hidden states laid out like the slots (zeros
-    on padding) when ``hidden``, else None. None where ``supported`` says no."""
-    if not supported(model):
+    on padding) when ``hidden``, else None. None where ``supported`` says no. ``embeds()``: each row's input vectors
+    ``[len(prompt), H]`` in place of its tokens' embeddings (a head that reads the target's features; no shared
+    prefix), asked for only where this path runs."""
+    if not supported(model) or (embeds is not None and shared):
         return None
+    vectors = embeds() if embeds is not None else None
     cache = kv.new_cache(model)
     a = model.model.layers[0].self_attn
     like = torch.empty((1, a.k_proj.out_features // a.head_dim, 0, a.head_dim), dtype=model.dtype)
@@ -59,7 +62,8 @@ def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bo
         chunk = [rows[i] for i in chunk]
         where = _where(chunk, [len(prompts[r]) for r in chunk], shared, width)
         with torch.no_grad():
-            h = _forward(model, cache, [prompts[r] for r in chunk], chunk, shared, width, hidden, where)
+            x = torch.cat([vectors[r] for r in chunk]) if vectors is not None else None
+            h = _forward(model, cache, [prompts[r] for r in chunk], chunk, shared, width, hidden, where, x)
         if hidden:
             if states is None:
                 states = h.new_zeros((len(prompts), width, h.shape[-1]))
@@ -93,9 +97,10 @@ def _where(rows: list[int], lengths: list[int], shared: int, width: int):
     return torch.tensor(src), torch.tensor(dr), torch.tensor(ds)
 
 
-def _forward(model, cache, prompts, rows, shared, width, hidden, where):
+def _forward(model, cache, prompts, rows, shared, width, hidden, where, x=None):
     """One forward over ``prompts`` (the prefix once, then each row's own tokens) writing rows ``rows`` of the cache
-    (``where``: ``_where``'s slots of its tokens); returns the normed hidden states ``[T, H]`` when ``hidden``.
+    (``where``: ``_where``'s slots of its tokens); returns the normed hidden states ``[T, H]`` when ``hidden``. ``x``:
+    the input vectors ``[T, H]`` (a fresh tensor: it becomes the residual stream), else the tokens' embeddings.
 
     Each step writes into buffers made once per forward (``_Buffers``): a fresh tensor of this size costs its page
     faults again each time it is allocated, as much as the elementwise step that fills it."""
@@ -103,7 +108,8 @@ def _forward(model, cache, prompts, rows, shared, width, hidden, where):
     lengths = [len(p) for p in prompts]
     ids = torch.tensor(prompts[0][:shared] + [t for p in prompts for t in p[shared:]])
     positions = torch.cat([torch.arange(shared)] + [torch.arange(shared, n) for n in lengths])[None, :]
-    x = inner.embed_tokens(ids[None, :])[0].contiguous()  # [T, H], the residual stream, updated in place
+    if x is None:
+        x = inner.embed_tokens(ids[None, :])[0].contiguous()  # [T, H], the residual stream, updated in place
     cos, sin = (t[0, :, None, :] for t in inner.rotary_emb(x[None], positions))  # [T, 1, D]
     # [first, last) of each row's own tokens in the sequence, after the prefix
     ends = torch.tensor(lengths).sub(shared).cumsum(0).add(shared).tolist()

@@ -221,15 +221,16 @@ class Runner:
             self._static = graphs.supported(self.model) and graphs.StaticRunner(self.model, self.graphs == "auto")
         return self._static or None
 
-    def prefill(self, prompts: list[list[int]], shared: int, width: int, hidden: bool):
+    def prefill(self, prompts: list[list[int]], shared: int, width: int, hidden: bool, embeds=None):
         """``(cache, states or None)`` of ``prompts`` cached right-aligned in ``width`` slots by one forward of their
-        tokens end to end (``prefill.py``; ``shared`` leading tokens common to all computed once), or None where
-        that path does not apply or the C layer's few-row forwards are the cheaper way (at most ``packed_rows``
-        tokens in all): the caller then runs grouped forwards."""
+        tokens end to end (``prefill.py``; ``shared`` leading tokens common to all computed once; ``embeds()``: each
+        row's input vectors in place of its tokens' embeddings), or None where that path does not apply or the C
+        layer's few-row forwards are the cheaper way (at most ``packed_rows`` tokens in all): the caller then runs
+        grouped forwards."""
         tokens = shared + sum(len(p) - shared for p in prompts)
         if self.static is not None or tokens <= self.packed_rows:
             return None
-        return whole_prefill.prefill(self.model, prompts, shared, width, hidden)
+        return whole_prefill.prefill(self.model, prompts, shared, width, hidden, embeds)
 
     def forward(self, cache: kv.SlotCache, input_ids, position_ids, visible=None, logits_to_keep=0,
                 hidden=False, embeds=None, counts=None) -> TargetOutput:
