@@ -33,6 +33,10 @@ from batchspec.serve.loadtest import LoadConfig, run_load
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _figures(r: dict) -> str:
+    return f"{r['tok_s']:.1f} tok/s (TTFT {r['ttft_p50'] * 1e3:.0f} ms, TPOT {r['tpot_p50'] * 1e3:.0f} ms)"
+
+
 def pick(path, categories, take) -> list[str]:
     if path is None:
         from batchspec.data import builtin_records
@@ -139,20 +143,25 @@ def main() -> None:
             if args.endpoint:
                 runs["endpoint"].append(load(args.endpoint, args.endpoint_model, prompts, args, args.requests))
             d, p = runs["default"][-1], runs["plain"][-1]
-            print(f"c={level} pair {pair + 1}: default {d['tok_s']:.1f} tok/s (TTFT {d['ttft_p50'] * 1e3:.0f} ms, TPOT "
-                  f"{d['tpot_p50'] * 1e3:.0f} ms), plain {p['tok_s']:.1f} tok/s (TTFT {p['ttft_p50'] * 1e3:.0f} ms, "
-                  f"TPOT {p['tpot_p50'] * 1e3:.0f} ms): {d['tok_s'] / p['tok_s']:.2f}x; engine {d['engine']}",
-                  flush=True)
+            e = f", endpoint {_figures(runs['endpoint'][-1])}" if args.endpoint else ""
+            print(f"c={level} pair {pair + 1}: default {_figures(d)}, plain {_figures(p)}{e}: "
+                  f"{d['tok_s'] / p['tok_s']:.2f}x; engine {d['engine']}", flush=True)
         ratios = [d["tok_s"] / p["tok_s"] for d, p in zip(runs["default"], runs["plain"])]
         tpot = [d["tpot_p50"] / p["tpot_p50"] for d, p in zip(runs["default"], runs["plain"])]
         summary = {"ratio_median": statistics.median(ratios), "ratios": ratios, "tpot_ratio_median":
                    statistics.median(tpot), "runs": runs}
-        if args.endpoint:
-            summary["vs_endpoint"] = [d["tok_s"] / e["tok_s"] for d, e in zip(runs["default"], runs["endpoint"])]
+        line = (f"c={level}: default / plain output tok/s median {summary['ratio_median']:.2f} "
+                f"({min(ratios):.2f}-{max(ratios):.2f}), TPOT P50 ratio {summary['tpot_ratio_median']:.2f}")
+        if args.endpoint:  # each server's throughput and TTFT P50 against the endpoint's in the same pair
+            for name in ("default", "plain"):
+                pairs = list(zip(runs[name], runs["endpoint"]))
+                summary[f"{name}_vs_endpoint"] = [a["tok_s"] / b["tok_s"] for a, b in pairs]
+                summary[f"{name}_ttft_vs_endpoint"] = [a["ttft_p50"] / b["ttft_p50"] for a, b in pairs]
+                line += (f"; {name} / endpoint {statistics.median(summary[f'{name}_vs_endpoint']):.2f}x "
+                         f"({min(summary[f'{name}_vs_endpoint']):.2f}-{max(summary[f'{name}_vs_endpoint']):.2f}), "
+                         f"TTFT P50 {statistics.median(summary[f'{name}_ttft_vs_endpoint']):.2f}x")
         report["levels"][level] = summary
-        print(f"c={level}: default / plain output tok/s median {summary['ratio_median']:.2f} "
-              f"({min(ratios):.2f}-{max(ratios):.2f}), TPOT P50 ratio {summary['tpot_ratio_median']:.2f}"
-              + (f"; default / endpoint {statistics.median(summary['vs_endpoint']):.2f}" if args.endpoint else ""))
+        print(line)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
