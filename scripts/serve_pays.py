@@ -155,11 +155,10 @@ def main() -> None:
         if args.endpoint:  # each server's throughput and TTFT P50 against the endpoint's in the same pair
             for name in ("default", "plain"):
                 pairs = list(zip(runs[name], runs["endpoint"]))
-                summary[f"{name}_vs_endpoint"] = [a["tok_s"] / b["tok_s"] for a, b in pairs]
-                summary[f"{name}_ttft_vs_endpoint"] = [a["ttft_p50"] / b["ttft_p50"] for a, b in pairs]
-                line += (f"; {name} / endpoint {statistics.median(summary[f'{name}_vs_endpoint']):.2f}x "
-                         f"({min(summary[f'{name}_vs_endpoint']):.2f}-{max(summary[f'{name}_vs_endpoint']):.2f}), "
-                         f"TTFT P50 {statistics.median(summary[f'{name}_ttft_vs_endpoint']):.2f}x")
+                tok = summary[f"{name}_vs_endpoint"] = [a["tok_s"] / b["tok_s"] for a, b in pairs]
+                ttft = summary[f"{name}_ttft_vs_endpoint"] = [a["ttft_p50"] / b["ttft_p50"] for a, b in pairs]
+                line += (f"; {name} / endpoint {statistics.median(tok):.2f}x ({min(tok):.2f}-{max(tok):.2f}), "
+                         f"TTFT P50 {statistics.median(ttft):.2f}x")
         report["levels"][level] = summary
         print(line)
     if args.out:
