@@ -259,6 +259,40 @@ def test_fused_llama_layer_matches_the_model(monkeypatch, q, arch):
 
 
 @needs_kernel
+def test_fused_llama_follows_the_cache_buffers_when_they_grow_or_change(monkeypatch):
+    """The C layer's pointers to a cache's buffers are kept between forwards; decoding past the buffers' room (they
+    grow: new tensors) and after the rows are regathered into fresh buffers, every forward still writes and reads the
+    cache's own buffers: logits and keys equal the model's own forwards step by step."""
+    from batchspec.model.kernels import llama as fused
+
+    t = tiny.target(dtype=torch.float32)
+    got = _ragged_state(t, 5)
+    with monkeypatch.context() as m:
+        m.setattr(fused, "forward", lambda *a, **k: None)
+        ref = _ragged_state(t, 5)
+    calls = _spy_on_fused(monkeypatch)
+    seen = []  # the first layer's key buffers, in order (kept: no id is reused)
+    for step in range(150):
+        ids = torch.full((5, 1), 3 + step % 7)
+        out = got.append(ids)
+        if not seen or seen[-1] is not got.cache.layers[0]._k:
+            seen.append(got.cache.layers[0]._k)
+        with monkeypatch.context() as m:
+            m.setattr(fused, "forward", lambda *a, **k: None)
+            want = ref.append(ids)
+        torch.testing.assert_close(out.logits, want.logits, rtol=1e-4, atol=1e-4)
+        if step == 40:  # the rows' slots rebuilt into new buffers (as a finished row's removal does)
+            for st in (got, ref):
+                for layer in st.cache.layers:
+                    layer.set(layer.keys.clone(), layer.values.clone())
+    assert len(calls) == 150 and all(calls)
+    assert len(seen) >= 3, [k.shape for k in seen]  # grown past the first buffers' room, and replaced
+    for a, b in zip(got.cache.layers, ref.cache.layers):
+        vis = got.valid[:, None, :, None].expand_as(a.keys)
+        torch.testing.assert_close(a.keys[vis], b.keys[vis], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("arch", ["tiny", "odd"])
 def test_fused_llama_packs_rows_with_fewer_real_tokens(monkeypatch, arch):
     """With ``counts``, only each row's first counts[b] new tokens are computed (as one packed set of rows): their
@@ -278,15 +312,15 @@ def test_fused_llama_packs_rows_with_fewer_real_tokens(monkeypatch, arch):
     got = _ragged_state(t, 3)
     lib = kernels._load()
     rows = []
-    layer = lib.llama_layer
+    layers = lib.llama_layers
 
     class Spy:  # the rows the C layer was given: the packed ones only
         def __getattr__(self, name):
             return getattr(lib, name)
 
-        def llama_layer(self, *a):
+        def llama_layers(self, *a):
             rows.append(a[7][9])
-            return layer(*a)
+            return layers(*a)
 
     monkeypatch.setattr(fused, "_load", lambda: Spy())
     out = got.append(ids, counts=counts, hidden=True)

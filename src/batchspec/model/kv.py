@@ -85,9 +85,32 @@ class SlotLayer(DynamicLayer):
     """
 
     def __init__(self):
-        super().__init__()
         self.length = 0
         self._k = self._v = None
+        super().__init__()
+
+    # The used slots, ``[batch, heads, length, head_dim]``: views of the buffers made when read. A decode step in the C
+    # layer writes the buffers itself and advances every layer without reading them (two views a layer, made at
+    # every advance, were ~3% of a batch-1 step).
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[..., : self.length, :]
+
+    @keys.setter
+    def keys(self, t: torch.Tensor | None) -> None:  # (Hugging Face's layer code assigns whole tensors)
+        self._k = t
+        if t is not None:
+            self.length = t.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[..., : self.length, :]
+
+    @values.setter
+    def values(self, t: torch.Tensor | None) -> None:
+        self._v = t
+        if t is not None:
+            self.length = t.shape[-2]
 
     def lazy_initialization(self, key_states, value_states):
         self.device = key_states.device
@@ -113,8 +136,6 @@ class SlotLayer(DynamicLayer):
         self._k[..., self.length : self.length + q, :] = key_states
         self._v[..., self.length : self.length + q, :] = value_states
         self.length += q
-        self.keys = self._k[..., : self.length, :]
-        self.values = self._v[..., : self.length, :]
         return self.keys, self.values
 
     def get_seq_length(self):
@@ -137,7 +158,6 @@ class SlotLayer(DynamicLayer):
     def _adopt(self, k, v, length):
         """Make ``k``/``v`` (full buffers) the layer's storage with ``length`` slots in use."""
         self._k, self._v, self.length, self.is_initialized = k, v, length, True
-        self.keys, self.values = k[..., :length, :], v[..., :length, :]
 
     def fresh(self, like_k, like_v, batch: int, length: int):
         """Empty zeroed buffers for ``batch`` rows and ``length`` slots plus spare room (so appends don't regrow them
@@ -171,7 +191,7 @@ class SlotCache(Cache):
         for layer in self.layers:
             _release(layer._k)
             _release(layer._v)
-            layer._k = layer._v = layer.keys = layer.values = None
+            layer._k = layer._v = None
             layer.length, layer.is_initialized = 0, False
 
     def tensors(self):

@@ -1,10 +1,11 @@
-"""A whole Llama forward for few new tokens per row, one C call per decoder layer (``layer.c``).
+"""A whole Llama forward for few new tokens per row, its decoder layers in one C call (``layer.c``).
 
 Hugging Face's Llama runs a decode step as ~40 small torch operations per layer plus attention over a masked
 rectangle; on a 2-core CPU that overhead and the padded attention cost as much as the weight reads themselves. Here
-each layer is one call: norms, the projections (``skinny.c``), rotary embedding, the cache write, attention over the
-visible slots only (each key/value head read once for its query heads) and the MLP. The embedding, the rotary
-tables, the final norm and the output head stay the model's own modules.
+a layer is one pass in C: norms, the projections (``skinny.c``), rotary embedding, the cache write, attention over
+the visible slots only (each key/value head read once for its query heads) and the MLP; all layers of a forward are
+one call, over the cache buffers' pointers kept from one forward to the next. The embedding, the rotary tables, the
+final norm and the output head stay the model's own modules.
 
 Used for ``LlamaForCausalLM`` models in fp32 on CPU (SiLU MLP without biases, attention without biases, one
 projection per weight) when the kernels are built; anything else returns None and the caller runs the model.
@@ -28,6 +29,7 @@ class _Plan:
     def __init__(self, model, layers):
         self.tensors = layers  # keeps the pointed-to memory alive
         self.pointers = [(Packed * 9)(*(_descriptor(w) for w in ws)) for ws in layers]
+        self.table = (ctypes.c_void_p * len(layers))(*map(ctypes.addressof, self.pointers))  # all layers' arrays
         self.key = _fingerprint(model)
         a = model.model.layers[0].self_attn
         self.heads, self.kv_heads = a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim
@@ -137,12 +139,11 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     start = cache.layers[0].length
     like = x.new_empty((b, p.kv_heads, q, p.head_dim))
     dims = (ctypes.c_long * 10)(b, q, start, 0, p.hidden, p.heads, p.kv_heads, p.head_dim, p.inter, rows)
-    for layer, weights in zip(cache.layers, p.pointers):
-        keys, values = layer.reserve(like, like, start + q)  # contiguous buffers with room for q more slots
-        dims[3] = keys.shape[-2]
-        if lib.llama_layer(x.data_ptr(), weights, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-                           values.data_ptr(), vis.data_ptr(), dims, p.eps, p.scale, ptr):
-            raise MemoryError("batchspec's layer kernel could not allocate its scratch memory")
+    slots = _slots(cache, like, start + q)
+    if lib.llama_layers(x.data_ptr(), p.table, cos.data_ptr(), sin.data_ptr(), slots.keys, slots.values,
+                        vis.data_ptr(), dims, p.eps, p.scale, ptr, slots.caps, len(p.pointers)):
+        raise MemoryError("batchspec's layer kernel could not allocate its scratch memory")
+    for layer in cache.layers:
         layer.advance(start + q)
     if packed:  # every position's states are the normed ones here (what ``hidden="all"`` asks for)
         states = inner.norm(x)
@@ -160,6 +161,37 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
     if normed is not None:
         states = normed
     return logits, (states if hidden else None), None, tokens
+
+
+class _Slots:
+    """A cache's key and value buffers as the C layer takes them: ``keys`` / ``values`` arrays of pointers, one a
+    layer, ``caps`` their capacities (slots), ``room`` the least of them; ``buffers`` the tensors pointed to."""
+
+    def __init__(self, buffers: list):
+        n = len(buffers)
+        self.buffers = buffers
+        self.keys = (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in buffers))
+        self.values = (ctypes.c_void_p * n)(*(v.data_ptr() for _, v in buffers))
+        self.caps = (ctypes.c_long * n)(*(k.shape[-2] for k, _ in buffers))
+        self.room = min(self.caps)
+
+    def current(self, layers, needed: int) -> bool:
+        """Whether ``layers`` still hold these very buffers, with room for ``needed`` slots."""
+        return self.room >= needed and all(layer._k is k and layer._v is v
+                                           for layer, (k, v) in zip(layers, self.buffers))
+
+
+_SLOTS: "weakref.WeakKeyDictionary[object, _Slots]" = weakref.WeakKeyDictionary()
+
+
+def _slots(cache, like, needed: int) -> _Slots:
+    """Every layer's contiguous key and value buffers with room for ``needed`` slots, as pointers; kept per cache
+    while its layers hold the same buffers, so that a decode step reserves nothing (reserving, and a call a layer,
+    cost ~8 us a layer at batch 1)."""
+    memo = _SLOTS.get(cache)
+    if memo is None or not memo.current(cache.layers, needed):
+        memo = _SLOTS[cache] = _Slots([layer.reserve(like, like, needed) for layer in cache.layers])
+    return memo
 
 
 def unpack(flat: torch.Tensor, real: torch.Tensor, b: int, n: int) -> torch.Tensor:
