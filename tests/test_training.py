@@ -165,6 +165,23 @@ def test_gen_resumes_without_generating_what_is_on_disk(files, head_run, tmp_pat
         k: v for k, v in stamps.items() if k != chunks[1].name}
 
 
+def test_gen_stops_at_its_time_limit_and_a_later_run_does_the_rest(files, head_run, tmp_path, capsys):
+    """``--gen-seconds``: past the limit no chunk starts (the first always runs), and the same command without it
+    answers only the chunks left, to the data an unlimited run wrote; ``--device cpu`` names the default."""
+    work = tmp_path / "work"
+    gen = ["--target", files.target, "--prompts", files.prompts, "--work", work, "--stages", "gen", *GEN,
+           "--device", "cpu"]
+    assert _cli(*gen, "--gen-seconds", "0") == 0
+    assert [p.name for p in sorted(work.glob("chunk*.pt"))] == [sorted(head_run.glob("chunk*.pt"))[0].name]
+    assert "chunks left for a later run" in capsys.readouterr().out
+    assert _cli(*gen) == 0
+    done, want = sorted(work.glob("chunk*.pt")), sorted(head_run.glob("chunk*.pt"))
+    assert [p.name for p in done] == [p.name for p in want] and len(done) == 3
+    for a, b in zip(done, want):
+        a, b = torch.load(a), torch.load(b)
+        assert a["ids"] == b["ids"] and all(torch.equal(x, y) for x, y in zip(a["hidden"], b["hidden"]))
+
+
 class Interrupt:
     """Raises KeyboardInterrupt (a user's Ctrl-C) on the ``at``-th call of ``fn``."""
 
@@ -244,6 +261,10 @@ def _bad_cases(files, tmp):
         "missing init": (["--target", t, "--work", w, "--stages", "train", "--init", tmp / "h.pt"], "--init"),
         "export without training": (["--target", t, "--work", w, "--stages", "export"], "run --stages train first"),
         "gen over other data": (["--target", t, "--prompts", p, "--work", tmp / "used"], "other settings"),
+        "a device this machine lacks": (["--target", t, "--work", w, "--device", "cuda:63"], "no such CUDA device"),
+        "a device torch does not name": (["--target", t, "--work", w, "--device", "gpu"], "--device 'gpu'"),
+        "a device for a draft model": (["--kind", "model", "--device", "cpu", "--target", t, "--work", w],
+                                       "--device applies to --kind head"),
         "layers of a layer the target lacks": (["--kind", "model", "--from-layers", "0,5", "--target", t, "--work", w],
                                                "--from-layers"),
         "a draft wider than the target": (["--kind", "model", "--hidden", "64", "--intermediate", "32", "--target", t,

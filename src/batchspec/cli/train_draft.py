@@ -1,5 +1,5 @@
-"""``batchspec train-draft``: train a draft for a target from a prompt set, on CPU: a feature-reading head
-(``--kind head``, the default) or a small draft model (``--kind model``), written to a folder
+"""``batchspec train-draft``: train a draft for a target from a prompt set, on CPU (a head also on a GPU): a
+feature-reading head (``--kind head``, the default) or a small draft model (``--kind model``), written to a folder
 ``batchspec.LLM(target, draft=OUT)`` loads. The work is done by ``batchspec.training``; this module reads the flags and
 checks them, the target, the prompts and the folders before any model loads."""
 
@@ -12,8 +12,9 @@ from pathlib import Path
 from .common import DEFAULT_TARGET, positive_int, prepare_out
 
 HELP = "train a draft (feature-reading head or small draft model) for a target"
-DESCRIPTION = """Train a draft for a target on CPU: a feature-reading head (--kind head, the default) or a small draft
-model (--kind model), written to a folder that batchspec.LLM(target, draft=OUT) loads.
+DESCRIPTION = """Train a draft for a target on CPU (a head also on a GPU: --device cuda): a feature-reading head
+(--kind head, the default) or a small draft model (--kind model), written to a folder that
+batchspec.LLM(target, draft=OUT) loads.
 
 Stages (--stages, run in this order, each reading the previous one's output from --work):
   gen     the target answers the prompts greedily; kept in chunks, so an interrupted gen resumes
@@ -35,7 +36,7 @@ KIND_DEFAULTS = {
 KIND_FLAGS = {
     "head": {"chunks": None, "data": None, "vocab": 8192, "copy_layer": -1, "random_layer": False, "depth": 1,
              "init": None, "follow": False, "noise": 0.2, "weight_decay": 0.1, "reg": 1.0, "soft": 0.1, "clip": 1.0,
-             "eval_every": 200},
+             "eval_every": 200, "device": "cpu", "gen_seconds": None},
     "model": {"topk": 16, "heldout": True, "hidden": 162, "layers": 2, "heads": 9, "intermediate": 768,
               "model_init": "layers", "from_layers": "0,1", "emb_lr_scale": 0.3, "negatives": 4096},
 }
@@ -55,6 +56,8 @@ def add_arguments(p) -> None:
     p.add_argument("--stages", default=",".join(STAGES), help="comma list of gen, train, export (default all three)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
+    p.add_argument("--device", default=None, help="head: where gen and train run, e.g. cuda (default cpu); the "
+                   "exported head runs anywhere")
     g = p.add_argument_group("gen")
     g.add_argument("--prompts", default="templates",
                    help="templates: the generated training set (13 Spec-Bench-like categories); broad: any topic "
@@ -70,6 +73,9 @@ def add_arguments(p) -> None:
                    "prompt file's group)")
     g.add_argument("--chunks", type=positive_int, default=None,
                    help="head: stop after the first N chunks (default all)")
+    g.add_argument("--gen-seconds", type=float, default=None,
+                   help="head: start no chunk after this many seconds of gen (the first always runs; a later run "
+                        "resumes with the rest); for a machine lent for a fixed time (default no limit)")
     g.add_argument("--topk", type=positive_int, default=None, help="model: top-k log-probs kept per answer token (16)")
     g.add_argument("--heldout", action=argparse.BooleanOptionalAction, default=None,
                    help="model: also answer the built-in prompts, for held-out agreement only (default on)")
@@ -141,7 +147,23 @@ def settings(args) -> argparse.Namespace:
     s["out"] = args.out or str(work / "draft")
     if args.kind == "head":
         s["data"] = args.data or [args.work]
+        s["device"] = check_device(s["device"])
     return argparse.Namespace(**s)
+
+
+def check_device(name: str) -> str:
+    """``--device`` as torch names it, refused where this machine has no such device."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r}: {e}") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"--device {name}: no such CUDA device here")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: give cpu or cuda[:N]")
+    return str(dev)
 
 
 def check_target(path: str, s) -> None:
@@ -219,7 +241,8 @@ def run(args) -> int:
             from ..training import data, head
 
             if pairs is not None:
-                data.generate_chunks(s.target, pairs, work, s.chunk, s.chunks, s.max_new_tokens, s.batch, s.seed)
+                data.generate_chunks(s.target, pairs, work, s.chunk, s.chunks, s.max_new_tokens, s.batch, s.seed,
+                                     device=s.device, seconds=s.gen_seconds)
             if "train" in s.stages:
                 head.train_head(s)
             if out is not None:

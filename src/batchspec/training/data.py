@@ -80,9 +80,10 @@ def check_settings(work: Path, settings: dict) -> None:
 
 
 @torch.no_grad()
+@torch.no_grad()
 def features(model, seqs: list[list[int]], max_tokens: int = 8192) -> list[torch.Tensor]:
-    """The target's final (normalised) hidden states at every position of each sequence, float16, in groups of
-    similar length padded on the right (causal attention: right padding changes nothing before it)."""
+    """The target's final (normalised) hidden states at every position of each sequence, float16 on the CPU, in
+    groups of similar length padded on the right (causal attention: right padding changes nothing before it)."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[torch.Tensor | None] = [None] * len(seqs)
     i = 0
@@ -99,9 +100,9 @@ def features(model, seqs: list[list[int]], max_tokens: int = 8192) -> list[torch
         for n, r in enumerate(rows):
             ids[n, :len(seqs[r])] = torch.tensor(seqs[r])
             mask[n, :len(seqs[r])] = 1
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).last_hidden_state
         for n, r in enumerate(rows):
-            out[r] = hidden[n, :len(seqs[r])].to(torch.float16).clone()
+            out[r] = hidden[n, :len(seqs[r])].to("cpu", torch.float16).clone()
         i = j
     return out
 
@@ -111,10 +112,12 @@ def chunk_path(work: Path, index: int) -> Path:
 
 
 def generate_chunks(target, pairs: list[tuple], work: Path, chunk: int, chunks: int | None, max_new_tokens: int,
-                    batch: int, seed: int, progress: bool = True) -> int:
+                    batch: int, seed: int, progress: bool = True, device: str = "cpu",
+                    seconds: float | None = None) -> int:
     """The gen stage of a head: the chunks of ``pairs`` (shuffled with ``seed``, so every chunk mixes the
     categories; the first ``chunks`` of them, or all) not yet in ``work``, each the target's greedy answers (plain
-    engine, batch ``batch``, continuous batching) and their features. The target loads only when a chunk is missing.
+    engine, batch ``batch``, continuous batching, on ``device``) and their features. The target loads only when a
+    chunk is missing. After ``seconds``, no new chunk starts (the first always does; a later run does the rest).
     Returns the number of chunks written."""
     pairs = list(pairs)
     random.Random(seed).shuffle(pairs)  # every chunk mixes the categories
@@ -127,7 +130,7 @@ def generate_chunks(target, pairs: list[tuple], work: Path, chunk: int, chunks: 
     from ..params import SamplingParams
     from ..prompts import encode
 
-    llm = LLM(target, batch_size=batch, scheduler="continuous", device="cpu")
+    llm = LLM(target, batch_size=batch, scheduler="continuous", device=device)
     if llm.tokenizer is None:
         raise ValueError(f"the target {target!r} has no tokenizer to encode the prompts")
     ids = encode(llm.tokenizer, [t for _, t in pairs], True)
@@ -140,7 +143,10 @@ def generate_chunks(target, pairs: list[tuple], work: Path, chunk: int, chunks: 
             if finished:
                 bar.advance()
 
-        for c in todo:
+        for n, c in enumerate(todo):
+            if n and seconds is not None and time.perf_counter() - t0 >= seconds:
+                log(f"gen: {seconds:g} s reached, {len(todo) - n} chunks left for a later run")
+                return n
             outs = llm.generate(ids[c:c + chunk], params, on_tokens=answered)
             bar.describe("gen: features")
             seqs = [o.prompt_token_ids + o.token_ids for o in outs]
@@ -159,7 +165,7 @@ def answer_passages(tokenizer, dirs: list[Path], chars: int = 500) -> list[str]:
     out = []
     for d in dirs:
         for path in sorted(d.glob("*chunk*.pt")):
-            c = torch.load(path)
+            c = torch.load(path, map_location="cpu")
             for ids, p in zip(c["ids"], c["prompt_len"]):
                 text = tokenizer.decode(ids[p:], skip_special_tokens=True).strip().replace('"', "'")
                 cut = text[:chars]
@@ -185,7 +191,7 @@ def load_chunks(dirs: list[Path], seen: set | None = None):
         if str(path) in seen:
             continue
         seen.add(str(path))
-        d = torch.load(path)
+        d = torch.load(path, map_location="cpu")
         seqs += [torch.tensor(x) for x in d["ids"]]
         feats += d["hidden"]
         starts += d["prompt_len"]

@@ -138,7 +138,8 @@ def resume_path(save: Path) -> Path:
 
 # the flags that do not change what training computes (the gen stage's among them): a run resumes under other values
 NOT_SETTINGS = {"log_every", "eval_every", "threads", "stages", "out", "work", "command", "follow", "prompts",
-                "passages", "num_prompts", "max_new_tokens", "batch", "chunk", "chunks", "topk", "heldout"}
+                "passages", "num_prompts", "max_new_tokens", "batch", "chunk", "chunks", "topk", "heldout", "device",
+                "gen_seconds"}
 
 
 def settings_of(args) -> dict:
@@ -150,7 +151,7 @@ def load_resume(path: Path, args) -> dict | None:
     error that says how to go on."""
     if not path.is_file():
         return None
-    state = torch.load(path)
+    state = torch.load(path, map_location="cpu")
     if state["settings"] != settings_of(args):
         have, want = state["settings"], settings_of(args)
         diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
@@ -173,13 +174,14 @@ def train_head(args) -> dict:
     dirs = [Path(d) for d in args.data]
     save = Path(args.save)
     resume = load_resume(resume_path(save), args)
-    target = load_model(args.target, torch.float32, "cpu")
+    device = torch.device(getattr(args, "device", "cpu"))
+    target = load_model(args.target, torch.float32, device)
     seen: set = set()
     seqs, feats, starts = load_chunks(dirs, seen)
     if not seqs:
         raise ValueError(f"no gen chunks in {', '.join(map(str, dirs))}: run the gen stage first")
     vocab = target.config.vocab_size
-    init = torch.load(args.init) if args.init else None
+    init = torch.load(args.init, map_location="cpu") if args.init else None
     token_map = init["token_map"] if init else token_map_of(seqs, starts, vocab, args.vocab)
     where = torch.full((vocab,), -100, dtype=torch.long)
     where[token_map] = torch.arange(len(token_map))
@@ -188,6 +190,7 @@ def train_head(args) -> dict:
     log(f"data: {len(seqs)} sequences, {sum(map(len, seqs))} tokens ({answers} answer tokens); head of "
         f"{len(token_map)} tokens covers {covered / answers:.4f} of answer tokens")
     model, fc = build_head(target, token_map, None if args.random_layer else args.copy_layer)
+    model, fc = model.to(device), fc.to(device)
     if init:
         model.load_state_dict(init["model"])
         fc.load_state_dict(init["fc"])
@@ -209,8 +212,8 @@ def train_head(args) -> dict:
     t0, first = time.perf_counter(), 0
 
     def losses(rows, noise: float):
-        return head_loss(model, fc, emb, head_w, collate(rows, seqs, feats, starts, where), args.depth, noise,
-                         args.reg, args.soft, args.hard)
+        batch = tuple(t.to(device) for t in collate(rows, seqs, feats, starts, where))
+        return head_loss(model, fc, emb, head_w, batch, args.depth, noise, args.reg, args.soft, args.hard)
 
     def plan():
         """Epochs of batches; with ``--follow``, chunks the gen stage wrote meanwhile join at each epoch."""
@@ -256,6 +259,8 @@ def train_head(args) -> dict:
         opt.load_state_dict(resume["opt"])
         sched.load_state_dict(resume["sched"])
         torch.set_rng_state(resume["rng"])
+        if resume.get("cuda_rng") is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(resume["cuda_rng"], device)
         t0 -= resume["seconds"]
         log(f"resuming from step {first} ({resume_path(save)})")
     step = first
@@ -280,6 +285,7 @@ def train_head(args) -> dict:
                     if step + 1 < total:
                         torch.save({"step": step + 1, "model": model.state_dict(), "fc": fc.state_dict(),
                                     "opt": opt.state_dict(), "sched": sched.state_dict(), "rng": torch.get_rng_state(),
+                                    "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                                     "seconds": time.perf_counter() - t0, "settings": settings_of(args)},
                                    resume_path(save))
     except KeyboardInterrupt:
@@ -318,7 +324,7 @@ def export_head(target_spec, save: Path, out: Path, tokenizer) -> None:
     from ..model.loading import load_model
     from .data import log
 
-    ck = torch.load(save)
+    ck = torch.load(save, map_location="cpu")
     target = load_model(target_spec, torch.float32, "cpu")
     model, fc = build_head(target, ck["token_map"], None)
     model.load_state_dict(ck["model"])
