@@ -80,7 +80,6 @@ def check_settings(work: Path, settings: dict) -> None:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def features(model, seqs: list[list[int]], max_tokens: int = 8192) -> list[torch.Tensor]:
     """The target's final (normalised) hidden states at every position of each sequence, float16 on the CPU, in
     groups of similar length padded on the right (causal attention: right padding changes nothing before it)."""

@@ -92,8 +92,6 @@ def _load() -> ctypes.CDLL | None:
                     lib.skinny_linear.restype = None
                     lib.skinny_avx512.argtypes = [ctypes.c_int]
                     lib.skinny_avx512.restype = ctypes.c_int
-                    lib.llama_layer.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
-                    lib.llama_layer.restype = ctypes.c_int
                     lib.llama_layers.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2 + [
                         ctypes.c_long]
                     lib.llama_layers.restype = ctypes.c_int
