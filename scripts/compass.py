@@ -50,8 +50,9 @@ def run_batchspec(args, texts):
     import batchspec
     from batchspec.prompts import encode
 
+    # no kept prefixes: every repeat computes its prompts, as vLLM here does with prefix caching off
     llm = batchspec.LLM(args.model or "smollm2-135m", draft=args.draft, batch_size=args.batch_size,
-                        weights=args.weights)
+                        weights=args.weights, prefix_cache=0)
     prompts = encode(llm.tokenizer, texts, True)
     sp = batchspec.SamplingParams(max_tokens=args.max_tokens)
 

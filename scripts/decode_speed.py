@@ -40,7 +40,9 @@ def main() -> None:
     if not set(fast) <= {"on", "off"}:
         ap.error("--fast-greedy takes on, off or on,off")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llms = {m: {b: batchspec.LLM(args.target, draft=None, batch_size=b, weights=m) for b in sizes} for m in weights}
+    # no kept prefixes: the repeats prefill the same prompts, each as llama-batched-bench does, from scratch
+    llms = {m: {b: batchspec.LLM(args.target, draft=None, batch_size=b, weights=m, prefix_cache=0) for b in sizes}
+            for m in weights}
     for m in weights:
         print(f"{m}: {llms[m][sizes[0]].weights.line()}")
     modes = [m if f == "on" else f"{m}/off" for m in weights for f in fast]  # "auto/off": without the fast greedy

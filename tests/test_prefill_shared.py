@@ -26,9 +26,9 @@ def shared_calls(request, monkeypatch):
         monkeypatch.setattr(whole, "supported", lambda model: False)
         real = batch._prefix
 
-        def spy(runner, prefix, hidden):
+        def spy(runner, prefix, hidden, *rest):
             calls.append(len(prefix))
-            return real(runner, prefix, hidden)
+            return real(runner, prefix, hidden, *rest)
 
         monkeypatch.setattr(batch, "_prefix", spy)
     else:

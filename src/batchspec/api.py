@@ -16,6 +16,7 @@ from .engine.faults import apply_fault
 from .engine.layouts import get_layout
 from .engine.schedulers import get_scheduler
 from .model import kv
+from .model.prefixes import DEFAULT_MIB as DEFAULT_PREFIX_MIB
 from .model.loading import context_length, eos_ids, load_model, load_tokenizer, resolve, vocab_size
 from .model.runner import Runner
 from .params import RequestOutput, SamplingParams, Stats
@@ -41,15 +42,20 @@ class LLM:
         speculation: str = "adaptive",
         graphs: str = "auto",
         weights: str = "auto",
+        prefix_cache: int = DEFAULT_PREFIX_MIB,
     ):
         """``weights``: "auto" keeps each weight of a model this LLM loads (fp32 on CPU) in the narrowest format that
         holds its values exactly (GGUF-style blocks, bf16, fp16; see ``batchspec.model.weights``): outputs keep
         every bit, a decode step reads far fewer bytes; "fp32" keeps them as loaded. A model object passed in is
-        never changed. ``llm.weights`` reports what they take."""
+        never changed. ``llm.weights`` reports what they take. ``prefix_cache``: MiB of recurring prompt prefixes
+        (a system prompt, a conversation's earlier turns) whose keys and values the target keeps between prefills
+        (``batchspec.model.prefixes``); 0 turns it off."""
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if not isinstance(prefix_cache, int) or isinstance(prefix_cache, bool) or prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be a whole number of MiB >= 0, got {prefix_cache!r}")
         self.layout = get_layout(layout)
         policy = get_policy(speculation) if isinstance(speculation, str) else speculation  # or a policy object
         self.scheduler = scheduler if hasattr(scheduler, "select") else get_scheduler(scheduler)
@@ -66,7 +72,7 @@ class LLM:
         ctx, draft_ctx = self._contexts()
         if draft_ctx is not None:  # a draft model drafts one position less than the block it fills
             ctx = draft_ctx + 1 if ctx is None else min(ctx, draft_ctx + 1)
-        parts = Parts(Runner(self.target, graphs), self.drafter, self.layout, self.k, policy=policy, context=ctx)
+        parts = Parts(Runner(self.target, graphs, prefix_cache), self.drafter, self.layout, self.k, policy=policy, context=ctx)
         self.parts = apply_fault(parts, fault)
         if self.k:  # the adaptive policy prices rounds from a profile of this machine (measured once, cached)
             self.parts.policy.bind(self.parts.target, self.drafter, batch_size)

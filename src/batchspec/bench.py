@@ -144,7 +144,8 @@ def bench(target, draft, prompts, engines=("plain", "slotmask", "eqspec"), batch
             llms = {name: batchspec.LLM(engine_model, draft=spec["draft"], tokenizer=tokenizer, weights=weights,
                                         num_draft_tokens=num_draft_tokens, layout=spec["layout"], scheduler=spec["scheduler"], batch_size=bs,
                                         fault=spec.get("fault"), speculation=spec["speculation"],
-                                        profile=True)  # exact stage seconds on CUDA too
+                                        profile=True,  # exact stage seconds on CUDA too
+                                        prefix_cache=0)  # each repeat computes its prompts, as HF does
                     for name, spec in specs.items()}
             for llm in llms.values():  # warm-up: kernels, buffers, and the adaptive policy's first costs
                 llm.generate(ids, params)

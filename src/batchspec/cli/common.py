@@ -39,6 +39,14 @@ def weights_arg(p: argparse.ArgumentParser) -> None:
                         "(same outputs bit for bit, fewer bytes read per step); fp32: as loaded")
 
 
+def prefix_cache_arg(p: argparse.ArgumentParser) -> None:
+    from ..model.prefixes import DEFAULT_MIB
+
+    p.add_argument("--prefix-cache", type=non_negative_int, default=DEFAULT_MIB, metavar="MIB",
+                   help="MiB of recurring prompt starts (a system prompt, a conversation's earlier turns) kept "
+                        f"between prefills, so that they are computed once; 0 turns it off (default {DEFAULT_MIB})")
+
+
 def resolve_draft(target: str, draft: str | None):
     if draft is None:
         return DEFAULT_DRAFT if target == DEFAULT_TARGET else None
@@ -59,6 +67,17 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
 
 

@@ -22,6 +22,7 @@ from .common import (
     dtype,
     encode_prompts,
     model_args,
+    prefix_cache_arg,
     positive_int,
     prepare_out,
     read_prompt_set,
@@ -35,6 +36,7 @@ HELP = "generate for a prompt file"
 
 def add_arguments(p) -> None:
     model_args(p)
+    prefix_cache_arg(p)
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--layout", default="slotmask", choices=["slotmask", "eqspec"])
     p.add_argument("--scheduler", default="static", choices=["static", "continuous", "exspec"])
@@ -71,7 +73,7 @@ def run(args) -> int:
         llm = batchspec.LLM(
             args.target, draft=resolve_draft(args.target, args.draft), num_draft_tokens=args.num_draft_tokens,
             layout=args.layout, scheduler=args.scheduler, batch_size=args.batch_size, dtype=dtype(args.dtype),
-            device=args.device, speculation=args.speculation, weights=args.weights,
+            device=args.device, speculation=args.speculation, weights=args.weights, prefix_cache=args.prefix_cache,
         )
         _, _, prompts = encode_prompts(pairs, llm.tokenizer, args.chat_template)
         if args.seed is not None:  # one seed for the run: prompt i gets seed + i
@@ -185,6 +187,7 @@ def run_on_ray(args) -> int:
             target=args.target, draft=draft, num_draft_tokens=args.num_draft_tokens,
             layout=args.layout, scheduler=args.scheduler, batch_size=args.batch_size, dtype=args.dtype,
             device=args.device, speculation=args.speculation, chat_template=args.chat_template, sampling=sp,
+            prefix_cache=args.prefix_cache,
         )
     finally:
         if started:

@@ -9,7 +9,7 @@ import os
 
 from ..params import MAX_TEMPERATURE
 from ..serve.protocol import DEFAULT_MAX_BODY_BYTES
-from .common import DEFAULT_TARGET, weights_arg, need, positive_int, resolve_draft
+from .common import DEFAULT_TARGET, need, positive_int, prefix_cache_arg, resolve_draft, weights_arg
 
 HELP = "serve the target over an OpenAI-compatible HTTP API"
 
@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--device", default=None)
     weights_arg(p)
+    prefix_cache_arg(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
@@ -86,7 +87,7 @@ def build_app(args):
         args.target, draft=resolve_draft(args.target, args.draft), tokenizer=args.tokenizer,
         num_draft_tokens=args.num_draft_tokens, layout=args.layout, scheduler="continuous",
         batch_size=args.batch_size, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
-        speculation=args.speculation, weights=args.weights,
+        speculation=args.speculation, weights=args.weights, prefix_cache=args.prefix_cache,
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     return create_app(llm, model_name=name, api_key=args.api_key, max_queue=args.max_queue,

@@ -12,6 +12,7 @@ import copy
 import torch
 
 from ..model import kv
+from ..model.prefixes import Prefix
 from ..model.runner import Runner
 
 
@@ -218,14 +219,26 @@ def shared_prefix(prompts: list[list[int]]) -> int:
     return n
 
 
-def _prefix(runner, prefix: list[int], hidden: bool):
+def _prefix(runner, prefix: list[int], hidden: bool, base: Prefix | None = None):
     """The forward of a prefix shared by every prompt of a prefill, once: its one-row cache and, with ``hidden``, its
-    final hidden states ``[1, P, H]``."""
+    final hidden states ``[1, P, H]``. ``base``: a kept prefix of its first tokens, copied; only the rest is
+    computed."""
     dev = runner.device
     cache = kv.new_cache(runner.model)
-    out = runner.forward(cache, torch.tensor([prefix], device=dev), torch.arange(len(prefix), device=dev)[None, :],
-                         None, logits_to_keep=1, hidden="all" if hidden else False)
-    return cache, out.hidden
+    start = 0 if base is None else len(base)
+    if base is not None:
+        for layer, k, v in zip(cache.layers, base.keys, base.values):
+            layer.lazy_initialization(k, v)
+            layer.set(k, v)
+        if start == len(prefix):
+            return cache, base.hidden
+    visible = None if base is None else torch.ones((1, len(prefix)), dtype=torch.bool, device=dev)
+    out = runner.forward(cache, torch.tensor([prefix[start:]], device=dev),
+                         torch.arange(start, len(prefix), device=dev)[None, :], visible, logits_to_keep=1,
+                         hidden="all" if hidden else False)
+    if not hidden or base is None:
+        return cache, out.hidden
+    return cache, torch.cat([base.hidden, out.hidden], 1)
 
 
 def _prefill_group(runner, cached: list[list[int]], prefix, shared: int, hidden: bool, inputs=None):
@@ -258,12 +271,13 @@ def _prefill_group(runner, cached: list[list[int]], prefix, shared: int, hidden:
     return part, states.gather(1, index[..., None].expand(-1, -1, states.shape[-1])).masked_fill(hole[..., None], 0)
 
 
-def _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds):
+def _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base=None):
     """The prefill as one left-padded forward per group of rows (``prefill_groups``), after the shared prefix's own
-    forward; returns ``(cache, states)`` like ``Runner.prefill``: the hidden states ``[B, width, H]`` or None."""
+    forward (from ``base`` on, a kept prefix of its first tokens); returns ``(cache, states)`` like
+    ``Runner.prefill``: the hidden states ``[B, width, H]`` or None."""
     dev, states = runner.device, None
     cache = kv.new_cache(runner.model)
-    prefix = _prefix(runner, prompts[0][:shared], hidden) if shared else None
+    prefix = _prefix(runner, prompts[0][:shared], hidden, base) if shared else None
     for rows in prefill_groups([n - shared for n in lengths], overhead):
         rows = [r for r in rows if lengths[r]]
         if not rows:
@@ -306,13 +320,23 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     width = max(lengths, default=0)
     if overhead is None:
         overhead = PREFILL_OVERHEAD.get(dev.type, 1)
+    cached = [p[:n] for p, n in zip(prompts, lengths)]
     # the prefix every prompt shares, up to each row's last cached token (every row keeps one of its own): computed
     # once where that saves more than a forward's overhead
     shared = 0
     if embeds is None and len(prompts) > 1 and min(lengths) > 0:
-        shared = min(shared_prefix([p[:n] for p, n in zip(prompts, lengths)]), min(lengths) - 1)
+        shared = min(shared_prefix(cached), min(lengths) - 1)
         if shared < SHARED_PREFIX_MIN or (len(prompts) - 1) * shared <= overhead:
             shared = 0
+    # the runner's kept prefixes: start from the longest one the prompts all go past; compute (and keep) a longer
+    # prefix that recurs, once
+    store = runner.prefixes if embeds is None and prompts and min(lengths) > 0 else None
+    base = keep = None
+    if store is not None:
+        base = store.find(cached, hidden)
+        start, grow = (len(base) if base is not None else 0), store.recurring(cached)
+        keep = grow >= start + SHARED_PREFIX_MIN
+        shared = grow if keep else max(shared, start)
 
     def vectors():  # each row's input vectors [n, H] for the end-to-end forward, asked for once per row length
         out = [None] * len(prompts)
@@ -322,9 +346,18 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
                 out[r] = v
         return out
 
-    whole = runner.prefill([p[:n] for p, n in zip(prompts, lengths)], shared, width, hidden,
-                           vectors if embeds is not None else None)
-    cache, states = whole or _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds)
+    whole = runner.prefill(cached, shared, width, hidden, vectors if embeds is not None else None, base)
+    cache, states = whole or _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base)
+    if store is not None:
+        if base is not None:
+            store.used(base, len(prompts))
+        if keep:  # row 0's copy of the prefix (every row's is the same)
+            at = width - lengths[0]
+            store.store(Prefix(tuple(cached[0][:shared]),
+                               [layer.keys[:1, :, at : at + shared].clone() for layer in cache.layers],
+                               [layer.values[:1, :, at : at + shared].clone() for layer in cache.layers],
+                               states[:1, at : at + shared].clone() if hidden else None))
+        store.remember(cached)
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]
     valid = col >= (width - n[:, None])

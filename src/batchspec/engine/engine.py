@@ -363,6 +363,8 @@ class Engine:
         joins = [self.waiting.popleft() for _ in range(n)]
         prompts = [r.prompt for r in joins]
         drafter = self.parts.drafter
+        kept = getattr(self.parts.target, "prefixes", None)
+        before = (kept.hits, kept.reused) if kept is not None else None
         with self.timer("prefill"):
             if drafter.needs_hidden:  # a drafter that reads the target's features starts from the prompt's
                 target, states = self.parts.prefill(self.parts.target, prompts, hidden=True)
@@ -378,6 +380,9 @@ class Engine:
             else:
                 self.stats.joined_running += n
                 self.batch = self.batch.merge(new)
+        if before is not None:
+            self.stats.prefix_hits += kept.hits - before[0]
+            self.stats.prefix_tokens += kept.reused - before[1]
 
     def _round_from_window(self, rows: list[int], budget: DraftBudget) -> RoundResult:
         """A round on ``rows`` of the window: copy them out (aligned by the layout), run the round, write them back.

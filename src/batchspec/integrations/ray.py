@@ -82,11 +82,13 @@ class LLMPredictor:
     function or a ``functools.partial`` pickles by reference, so the worker must be able to import its module).
     ``dtype`` may be a name (``"float32"``). ``sampling``: the defaults (``SamplingParams`` or a dict of its fields)
     for rows without sampling columns. ``chat_template``: pass text prompts through the tokenizer's chat template.
-    ``threads``: torch's CPU threads in this worker (None: leave torch's default)."""
+    ``threads``: torch's CPU threads in this worker (None: leave torch's default). ``prefix_cache``: ``LLM``'s (None:
+    its default)."""
 
     def __init__(self, target, draft=None, tokenizer=None, *, num_draft_tokens: int = 5, layout: str = "slotmask",
                  scheduler="static", batch_size: int = 8, dtype=None, device=None, speculation="adaptive",
-                 graphs: str = "auto", chat_template: bool = False, sampling=None, threads: int | None = None):
+                 graphs: str = "auto", chat_template: bool = False, sampling=None, threads: int | None = None,
+                 prefix_cache: int | None = None):
         import torch
 
         import batchspec
@@ -103,6 +105,7 @@ class LLMPredictor:
             _build(target), draft=_build(draft), tokenizer=_build(tokenizer), num_draft_tokens=num_draft_tokens,
             layout=layout, scheduler=scheduler, batch_size=batch_size, dtype=dtype, device=device,
             speculation=speculation, graphs=graphs,
+            **({} if prefix_cache is None else {"prefix_cache": prefix_cache}),
         )
 
     def __call__(self, batch):

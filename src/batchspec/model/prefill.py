@@ -5,7 +5,8 @@ padding's tokens, expands every packed weight once per forward, and, when the pr
 template's), attends over a masked rectangle (twice the work of causal attention). Here every token is computed
 once: the rows' tokens (and the shared prefix, once) are laid end to end as one sequence of ``T`` tokens, so each
 linear layer is one product over ``[T, H]``; attention runs per row, causally, over the row's own slots (prefix
-first); keys and values go straight to the row's right-aligned slots of the final cache.
+first); keys and values go straight to the row's right-aligned slots of the final cache. A kept prefix
+(``prefixes.py``) is copied into every row's first slots instead, and the sequence starts after it.
 
 Each step is the model's own arithmetic in its order of operations (norms, projections, MLP, rotary tables; the
 attention's softmax), written into buffers made once per forward; attention runs in ``kernels/causal.c`` where it
@@ -40,13 +41,14 @@ def supported(model) -> bool:
                and type(layer.mlp) is hf.LlamaMLP for layer in model.model.layers)
 
 
-def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bool, embeds=None):
+def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bool, embeds=None, base=None):
     """Cache ``prompts`` (token ids, each at least ``shared`` long; ``shared`` leading tokens common to all, computed
     once) right-aligned in ``width`` slots of a new ``SlotCache`` of ``len(prompts)`` rows (padding zeros). Returns
     ``(cache, states)``: ``states`` ``[B, width, H]`` the final (normed) hidden states laid out like the slots (zeros
     on padding) when ``hidden``, else None. None where ``supported`` says no. ``embeds()``: each row's input vectors
     ``[len(prompt), H]`` in place of its tokens' embeddings (a head that reads the target's features; no shared
-    prefix), asked for only where this path runs."""
+    prefix), asked for only where this path runs. ``base``: a kept ``Prefix`` (``prefixes.py``) of the first
+    ``len(base) <= shared`` tokens: its keys, values (and hidden states) are copied, not computed."""
     if not supported(model) or (embeds is not None and shared):
         return None
     vectors = embeds() if embeds is not None else None
@@ -58,22 +60,30 @@ def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bo
         slots.fresh(like, like, len(prompts), width)
     states = None
     rows = [r for r, p in enumerate(prompts) if len(p)]
-    for chunk in _chunks([len(prompts[r]) - shared for r in rows], shared):
+    start = len(base) if base is not None else 0
+    for chunk in _chunks([len(prompts[r]) - shared for r in rows], shared - start):
         chunk = [rows[i] for i in chunk]
-        where = _where(chunk, [len(prompts[r]) for r in chunk], shared, width)
+        lengths = [len(prompts[r]) for r in chunk]
+        where = _where(chunk, lengths, shared, width, start)
+        kept = _where(chunk, lengths, start, width, 0, own=False) if start else None
         with torch.no_grad():
             x = torch.cat([vectors[r] for r in chunk]) if vectors is not None else None
-            h = _forward(model, cache, [prompts[r] for r in chunk], chunk, shared, width, hidden, where, x)
+            h = _forward(model, cache, [prompts[r] for r in chunk], chunk, shared, width, hidden, where, x,
+                         base, kept)
         if hidden:
             if states is None:
                 states = h.new_zeros((len(prompts), width, h.shape[-1]))
             src, dr, ds = where
             states[dr, ds] = h[src]
+            if kept is not None:
+                src, dr, ds = kept
+                states[dr, ds] = base.hidden[0, src]
     return cache, states
 
 
 def _chunks(own: list[int], shared: int) -> list[list[int]]:
-    """Consecutive runs of rows whose tokens (the shared prefix once, then each row's own) fit ``MAX_TOKENS``."""
+    """Consecutive runs of rows whose tokens (``shared`` prefix tokens once, then each row's own) fit
+    ``MAX_TOKENS``."""
     out, total = [], 0
     for i, n in enumerate(own):
         if not out or total + n > MAX_TOKENS:
@@ -84,36 +94,41 @@ def _chunks(own: list[int], shared: int) -> list[list[int]]:
     return out
 
 
-def _where(rows: list[int], lengths: list[int], shared: int, width: int):
-    """``(tokens, dest_rows, dest_slots)``, ``[N]`` each: the forward's token ``tokens[i]`` (the prefix, then the
-    rows' own tokens in order) goes to slot ``dest_slots[i]`` of row ``dest_rows[i]``; the prefix to every row."""
-    src, dr, ds, at = [], [], [], shared
+def _where(rows: list[int], lengths: list[int], shared: int, width: int, start: int = 0, own: bool = True):
+    """``(tokens, dest_rows, dest_slots)``, ``[N]`` each: the forward's token ``tokens[i]`` (prefix tokens ``start ..
+    shared - 1``, then the rows' own tokens in order) goes to slot ``dest_slots[i]`` of row ``dest_rows[i]``; the
+    prefix to every row. Without ``own``, only the prefix's."""
+    src, dr, ds, at, lead = [], [], [], shared - start, shared - start
     for r, n in zip(rows, lengths):
-        own = n - shared
-        src += list(range(shared)) + list(range(at, at + own))
-        dr += [r] * n
-        ds += list(range(width - n, width))
-        at += own
+        mine = n - shared if own else 0
+        src += list(range(lead)) + list(range(at, at + mine))
+        dr += [r] * (lead + mine)
+        ds += list(range(width - n + start, width - n + shared + mine))
+        at += mine
     return torch.tensor(src), torch.tensor(dr), torch.tensor(ds)
 
 
-def _forward(model, cache, prompts, rows, shared, width, hidden, where, x=None):
+def _forward(model, cache, prompts, rows, shared, width, hidden, where, x=None, base=None, kept=None):
     """One forward over ``prompts`` (the prefix once, then each row's own tokens) writing rows ``rows`` of the cache
     (``where``: ``_where``'s slots of its tokens); returns the normed hidden states ``[T, H]`` when ``hidden``. ``x``:
     the input vectors ``[T, H]`` (a fresh tensor: it becomes the residual stream), else the tokens' embeddings.
+    ``base``: a kept prefix of the first tokens, copied into every row's slots (``kept``: ``_where``'s for it), not
+    computed: the forward starts after it.
 
     Each step writes into buffers made once per forward (``_Buffers``): a fresh tensor of this size costs its page
     faults again each time it is allocated, as much as the elementwise step that fills it."""
     inner = model.model
     lengths = [len(p) for p in prompts]
-    ids = torch.tensor(prompts[0][:shared] + [t for p in prompts for t in p[shared:]])
-    positions = torch.cat([torch.arange(shared)] + [torch.arange(shared, n) for n in lengths])[None, :]
+    given = len(base) if base is not None else 0  # the prefix's tokens copied, not computed
+    lead = shared - given  # and those this forward computes
+    ids = torch.tensor(prompts[0][given:shared] + [t for p in prompts for t in p[shared:]])
+    positions = torch.cat([torch.arange(given, shared)] + [torch.arange(shared, n) for n in lengths])[None, :]
     if x is None:
         x = inner.embed_tokens(ids[None, :])[0].contiguous()  # [T, H], the residual stream, updated in place
     cos, sin = (t[0, :, None, :] for t in inner.rotary_emb(x[None], positions))  # [T, 1, D]
     # [first, last) of each row's own tokens in the sequence, after the prefix
-    ends = torch.tensor(lengths).sub(shared).cumsum(0).add(shared).tolist()
-    spans = list(zip([shared] + ends[:-1], ends))
+    ends = torch.tensor(lengths).sub(shared).cumsum(0).add(lead).tolist()
+    spans = list(zip([lead] + ends[:-1], ends))
     starts = [width - n for n in lengths]  # each row's first slot
     src, dr, ds = where
     b = _Buffers(model, x)
@@ -128,12 +143,16 @@ def _forward(model, cache, prompts, rows, shared, width, hidden, where, x=None):
         _rope(k, cos, sin, b.rot)
         slots.keys.transpose(1, 2)[dr, ds] = k[src]  # [N, kv heads, D] into [B, S, kv heads, D]
         slots.values.transpose(1, 2)[dr, ds] = v[src]
+        if base is not None:  # the kept prefix's [1, kv heads, P, D] into every row's first slots
+            ks, kr, kd = kept
+            slots.keys.transpose(1, 2)[kr, kd] = base.keys[i][0].transpose(0, 1)[ks]
+            slots.values.transpose(1, 2)[kr, kd] = base.values[i][0].transpose(0, 1)[ks]
         if cache_only:
             break
         q = _linear(a.q_proj, b.h, b.q, b.w).view(len(x), -1, a.head_dim)
         _rope(q, cos, sin, b.rot)
-        if shared:  # the prefix attends to itself once
-            _attend(q, b.att, 0, shared, slots, rows[0], starts[0], 0, a.scaling)
+        if lead:  # the prefix's computed tokens attend (to the kept ones and) to themselves once
+            _attend(q, b.att, 0, lead, slots, rows[0], starts[0], given, a.scaling)
         for r, start, (first, last) in zip(rows, starts, spans):
             _attend(q, b.att, first, last, slots, r, start, shared, a.scaling)
         x.add_(_linear(a.o_proj, b.att.view(len(x), -1), b.o, b.w))
@@ -200,13 +219,15 @@ def _rope(t, cos, sin, scratch):
 def _attend(q, out, first, last, slots, row, start, before, scale):
     """``out[first:last]`` = causal attention of the queries ``q[first:last]`` (``[T, heads, D]`` buffers), positions
     ``before ..`` of ``row`` (its slots from ``start`` on; ``before``: the shared prefix's, ahead of them) over the
-    row's keys up to each. The kernel (``kernels/causal.c``) where it applies, else torch's attention over the prefix's
-    queries and these (square, so causal; the prefix's outputs dropped)."""
+    row's keys up to each. The kernel (``kernels/causal.c``) where it applies, else torch's attention with that mask
+    (query j sees keys 0 .. before + j)."""
     n = before + last - first
     keys, values = slots.keys[row, :, start : start + n], slots.values[row, :, start : start + n]  # [kv heads, n, D]
     if kernels.causal_attention(q[first:last], keys, values, out[first:last], before, scale):
         return
-    mine = (q[first:last] if not before else torch.cat([q[:before], q[first:last]])).transpose(0, 1)[None]
-    got = torch.nn.functional.scaled_dot_product_attention(mine, keys[None], values[None], is_causal=True, scale=scale,
+    mine = q[first:last].transpose(0, 1)[None]
+    mask = None if not before else torch.ones(last - first, n, dtype=torch.bool).tril(before)
+    got = torch.nn.functional.scaled_dot_product_attention(mine, keys[None], values[None], attn_mask=mask,
+                                                           is_causal=not before, scale=scale,
                                                            enable_gqa=mine.shape[1] != keys.shape[0])
-    out[first:last] = got[0, :, before:].transpose(0, 1)
+    out[first:last] = got[0].transpose(0, 1)

@@ -30,6 +30,7 @@ from . import graphs, kernels, kv
 from . import prefill as whole_prefill
 from .kernels import linear as fp32_linear
 from .kernels import llama as fused_llama
+from .prefixes import PrefixCache
 SLOT_SDPA = "batchspec_slot_sdpa"
 
 
@@ -180,13 +181,16 @@ class Runner:
 
     GRAPH_MODES = ("auto", "off", "static")
 
-    def __init__(self, model, graphs: str = "auto"):
+    def __init__(self, model, graphs: str = "auto", prefix_cache: int = 0):
         """``graphs``: "auto" replays static-shape steps as CUDA graphs on a GPU where ``graphs.supported(model)``;
         "off" never; "static" runs the static-shape steps without capture on any device (how they are tested on
-        CPU)."""
+        CPU). ``prefix_cache``: MiB of recurring prompt prefixes the prefills keep (``prefixes``; 0: none)."""
         if graphs not in self.GRAPH_MODES:
             raise ValueError(f"graphs must be one of {self.GRAPH_MODES}, got {graphs!r}")
+        if not isinstance(prefix_cache, int) or isinstance(prefix_cache, bool) or prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be a whole number of MiB >= 0, got {prefix_cache!r}")
         self.model, self.graphs = model, graphs
+        self.prefixes = PrefixCache(prefix_cache << 20) if prefix_cache else None
         self._static = None
         self._copy = self._key = None
         self._ends = ()
@@ -224,16 +228,16 @@ class Runner:
             self._static = graphs.supported(self.model) and graphs.StaticRunner(self.model, self.graphs == "auto")
         return self._static or None
 
-    def prefill(self, prompts: list[list[int]], shared: int, width: int, hidden: bool, embeds=None):
+    def prefill(self, prompts: list[list[int]], shared: int, width: int, hidden: bool, embeds=None, base=None):
         """``(cache, states or None)`` of ``prompts`` cached right-aligned in ``width`` slots by one forward of their
-        tokens end to end (``prefill.py``; ``shared`` leading tokens common to all computed once; ``embeds()``: each
-        row's input vectors in place of its tokens' embeddings), or None where that path does not apply or the C
-        layer's few-row forwards are the cheaper way (at most ``packed_rows`` tokens in all): the caller then runs
-        grouped forwards."""
-        tokens = shared + sum(len(p) - shared for p in prompts)
+        tokens end to end (``prefill.py``; ``shared`` leading tokens common to all computed once, or copied from
+        ``base``, a kept prefix of the first of them; ``embeds()``: each row's input vectors in place of its tokens'
+        embeddings), or None where that path does not apply or the C layer's few-row forwards are the cheaper way
+        (at most ``packed_rows`` tokens computed in all): the caller then runs grouped forwards."""
+        tokens = shared - (len(base) if base is not None else 0) + sum(len(p) - shared for p in prompts)
         if self.static is not None or tokens <= self.packed_rows:
             return None
-        return whole_prefill.prefill(self.model, prompts, shared, width, hidden, embeds)
+        return whole_prefill.prefill(self.model, prompts, shared, width, hidden, embeds, base)
 
     def forward(self, cache: kv.SlotCache, input_ids, position_ids, visible=None, logits_to_keep=0,
                 hidden=False, embeds=None, counts=None) -> TargetOutput:
