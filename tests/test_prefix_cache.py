@@ -195,3 +195,88 @@ def test_the_server_counts_its_kept_prefixes():
               if line and not line.startswith("#")}
     assert values["batchspec_prefix_cache_hits_total"] == 2  # the third and fourth request
     assert values["batchspec_prefix_cache_tokens_total"] == 2 * len(SYSTEM)
+
+
+# ------------------------------------------------------------------------------------------ chunked prefill
+
+
+def _chunking_engine(drafter, budget=8, **kw):
+    t = tiny.target()
+    draft = {"model": tiny.draft(), "eagle": tiny.eagle(), "none": None}[drafter]
+    llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=3, batch_size=3, scheduler="continuous",
+                         check_invariants=True, **kw)
+    return t, llm, llm.engine(prefill_tokens=budget)
+
+
+@pytest.mark.parametrize("drafter", ["none", "model", "eagle"])
+def test_a_long_prompt_joins_a_running_batch_a_chunk_a_step(drafter):
+    """With ``prefill_tokens`` = 8, a 40-token prompt that arrives while rows run is cached 8 tokens a step (plus the
+    one after each chunk), the running rows decoding in every one of those steps, and joins with its last chunk;
+    every output is the oracle's, and no chunk stays pinned."""
+    t, llm, engine = _chunking_engine(drafter)
+    short = [tiny.prompts(1, seed=70 + i, lo=6, hi=6)[0] for i in range(2)]
+    long = SYSTEM + TAILS[3][:20]  # 40 tokens: 39 cached
+    _, requests = llm.requests(short + [long], batchspec.SamplingParams(max_tokens=24))
+    for r in requests[:2]:
+        engine.add_request(r)
+    tokens, decoded_while_chunking = {}, []
+    for o in engine.step():  # the short ones start the batch
+        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    engine.add_request(requests[2])
+    while engine.has_work():
+        chunks = engine.stats.prefill_chunks
+        outs = engine.step()
+        for o in outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if engine.stats.prefill_chunks > chunks:
+            decoded_while_chunking.append(sum(len(o.new_token_ids) for o in outs if o.request_id != requests[2].id))
+    assert [tokens[r.id] for r in requests] == [tiny.oracle(t, p, 24) for p in short + [long]]
+    assert engine.stats.prefill_chunks == 4  # cached 8, 16, 24, 32 tokens; the last 7 joined
+    assert len(decoded_while_chunking) == 4 and all(decoded_while_chunking)  # the running rows never waited
+    kept = llm.parts.target.prefixes
+    assert kept._pinned == set() and kept.hits >= 1
+    if drafter != "none":
+        assert engine.stats.accepted > 0
+
+
+@pytest.mark.parametrize("case", ["no-budget", "no-kept-prefixes", "too-large-to-keep"])
+def test_no_chunks_without_a_budget_or_room_among_kept_prefixes(monkeypatch, case):
+    """The long prompt joins whole: without ``prefill_tokens``, without kept prefixes, or when its keys and values
+    would not fit their budget."""
+    long = SYSTEM + TAILS[3][:20]
+    if case == "too-large-to-keep":
+        import batchspec.engine.engine as engine_module
+
+        monkeypatch.setattr(engine_module, "token_bytes", lambda model, hidden: 8 << 20)
+    t, llm, engine = _chunking_engine("none", budget=None if case == "no-budget" else 8,
+                                      prefix_cache=0 if case == "no-kept-prefixes" else 256)
+    _, requests = llm.requests([SYSTEM[:6], long], batchspec.SamplingParams(max_tokens=6))
+    engine.add_request(requests[0])
+    out = {}
+    for o in engine.step():
+        out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    engine.add_request(requests[1])
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert out[requests[1].id] == tiny.oracle(t, long, 6)
+    assert engine.stats.prefill_chunks == 0
+
+
+def test_a_request_dropped_while_chunked_unpins_its_chunk():
+    t, llm, engine = _chunking_engine("none")
+    long = SYSTEM + TAILS[3][:20]
+    _, requests = llm.requests([SYSTEM[:6], long], batchspec.SamplingParams(max_tokens=30))
+    engine.add_request(requests[0])
+    engine.step()
+    engine.add_request(requests[1])
+    engine.step()
+    kept = llm.parts.target.prefixes
+    assert engine.stats.prefill_chunks == 1 and len(kept._pinned) == 1
+    assert engine.abort(requests[1].id)
+    assert kept._pinned == set()
+    engine.add_request(requests[1].__class__(prompt=long, max_tokens=4))
+    engine.step()
+    assert len(kept._pinned) == 1  # chunked again, from the kept chunk on
+    engine.reset()
+    assert kept._pinned == set()
