@@ -161,7 +161,6 @@ class Stats:
     joined_running: int = 0  # requests spliced into a batch that was already running (continuous batching)
     prefix_hits: int = 0  # prompts whose prefill started from a kept prefix (``Runner.prefixes``)
     prefix_tokens: int = 0  # their prompt tokens taken from it, not computed
-    prefill_chunks: int = 0  # steps that cached a chunk of a long prompt before it joined (``prefill_tokens``)
     dropped_after_stop: int = 0  # verified tokens discarded because a stop token came earlier in the same round
     full_accepts: int = 0  # row-rounds that accepted every proposed draft token (the bonus came after the last one)
     grouped_rounds: int = 0  # exspec: rounds whose batch had rows of one length (no realignment needed)

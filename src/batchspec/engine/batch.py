@@ -298,7 +298,7 @@ def _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, 
 
 
 def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None,
-            hidden: bool = False, embeds=None, chunk: int = 0):
+            hidden: bool = False, embeds=None):
     """Cache every prompt but its last token as one left-padded ``SlotState``; with ``hidden``, returns
     ``(state, states)``, ``states`` ``[B, W, H]`` the model's final hidden states at those tokens, laid out like the
     state's slots (zeros on padding).
@@ -313,10 +313,6 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     ``_prefill_group``). ``embeds(rows, n)``: a group's input vectors ``[len(rows), n, H]`` (its rows' last n,
     right-aligned) in place of the token embeddings (a head that reads the target's features); the end-to-end forward
     asks for each row's own n, rows of one length together (no prefix is shared then).
-
-    The runner's kept prefixes (``Runner.prefixes``): the longest one every prompt goes past is copied, not computed,
-    and a longer start that recurs is computed once and kept. ``chunk``: keep the first ``chunk`` cached tokens of the
-    one prompt given, pinned, whether they recur or not (a long prompt prefilled in chunks, ``Engine._admit``).
     """
     runner = runner if isinstance(runner, Runner) else Runner(runner)  # a model: a runner of its own
     dev = runner.device
@@ -338,8 +334,8 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     base = keep = None
     if store is not None:
         base = store.find(cached, hidden)
-        start, grow = (len(base) if base is not None else 0), chunk or store.recurring(cached)
-        keep = grow >= start + (1 if chunk else SHARED_PREFIX_MIN)
+        start, grow = (len(base) if base is not None else 0), store.recurring(cached)
+        keep = grow >= start + SHARED_PREFIX_MIN
         shared = grow if keep else max(shared, start)
 
     def vectors():  # each row's input vectors [n, H] for the end-to-end forward, asked for once per row length
@@ -360,7 +356,7 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
             store.store(Prefix(tuple(cached[0][:shared]),
                                [layer.keys[:1, :, at : at + shared].clone() for layer in cache.layers],
                                [layer.values[:1, :, at : at + shared].clone() for layer in cache.layers],
-                               states[:1, at : at + shared].clone() if hidden else None), pin=bool(chunk))
+                               states[:1, at : at + shared].clone() if hidden else None))
         store.remember(cached)
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]

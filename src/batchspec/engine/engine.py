@@ -17,7 +17,6 @@ import torch
 
 from ..drafters.base import Proposal
 from ..model.loading import vocab_size
-from ..model.prefixes import token_bytes
 from ..model.runner import Runner
 from ..params import MAX_LOGPROBS, Stats, TokenLogprob, show
 from ..speculation import FixedLength
@@ -217,8 +216,7 @@ class Engine:
                  check: bool = False, profile: bool = False, prefill_tokens: int | None = None):
         """``prefill_tokens``: while rows are running, the prompt tokens a step prefills at most (at least one
         request joins), so that a burst of long prompts does not stall the running rows for all of them at once
-        (None: every request the scheduler admits). A prompt longer than that, first in line, is prefilled that many
-        tokens a step, each chunk kept (pinned) among the target's kept prefixes, and joins with its last chunk."""
+        (None: every request the scheduler admits)."""
         self.parts, self.batch_size, self.check = parts, batch_size, check
         self.prefill_tokens = prefill_tokens
         self.scheduler = copy.deepcopy(scheduler)  # a scheduler may remember rows: one per engine
@@ -231,7 +229,6 @@ class Engine:
         self._aborted: set[int] = set()
         self._done: list[StepOutput] = []  # results to hand out at the next step (requests aborted while waiting)
         self._logprobs: dict[int, list[TokenLogprob]] = {}  # per running request that asked: its tokens' so far
-        self._chunked: dict[int, tuple] = {}  # per waiting request prefilled in part: its pinned kept prefix
         model = getattr(parts.target, "model", None)
         self._vocab = vocab_size(model) if model is not None else None
         scheduler.forget([])
@@ -256,7 +253,6 @@ class Engine:
         for r in self.waiting:
             if r.id == request_id:
                 self.waiting.remove(r)
-                self._unpin(r.id)
                 lps = None if r.logprobs is None else []
                 self._done.append(StepOutput(r.id, [], Finished(r.id, [], "abort", logprobs=lps), lps))
                 return True
@@ -270,8 +266,6 @@ class Engine:
 
     def reset(self) -> None:
         """Drop every request and all per-batch state (target, drafter and scheduler)."""
-        for rid in list(self._chunked):
-            self._unpin(rid)
         self.waiting.clear()
         self.batch = None
         self._aborted.clear()
@@ -356,8 +350,6 @@ class Engine:
     def _admit(self) -> None:
         running = len(self.batch) if self.batch is not None else 0
         n = min(len(self.waiting), self.scheduler.admit(running, len(self.waiting), self.batch_size))
-        if n > 0 and running and self.prefill_tokens is not None and self._prefill_chunk(self.waiting[0]):
-            return  # the first waiting prompt's next chunk is cached: it joins in a later step
         if n > 1 and running and self.prefill_tokens is not None:
             total, fits = 0, 0
             for r in itertools.islice(self.waiting, n):
@@ -370,7 +362,6 @@ class Engine:
             return
         joins = [self.waiting.popleft() for _ in range(n)]
         prompts = [r.prompt for r in joins]
-        unpin = [r.id for r in joins if r.id in self._chunked]  # their chunks are read in this prefill, then free
         drafter = self.parts.drafter
         kept = getattr(self.parts.target, "prefixes", None)
         before = (kept.hits, kept.reused) if kept is not None else None
@@ -392,35 +383,6 @@ class Engine:
         if before is not None:
             self.stats.prefix_hits += kept.hits - before[0]
             self.stats.prefix_tokens += kept.reused - before[1]
-        for rid in unpin:
-            self._unpin(rid)
-
-    def _prefill_chunk(self, request: Request) -> bool:
-        """Cache the next ``prefill_tokens`` of ``request``'s prompt as a kept prefix (pinned), when more than that
-        many of its tokens are left to prefill and its whole prompt fits the kept prefixes' budget; False otherwise
-        (it may join now)."""
-        kept = getattr(self.parts.target, "prefixes", None)
-        if kept is None:
-            return False
-        hidden, cached = self.parts.drafter.needs_hidden, request.prompt[:-1]
-        base = kept.find([cached], hidden)
-        start = len(base) if base is not None else 0
-        if len(cached) - start <= self.prefill_tokens or (
-                len(cached) * token_bytes(self.parts.target.model, hidden) > kept.budget):
-            return False
-        end = start + self.prefill_tokens
-        with self.timer("prefill"):
-            out = self.parts.prefill(self.parts.target, [request.prompt[: end + 2]], hidden=hidden, chunk=end)
-            (out[0] if hidden else out).cache.release()
-        self._unpin(request.id)
-        self._chunked[request.id] = tuple(cached[:end])
-        self.stats.prefill_chunks += 1
-        return True
-
-    def _unpin(self, request_id: int) -> None:
-        tokens = self._chunked.pop(request_id, None)
-        if tokens is not None:
-            self.parts.target.prefixes.unpin(tokens)
 
     def _round_from_window(self, rows: list[int], budget: DraftBudget) -> RoundResult:
         """A round on ``rows`` of the window: copy them out (aligned by the layout), run the round, write them back.

@@ -51,14 +51,6 @@ class Prefix:
         return sum(t.numel() * t.element_size() for t in parts)
 
 
-def token_bytes(model, hidden: bool) -> int:
-    """What a kept prefix takes a token for ``model``: its keys and values in every layer (and its hidden state)."""
-    cfg = model.config.get_text_config()
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return (2 * cfg.num_hidden_layers * heads * dim + (cfg.hidden_size if hidden else 0)) * model.dtype.itemsize
-
-
 def common_length(a, b) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
@@ -73,7 +65,6 @@ class PrefixCache:
         self.budget = budget
         self._entries: OrderedDict[tuple, Prefix] = OrderedDict()  # least recently used first
         self._recent: deque = deque(maxlen=HISTORY)
-        self._pinned: set[tuple] = set()  # kept whatever the budget until unpinned (a prompt prefilled in chunks)
         self._lock = threading.Lock()
         self.hits = self.reused = 0
 
@@ -126,30 +117,21 @@ class PrefixCache:
             if entry.tokens in self._entries:
                 self._entries.move_to_end(entry.tokens)
 
-    def store(self, entry: Prefix, pin: bool = False) -> None:
-        """Keep ``entry`` (replacing one of the same tokens), dropping the least recently used unpinned ones beyond
-        the budget; an entry larger than the whole budget is not kept. ``pin``: keep it until ``unpin``."""
+    def store(self, entry: Prefix) -> None:
+        """Keep ``entry`` (replacing one of the same tokens), dropping the least recently used beyond the budget; an
+        entry larger than the whole budget is not kept."""
         if entry.nbytes > self.budget:
             return
         with self._lock:
             self._entries.pop(entry.tokens, None)
             self._entries[entry.tokens] = entry
-            if pin:
-                self._pinned.add(entry.tokens)
             total = sum(e.nbytes for e in self._entries.values())
-            for tokens in [t for t in self._entries if t not in self._pinned]:
-                if total <= self.budget:
-                    break
-                total -= self._entries.pop(tokens).nbytes
-
-    def unpin(self, tokens) -> None:
-        """Let the kept prefix of ``tokens`` be dropped like any other."""
-        with self._lock:
-            self._pinned.discard(tuple(tokens))
+            while total > self.budget:
+                _, gone = self._entries.popitem(last=False)
+                total -= gone.nbytes
 
     def clear(self) -> None:
         """Drop every kept prefix and the remembered prompts (the counters stay)."""
         with self._lock:
             self._entries.clear()
             self._recent.clear()
-            self._pinned.clear()
