@@ -195,3 +195,28 @@ def test_the_server_counts_its_kept_prefixes():
               if line and not line.startswith("#")}
     assert values["batchspec_prefix_cache_hits_total"] == 2  # the third and fourth request
     assert values["batchspec_prefix_cache_tokens_total"] == 2 * len(SYSTEM)
+
+
+def test_kept_prefixes_follow_the_weights_they_were_computed_with():
+    """Weights edited in place: ``clear_prefixes`` drops what was kept; a model cast to another dtype drops it by
+    itself. Outputs are HF's of the model as it is (a private copy of the tiny target: it is changed here)."""
+    t = tiny._build("llama", 0, torch.float64, "sdpa")
+    prompts = [SYSTEM + tail for tail in TAILS[:4]]
+    llm = tiny.fixed_llm(t, batch_size=1, scheduler="continuous")
+    sp = batchspec.SamplingParams(max_tokens=6)
+
+    def oracle():
+        return [tiny._generate(t, p, 6, ()) for p in prompts]
+
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == oracle()
+    kept = llm.parts.target.prefixes
+    assert len(kept) == 1
+    with torch.no_grad():
+        t.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+    llm.clear_prefixes()
+    assert len(kept) == 0
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == oracle()
+    assert len(kept) == 1 and llm.stats.prefix_hits > 0
+    t.to(torch.float32)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == oracle()
+    assert len(kept) == 1 and all(e.keys[0].dtype == torch.float32 for e in kept._entries.values())

@@ -114,6 +114,12 @@ class LLM:
     def reset_stats(self) -> None:
         self.stats = Stats()
 
+    def clear_prefixes(self) -> None:
+        """Drop the target's kept prompt prefixes (``prefix_cache``): needed after editing its weights in place, since
+        what was kept was computed with the old ones."""
+        if self.parts.target.prefixes is not None:
+            self.parts.target.prefixes.clear()
+
     def _encode(self, prompts) -> list[list[int]]:
         vocab = vocab_size(self.target)
         out = []

@@ -334,6 +334,9 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     base = keep = None
     if store is not None:
         base = store.find(cached, hidden)
+        if base is not None and (base.keys[0].device != dev or base.keys[0].dtype != runner.model.dtype):
+            store.clear()  # the model was moved or cast since: what was kept no longer fits it
+            base = None
         start, grow = (len(base) if base is not None else 0), store.recurring(cached)
         keep = grow >= start + SHARED_PREFIX_MIN
         shared = grow if keep else max(shared, start)
