@@ -60,12 +60,12 @@ def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bo
         slots.fresh(like, like, len(prompts), width)
     states = None
     rows = [r for r, p in enumerate(prompts) if len(p)]
-    start = len(base) if base is not None else 0
-    for chunk in _chunks([len(prompts[r]) - shared for r in rows], shared - start):
+    given = len(base) if base is not None else 0  # the prefix's tokens copied, not computed
+    for chunk in _chunks([len(prompts[r]) - shared for r in rows], shared - given):
         chunk = [rows[i] for i in chunk]
         lengths = [len(prompts[r]) for r in chunk]
-        where = _where(chunk, lengths, shared, width, start)
-        kept = _where(chunk, lengths, start, width, 0, own=False) if start else None
+        where = _where(chunk, lengths, shared, width, given)
+        kept = _where(chunk, lengths, given, width, 0, own=False) if given else None
         with torch.no_grad():
             x = torch.cat([vectors[r] for r in chunk]) if vectors is not None else None
             h = _forward(model, cache, [prompts[r] for r in chunk], chunk, shared, width, hidden, where, x,
