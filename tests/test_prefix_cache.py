@@ -157,14 +157,17 @@ def test_what_recurs():
     assert kept.recurring([SYSTEM]) == len(SYSTEM) - 1
 
 
-@pytest.mark.parametrize("drafter", ["none", "model", "eagle"])
-def test_generation_from_kept_prefixes_is_the_oracles(drafter):
+@pytest.mark.parametrize("drafter,graphs", [("none", "auto"), ("model", "auto"), ("eagle", "auto"),
+                                            ("none", "static"), ("eagle", "static")])
+def test_generation_from_kept_prefixes_is_the_oracles(drafter, graphs):
+    """``graphs="static"``: the static-shape steps a GPU replays as graphs (run on CPU here), whose prefill is the
+    grouped one."""
     t = tiny.target()
-    draft = {"model": tiny.draft(), "eagle": tiny.eagle(), "none": None}[drafter]
+    draft = {"model": tiny.draft(), "eagle": tiny.eagle(graphs=graphs), "none": None}[drafter]
     prompts = [SYSTEM + tail for tail in TAILS]
     # two rows at a time, continuous batching: most prompts join alone, as in a server
     llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=3, batch_size=2, scheduler="continuous",
-                         check_invariants=True)
+                         check_invariants=True, graphs=graphs)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=10))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 10) for p in prompts]
     assert llm.stats.prefix_hits >= 4 and llm.stats.prefix_tokens == llm.stats.prefix_hits * len(SYSTEM)
