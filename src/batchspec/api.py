@@ -17,6 +17,7 @@ from .engine.layouts import get_layout
 from .engine.schedulers import get_scheduler
 from .model import kv
 from .model.prefixes import DEFAULT_MIB as DEFAULT_PREFIX_MIB
+from .model.prefixes import budget_bytes
 from .model.loading import context_length, eos_ids, load_model, load_tokenizer, resolve, vocab_size
 from .model.runner import Runner
 from .params import RequestOutput, SamplingParams, Stats
@@ -54,8 +55,7 @@ class LLM:
             raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if not isinstance(prefix_cache, int) or isinstance(prefix_cache, bool) or prefix_cache < 0:
-            raise ValueError(f"prefix_cache must be a whole number of MiB >= 0, got {prefix_cache!r}")
+        budget_bytes(prefix_cache)  # checked before any model loads
         self.layout = get_layout(layout)
         policy = get_policy(speculation) if isinstance(speculation, str) else speculation  # or a policy object
         self.scheduler = scheduler if hasattr(scheduler, "select") else get_scheduler(scheduler)

@@ -32,6 +32,13 @@ HISTORY_TOKENS = 4096  # leading tokens of each remembered prompt compared (a lo
 DEFAULT_MIB = 256  # default budget: a few system prompts and conversations of a 1.7B model, ~1% of a 24 GB machine
 
 
+def budget_bytes(mib) -> int:
+    """A budget of ``mib`` MiB in bytes; ValueError unless ``mib`` is a whole number >= 0 (``LLM(prefix_cache=)``)."""
+    if not isinstance(mib, int) or isinstance(mib, bool) or mib < 0:
+        raise ValueError(f"prefix_cache must be a whole number of MiB >= 0, got {mib!r}")
+    return mib << 20
+
+
 @dataclass
 class Prefix:
     """A kept prefix: its ``tokens`` and, per layer, its ``keys`` / ``values`` ``[1, kv heads, P, D]``; ``hidden``

@@ -30,7 +30,7 @@ from . import graphs, kernels, kv
 from . import prefill as whole_prefill
 from .kernels import linear as fp32_linear
 from .kernels import llama as fused_llama
-from .prefixes import PrefixCache
+from .prefixes import PrefixCache, budget_bytes
 SLOT_SDPA = "batchspec_slot_sdpa"
 
 
@@ -187,10 +187,9 @@ class Runner:
         CPU). ``prefix_cache``: MiB of recurring prompt prefixes the prefills keep (``prefixes``; 0: none)."""
         if graphs not in self.GRAPH_MODES:
             raise ValueError(f"graphs must be one of {self.GRAPH_MODES}, got {graphs!r}")
-        if not isinstance(prefix_cache, int) or isinstance(prefix_cache, bool) or prefix_cache < 0:
-            raise ValueError(f"prefix_cache must be a whole number of MiB >= 0, got {prefix_cache!r}")
+        budget = budget_bytes(prefix_cache)
         self.model, self.graphs = model, graphs
-        self.prefixes = PrefixCache(prefix_cache << 20) if prefix_cache else None
+        self.prefixes = PrefixCache(budget) if budget else None
         self._static = None
         self._copy = self._key = None
         self._ends = ()
