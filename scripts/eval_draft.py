@@ -24,7 +24,10 @@ from batchspec.training.data import log
 def macs_per_token(modules) -> int:
     """Weight multiply-accumulates of one token through ``modules`` (every linear layer incl. the output heads; no
     attention scores)."""
-    return sum(m.weight.numel() for mod in modules for m in mod.modules() if isinstance(m, torch.nn.Linear))
+    from batchspec.model.weights import PackedLinear
+
+    return sum(m.in_features * m.out_features for mod in modules for m in mod.modules()
+               if isinstance(m, (torch.nn.Linear, PackedLinear)))  # packed weights (``weights="auto"``) count alike
 
 
 @torch.no_grad()
