@@ -72,7 +72,8 @@ class LLM:
         ctx, draft_ctx = self._contexts()
         if draft_ctx is not None:  # a draft model drafts one position less than the block it fills
             ctx = draft_ctx + 1 if ctx is None else min(ctx, draft_ctx + 1)
-        parts = Parts(Runner(self.target, graphs, prefix_cache), self.drafter, self.layout, self.k, policy=policy, context=ctx)
+        parts = Parts(Runner(self.target, graphs, prefix_cache), self.drafter, self.layout, self.k, policy=policy,
+                      context=ctx)
         self.parts = apply_fault(parts, fault)
         if self.k:  # the adaptive policy prices rounds from a profile of this machine (measured once, cached)
             self.parts.policy.bind(self.parts.target, self.drafter, batch_size)
