@@ -17,7 +17,7 @@ import time
 import torch
 
 import batchspec
-from batchspec.engine.batch import prefill
+from batchspec.batch import prefill
 from batchspec.model.runner import Runner
 
 

@@ -10,7 +10,7 @@ import torch
 from test_weights import gguf_values, quantised_target
 
 from batchspec import SamplingParams
-from batchspec.engine.sampling import greedy
+from batchspec.sampling import greedy
 from batchspec.model import kernels
 from batchspec.model import weights as W
 

@@ -22,7 +22,7 @@ import batchspec
 from batchspec import SamplingParams as SP
 from batchspec.drafters import EagleDrafter
 from batchspec.drafters.eagle import EagleState, is_checkpoint
-from batchspec.engine.batch import InvariantError, prefill
+from batchspec.batch import InvariantError, prefill
 from batchspec.engine.schedulers import ExSpec
 from batchspec.model.kv import new_cache
 from batchspec.model.runner import Runner

@@ -13,7 +13,7 @@ import torch
 
 import batchspec
 from batchspec import SamplingParams
-from batchspec.engine.batch import prefill, prefill_groups
+from batchspec.batch.prefilling import prefill, prefill_groups
 from batchspec.model import graphs, kv
 from batchspec.model.runner import Runner
 
@@ -109,7 +109,7 @@ def test_prefill_groups_bound_padded_tokens():
 @pytest.mark.parametrize("draft", [None, "model"])
 def test_padded_prefill_exact(monkeypatch, draft):
     """A GPU's prefill pads prompts of different lengths into one forward: outputs stay exact (checked on CPU)."""
-    monkeypatch.setitem(batchspec.engine.batch.PREFILL_OVERHEAD, "cpu", 1 << 20)
+    monkeypatch.setitem(batchspec.batch.prefilling.PREFILL_OVERHEAD, "cpu", 1 << 20)
     t = tiny.target()
     ps = tiny.prompts(6, seed=7)
     assert len({len(p) for p in ps}) > 2

@@ -5,7 +5,7 @@ import tiny
 import torch
 
 import batchspec
-from batchspec.engine.batch import InvariantError, check_invariants, compact_index, prefill
+from batchspec.batch import InvariantError, check_invariants, compact_index, prefill
 
 
 def _state(prompts):

@@ -200,7 +200,7 @@ def _spy_on_fused(monkeypatch) -> list[bool]:
 
 def _ragged_state(model, seed):
     """A left-padded batch of prompts of 1-30 tokens, with one hidden (rejected) slot in the middle of one row."""
-    from batchspec.engine.batch import prefill
+    from batchspec.batch import prefill
 
     st = prefill(runner.Runner(model), tiny.prompts(5, seed=seed, lo=1, hi=30))
     st.append(torch.tensor([[3, 4]] * 5), torch.tensor([[True, True]] * 3 + [[False, True]] * 2))

@@ -98,6 +98,60 @@ def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+ARCHITECTURE = SRC.parents[1] / "docs" / "architecture.md"
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a module: its top-level package or module (``batchspec`` for the package's ``__init__``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def documented_layers() -> list[set[str]]:
+    """The units of each row of docs/architecture.md's layer table, top row first (``cli/`` -> ``batchspec.cli``,
+    ``bench.py`` -> ``batchspec.bench``, ``__init__.py`` -> ``batchspec``)."""
+    text = ARCHITECTURE.read_text()
+    start = text.index("| layer | units |")
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = line.split("|")[2]
+        names = [n.strip("` ") for n in cells.split(",")]
+        rows.append({"batchspec" if n == "__init__.py" else "batchspec." + n.removesuffix("/").removesuffix(".py")
+                     for n in names})
+    return rows
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """Imports from one unit into another that is not in a lower row of ``layers`` (top row first), and units the
+    table does not place."""
+    rank = {u: len(layers) - i for i, row in enumerate(layers) for u in row}
+    bad = sorted({f"{_unit(m)} is not in the layer table" for m in graph if _unit(m) not in rank})
+    for mod, targets in sorted(graph.items()):
+        for t in sorted(targets):
+            a, b = _unit(mod), _unit(t)
+            if a != b and a in rank and b in rank and rank[b] >= rank[a]:
+                bad.append(f"{mod} imports {t}: {b} is not below {a}")
+    return bad
+
+
+def test_imports_follow_the_documented_layers():
+    layers = documented_layers()
+    assert len(layers) >= 10 and {"batchspec.batch"} in layers and {"batchspec.model"} in layers
+    assert upward_imports(import_graph(), layers) == []
+
+
+def test_layer_check_finds_an_upward_import():
+    layers = [{"batchspec.engine"}, {"batchspec.batch"}, {"batchspec.model"}]
+    ok = {"batchspec.engine.engine": {"batchspec.batch.slots"}, "batchspec.batch.slots": {"batchspec.model.kv"},
+          "batchspec.model.kv": set()}
+    assert upward_imports(ok, layers) == []
+    up = dict(ok, **{"batchspec.model.runner": {"batchspec.batch.slots"}})
+    assert upward_imports(up, layers) == ["batchspec.model.runner imports batchspec.batch.slots: "
+                                          "batchspec.batch is not below batchspec.model"]
+    assert upward_imports({"batchspec.extra": set()}, layers) == ["batchspec.extra is not in the layer table"]
+
+
 def test_parts_satisfy_their_protocols():
     from batchspec.drafters import NoDrafter, PromptLookup
     from batchspec.drafters.eagle import EagleDrafter

@@ -9,7 +9,7 @@ import tiny
 import torch
 
 import batchspec
-from batchspec.engine import batch
+from batchspec.batch import prefilling as batch
 from batchspec.model import prefill as whole
 from batchspec.model.runner import Runner
 

@@ -8,7 +8,7 @@ import tiny
 import torch
 
 import batchspec
-from batchspec.engine import batch
+from batchspec.batch import prefilling as batch
 from batchspec.model import prefill as whole
 from batchspec.model.loading import load_model
 from batchspec.model.runner import Runner

@@ -12,7 +12,7 @@ import tiny
 import torch
 
 import batchspec
-from batchspec.engine import batch
+from batchspec.batch import prefilling as batch
 from batchspec.model import prefill as whole
 from batchspec.model.prefixes import MIN_TOKENS, Prefix, PrefixCache
 from batchspec.model.runner import Runner

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import batchspec
-from batchspec.engine.sampling import ACCEPT, DRAFT, TARGET, draw, greedy, uniforms, warp
+from batchspec.sampling import Stream, draw, greedy, uniforms, warp
+
+DRAFT, ACCEPT, TARGET = Stream.DRAFT, Stream.ACCEPT, Stream.TARGET
 from batchspec.engine.verify import rejection_sample
 
 SP = batchspec.SamplingParams

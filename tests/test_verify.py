@@ -4,9 +4,8 @@ slot buffers (append in place, hide, compact), and the running batch's row opera
 import tiny
 import torch
 
-from batchspec.engine.batch import Batch, SlotState, compact_index, prefill
+from batchspec.batch import Batch, Sequences, SlotState, compact_index, prefill
 from batchspec.engine.engine import Request
-from batchspec.engine.sequences import Sequences
 from batchspec.engine.verify import emitted_block, greedy_accept
 from batchspec.model.runner import Runner
 

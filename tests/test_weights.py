@@ -151,7 +151,7 @@ def test_a_packed_model_gives_the_fp32_models_logits_bit_for_bit(tmp_path):
     assert isinstance(packed.model.layers[1].mlp.up_proj, W.PackedLinear) and packed.model.layers[1].mlp.up_proj.packed.kind == "q4_0"
     assert fused.plan(packed) is not None  # the C layer runs the packed model
     prompts = tiny.prompts(4, seed=7)
-    from batchspec.engine.batch import prefill
+    from batchspec.batch import prefill
 
     for q in (1, 3, 6):  # a decode step and verification blocks, every row through the layer kernel
         outs = []

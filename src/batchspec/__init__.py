@@ -2,7 +2,7 @@
 
 from .api import LLM
 from .audit import audit
-from .engine.batch import InvariantError
+from .batch import InvariantError
 from .params import RequestOutput, SamplingParams, Stats
 
 __all__ = ["LLM", "audit", "SamplingParams", "RequestOutput", "Stats", "InvariantError"]

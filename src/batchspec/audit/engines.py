@@ -54,7 +54,7 @@ class BatchspecEngine:
 
     def first_violation(self, ctx, prompts, batch: list[int]):
         """Rerun one batch with the invariant checker on; the ``InvariantError`` raised, or None."""
-        from ..engine.batch import InvariantError
+        from ..batch import InvariantError
         from ..params import SamplingParams
 
         llm = self.llm(ctx, len(batch), check=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.batch import prefill
-from ..engine.sampling import DRAFT, draw, greedy
+from ..batch import prefill
+from ..sampling import Stream, draw, greedy
 from ..model.runner import Runner
 from .base import Drafter, Proposal
 
@@ -67,7 +67,7 @@ class ModelDrafter(Drafter):
         ids = seqs.history.gather(1, at.clamp(min=0))
         logits = state.slots.append(ids, at >= state.processed[:, None], logits_to_keep=1).logits
         state.processed = seqs.length.clone()
-        u = seqs.uniforms(k, DRAFT) if seqs.sampling else None
+        u = seqs.uniforms(k, Stream.DRAFT) if seqs.sampling else None
         drafts, qs = [], []
         for i in range(k):
             if i:

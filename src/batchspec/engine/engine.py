@@ -15,17 +15,16 @@ from typing import Callable
 
 import torch
 
+from ..batch import Batch, InvariantError, RoundLogprobs, Sequences, check_invariants, prefill
 from ..drafters.base import Proposal
 from ..model.loading import vocab_size
 from ..model.runner import Runner
 from ..params import MAX_LOGPROBS, Stats, TokenLogprob, show
+from ..sampling import Stream
 from ..speculation import FixedLength
 from ..speculation.budget import DRAFT, FIXED, NO_DRAFTER, NOT_WORTH, DraftBudget, Outcome, RoundView
-from .batch import Batch, InvariantError, check_invariants, prefill
 from .layouts.slotmask import SlotMask
 from .protocols import Drafter, Layout, Scheduler, SpeculationPolicy
-from .sampling import ACCEPT, TARGET
-from .sequences import RoundLogprobs, Sequences
 from .verify import emitted_block, greedy_accept, rejection_sample
 
 log = logging.getLogger("batchspec.engine")
@@ -172,7 +171,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
         out = target.append(torch.cat([seqs.pending()[:, None], drafts], 1), hidden=drafter.needs_hidden,
                             counts=n_drafts + 1)
         if seqs.sampling:
-            u_accept, u_target = seqs.uniforms(k, ACCEPT), seqs.uniforms(k + 1, TARGET)
+            u_accept, u_target = seqs.uniforms(k, Stream.ACCEPT), seqs.uniforms(k + 1, Stream.TARGET)
             accepted, bonus = parts.sample(seqs.warp(out.logits), proposal.q, drafts, n_drafts, u_accept, u_target)
         else:
             accepted, bonus = parts.accept(out.tokens(), drafts, n_drafts)

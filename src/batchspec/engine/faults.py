@@ -23,7 +23,7 @@ from functools import partial
 import torch
 
 from ..model import kv
-from .batch import SlotState
+from ..batch import SlotState
 from .verify import greedy_accept, rejection_sample
 
 

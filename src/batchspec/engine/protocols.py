@@ -11,8 +11,7 @@ if TYPE_CHECKING:
 
     from ..drafters.base import Proposal
     from ..speculation.budget import DraftBudget, Outcome, RoundView
-    from .batch import SlotState
-    from .sequences import Sequences
+    from ..batch import Sequences, SlotState
 
 
 @runtime_checkable

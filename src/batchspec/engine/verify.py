@@ -2,7 +2,7 @@
 
 import torch
 
-from .sampling import draw
+from ..sampling import draw
 
 
 def greedy_accept(target_ids: torch.Tensor, drafts: torch.Tensor, n_drafts: torch.Tensor):

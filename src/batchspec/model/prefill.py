@@ -1,6 +1,6 @@
 """A Llama prefill of many prompts with their tokens end to end: no padding, one forward, causal attention per row.
 
-The grouped prefill (``engine/batch.py``) runs one left-padded forward per group of similar lengths: it computes the
+The grouped prefill (``batch/prefilling.py``) runs one left-padded forward per group of similar lengths: it computes the
 padding's tokens, expands every packed weight once per forward, and, when the prompts share a prefix (a chat
 template's), attends over a masked rectangle (twice the work of causal attention). Here every token is computed
 once: the rows' tokens (and the shared prefix, once) are laid end to end as one sequence of ``T`` tokens, so each

@@ -1,7 +1,7 @@
 """Prompt prefixes kept between prefills: a chat template's system prompt, a conversation's earlier turns.
 
 A server meets the same leading tokens again and again, one request at a time, where a prefill of many prompts at
-once computes their shared prefix once (``engine/batch.py``) but a prefill of one prompt cannot. A ``PrefixCache``
+once computes their shared prefix once (``batch/prefilling.py``) but a prefill of one prompt cannot. A ``PrefixCache``
 keeps the keys and values (and, once asked for, the final hidden states a feature-reading head starts from) of
 prefixes that recurred, so that a later prefill whose prompts all start with one computes only the tokens after it.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 # leading tokens a prefix must have to be kept or reused: below it, the bookkeeping (one more forward in the grouped
-# prefill, copies of the keys and values) costs about what it saves (``engine/batch.SHARED_PREFIX_MIN``, the same
+# prefill, copies of the keys and values) costs about what it saves (``batch/prefilling.SHARED_PREFIX_MIN``, the same
 # measurement)
 MIN_TOKENS = 16
 HISTORY = 32  # earlier prompts a new one is compared with for a recurring start (a server's recent requests)

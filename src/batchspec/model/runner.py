@@ -25,7 +25,7 @@ from itertools import chain
 import torch
 from transformers.modeling_utils import AttentionInterface
 
-from ..engine.sampling import greedy
+from ..sampling import greedy
 from . import graphs, kernels, kv
 from . import prefill as whole_prefill
 from .kernels import linear as fp32_linear

@@ -143,7 +143,7 @@ def _in_widths(seconds: list[float], width: float) -> float:
 
 def synthetic_state(runner, rows: int, context: int):
     """A ``SlotState`` of ``rows`` rows with ``context`` cached tokens each (random keys and values, all visible)."""
-    from ..engine.batch import SlotState
+    from ..batch import SlotState
 
     cfg = runner.model.config.get_text_config()
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads

@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-from ...engine.batch import SlotState, prefill
-from ...engine.sampling import DRAFT, draw, greedy
+from ...batch import SlotState, prefill
+from ...sampling import Stream, draw, greedy
 from ...model.kv import new_cache
 from ...model.runner import Runner
 from ...speculation.budget import DraftBudget
@@ -192,7 +192,7 @@ class EagleDrafter(Drafter):
         out = state.slots.append(tok, at >= state.processed[:, None], logits_to_keep=1, hidden=True,
                                  embeds=self._inputs(nxt, feats))
         state.processed = torch.maximum(state.processed, length - 1)
-        u = seqs.uniforms(k, DRAFT) if seqs.sampling else None
+        u = seqs.uniforms(k, Stream.DRAFT) if seqs.sampling else None
         drafts, qs, first = [], [], None
         # greedy rounds sized here: the head drafts on while a row is sure (past the plan where rows are verified one
         # by one), and stops when none is; sures[i] [B]: P(a row's drafts 1..i+1 are right) by the head's probabilities

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...engine.batch import SlotState
+from ...batch import SlotState
 from ...model.kv import move_rows
 
 

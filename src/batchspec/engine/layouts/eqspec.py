@@ -1,7 +1,7 @@
 """EQSPEC (the paper's method): after every round, unpad-append-repad so that each row is left-padded, rectangular
 and free of holes. The KV move of target and draft caches is one gather per cache; positions follow the mask."""
 
-from ..batch import SlotState, compact_index
+from ...batch import SlotState, compact_index
 
 
 class EqSpec:

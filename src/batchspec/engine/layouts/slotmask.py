@@ -2,7 +2,7 @@
 ids count the valid tokens before each slot, so holes are invisible to the model. The cache is compacted (one
 gather, as in EQSPEC) only when holes and padding exceed ``max_waste`` of its width."""
 
-from ..batch import SlotState, compact_index
+from ...batch import SlotState, compact_index
 
 
 class SlotMask:

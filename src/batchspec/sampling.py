@@ -9,9 +9,20 @@ token, or the token of a plain decoding step).
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import torch
 
-DRAFT, ACCEPT, TARGET = 0, 1, 2
+
+class Stream(IntEnum):
+    """The random streams of a generated token: the drafter's draw, the acceptance test of a drafted token, the
+    target's draw."""
+
+    DRAFT = 0
+    ACCEPT = 1
+    TARGET = 2
+
+
 _M32 = 0xFFFFFFFF
 
 
@@ -32,7 +43,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def uniforms(seed: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tensor:
     """Uniform floats in [0, 1) (float64, 53 random bits) for ``seed`` [B] (int64) and token ``index`` [B, Q]."""
     lo, hi = (seed & _M32)[:, None], ((seed >> 32) & _M32)[:, None]
-    base = _mix((index * 4 + stream) & _M32)
+    base = _mix((index * 4 + int(stream)) & _M32)
     words = [_mix(_mix(_mix(base ^ salt) ^ lo) ^ hi) for salt in (0x68E31DA4, 0xB5297A4D)]
     return ((words[0] >> 5) * 67108864 + (words[1] >> 6)).double() / 9007199254740992.0
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import uniforms, warp
+from ..sampling import uniforms, warp
 
 FIELDS = ("prompt_len", "limit", "history", "length", "stop", "stopped", "rounds", "drafted", "accepted", "evidence",
           "temperature", "top_k", "top_p", "seed")

@@ -1,0 +1,211 @@
+"""The prefill: each prompt's tokens through the target (or a draft model) once, into a new ``SlotState`` whose rows are
+left-padded to one width; prompts of similar length share a forward, a start the prompts share (or one the runner has
+kept) is computed once."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import kv
+from ..model.prefixes import Prefix
+from ..model.runner import Runner
+from .slots import SlotState, compact_index
+
+
+# a forward's fixed cost, in tokens' worth of work (other devices: 1). CPU: a 64-token prefill forward took ~30 tokens'
+# time more than its share of a 1024-token one, and 16 built-in chat prompts (862 tokens) prefilled 1.35x as fast grouped
+# with 16-128 as without (docs/benchmarks.md)
+PREFILL_OVERHEAD = {"cuda": 4096, "cpu": 32}
+PREFILL_MAX_TOKENS = 1 << 16  # padded tokens per prefill forward at most (bounds its activations)
+# leading tokens the prompts of a prefill must share before that prefix is computed once for all of them (a chat
+# template's system prompt: 24 tokens for SmolLM2's, 40% of the built-in chat prompts' tokens); below it, one more
+# forward and the copies of its keys and values cost about what sharing saves
+SHARED_PREFIX_MIN = 16
+
+
+def prefill_groups(lengths: list[int], overhead: int, max_tokens: int = PREFILL_MAX_TOKENS) -> list[list[int]]:
+    """Split rows into groups, one left-padded forward each, minimising the sum over groups of ``overhead + rows x
+    longest``: with a small overhead (CPU) rows of equal length share a forward and nothing is padded; with a large
+    one (a GPU, where a forward's launches cost more than thousands of tokens' arithmetic) few forwards take all."""
+    order = sorted(range(len(lengths)), key=lambda r: lengths[r])
+    best, cut = [0.0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):  # best[j]: the cheapest split of the j shortest rows
+        longest = lengths[order[j - 1]]
+        for i in range(j - 1, -1, -1):
+            if i < j - 1 and (j - i) * longest > max_tokens:
+                break
+            cost = best[i] + overhead + (j - i) * longest
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """How many leading tokens all of ``prompts`` share."""
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return n
+
+
+def _prefix(runner, prefix: list[int], hidden: bool, base: Prefix | None = None):
+    """The forward of a prefix shared by every prompt of a prefill, once: its one-row cache and, with ``hidden``, its
+    final hidden states ``[1, P, H]``. ``base``: a kept prefix of its first tokens, copied; only the rest is
+    computed."""
+    dev = runner.device
+    cache = kv.new_cache(runner.model)
+    start = 0 if base is None else len(base)
+    if base is not None:
+        for layer, k, v in zip(cache.layers, base.keys, base.values):
+            layer.lazy_initialization(k, v)
+            layer.set(k, v)
+        if start == len(prefix):
+            return cache, base.hidden
+    visible = None if base is None else torch.ones((1, len(prefix)), dtype=torch.bool, device=dev)
+    out = runner.forward(cache, torch.tensor([prefix[start:]], device=dev),
+                         torch.arange(start, len(prefix), device=dev)[None, :], visible, logits_to_keep=1,
+                         hidden="all" if hidden else False)
+    if not hidden or base is None:
+        return cache, out.hidden
+    return cache, torch.cat([base.hidden, out.hidden], 1)
+
+
+def _prefill_group(runner, cached: list[list[int]], prefix, shared: int, hidden: bool, inputs=None):
+    """One group's forward: its rows' tokens ``cached[r][shared:]``, left-padded, after the shared prefix when there
+    is one (``prefix`` from ``_prefix``: its keys and values copied for each row, attended to by every row; each row's
+    slots are then right-aligned, prefix first). Returns the group's cache and, with ``hidden``, its final hidden
+    states ``[R, n, H]`` laid out like its slots (zeros on padding). ``inputs``: input vectors in place of the token
+    embeddings (only without a prefix)."""
+    dev, rows = runner.device, len(cached)
+    m = max(len(c) for c in cached) - shared
+    pad = torch.tensor([m - (len(c) - shared) for c in cached], device=dev)[:, None]
+    col = torch.arange(m, device=dev)[None, :]
+    ids = torch.tensor([[0] * (m - len(c) + shared) + c[shared:] for c in cached], device=dev)
+    if prefix is None:
+        part = kv.new_cache(runner.model)
+        visible = None if not pad.any() else col >= pad  # one host read per group, at prefill only
+    else:
+        part = kv.take_rows(prefix[0], torch.zeros(rows, dtype=torch.long, device=dev))
+        visible = torch.cat([torch.ones((rows, shared), dtype=torch.bool, device=dev), col >= pad], 1)
+    out = runner.forward(part, ids, shared + (col - pad).clamp(min=0), visible, logits_to_keep=1,
+                         hidden="all" if hidden else False, embeds=inputs)
+    if prefix is None:
+        h = out.hidden if visible is None or not hidden else out.hidden.masked_fill(~visible[..., None], 0)
+        return part, h
+    index, hole = compact_index(visible, shared + m)
+    kv.gather_slots(part, index, hole)
+    if not hidden:
+        return part, None
+    states = torch.cat([prefix[1].expand(rows, -1, -1), out.hidden], 1)
+    return part, states.gather(1, index[..., None].expand(-1, -1, states.shape[-1])).masked_fill(hole[..., None], 0)
+
+
+def _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base=None):
+    """The prefill as one left-padded forward per group of rows (``prefill_groups``), after the shared prefix's own
+    forward (from ``base`` on, a kept prefix of its first tokens); returns ``(cache, states)`` like
+    ``Runner.prefill``: the hidden states ``[B, width, H]`` or None."""
+    dev, states = runner.device, None
+    cache = kv.new_cache(runner.model)
+    prefix = _prefix(runner, prompts[0][:shared], hidden, base) if shared else None
+    for rows in prefill_groups([n - shared for n in lengths], overhead):
+        rows = [r for r in rows if lengths[r]]
+        if not rows:
+            continue
+        n = max(lengths[r] for r in rows)
+        inputs = embeds(rows, n) if embeds is not None else None
+        part, h = _prefill_group(runner, [prompts[r][: lengths[r]] for r in rows], prefix, shared, hidden, inputs)
+        index = torch.tensor(rows, device=dev)
+        kv.place_rows(cache, index, part, len(prompts), width)
+        if hidden:
+            if states is None:
+                states = h.new_zeros((len(prompts), width, h.shape[-1]))
+            states[index, width - n:] = h
+        part.release()
+    if prefix is not None:
+        prefix[0].release()
+    return cache, states
+
+
+def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None,
+            hidden: bool = False, embeds=None):
+    """Cache every prompt but its last token as one left-padded ``SlotState``; with ``hidden``, returns
+    ``(state, states)``, ``states`` ``[B, W, H]`` the model's final hidden states at those tokens, laid out like the
+    state's slots (zeros on padding).
+
+    Where the runner can (``Runner.prefill``: a Llama on CPU), every prompt's tokens go end to end through one forward
+    (the shared prefix below once), with no padding. Elsewhere rows are grouped by ``prefill_groups`` (``overhead``
+    defaults by device: ``PREFILL_OVERHEAD``): each group is one
+    forward, left-padded to its longest row (padding slots hidden), and its keys and values are then copied once
+    into its rows of the final rectangle. When every prompt starts with the same
+    ``SHARED_PREFIX_MIN`` or more tokens (a chat template's) and sharing saves more than a forward's overhead, that
+    prefix is computed once and the groups are formed and run over the tokens after it (``_prefix``,
+    ``_prefill_group``). ``embeds(rows, n)``: a group's input vectors ``[len(rows), n, H]`` (its rows' last n,
+    right-aligned) in place of the token embeddings (a head that reads the target's features); the end-to-end forward
+    asks for each row's own n, rows of one length together (no prefix is shared then).
+    """
+    runner = runner if isinstance(runner, Runner) else Runner(runner)  # a model: a runner of its own
+    dev = runner.device
+    lengths = [len(p) - 1 for p in prompts]
+    width = max(lengths, default=0)
+    if overhead is None:
+        overhead = PREFILL_OVERHEAD.get(dev.type, 1)
+    cached = [p[:n] for p, n in zip(prompts, lengths)]
+    # the prefix every prompt shares, up to each row's last cached token (every row keeps one of its own): computed
+    # once where that saves more than a forward's overhead
+    shared = 0
+    if embeds is None and len(prompts) > 1 and min(lengths) > 0:
+        shared = min(shared_prefix(cached), min(lengths) - 1)
+        if shared < SHARED_PREFIX_MIN or (len(prompts) - 1) * shared <= overhead:
+            shared = 0
+    # the runner's kept prefixes: start from the longest one the prompts all go past; compute (and keep) a longer
+    # prefix that recurs, once
+    store = runner.prefixes if embeds is None and prompts and min(lengths) > 0 else None
+    base = keep = None
+    if store is not None:
+        base = store.find(cached, hidden)
+        if base is not None and (base.keys[0].device != dev or base.keys[0].dtype != runner.model.dtype):
+            store.clear()  # the model was moved or cast since: what was kept no longer fits it
+            base = None
+        start, grow = (len(base) if base is not None else 0), store.recurring(cached)
+        keep = grow >= start + SHARED_PREFIX_MIN
+        shared = grow if keep else max(shared, start)
+
+    def vectors():  # each row's input vectors [n, H] for the end-to-end forward, asked for once per row length
+        out = [None] * len(prompts)
+        for n in set(lengths) - {0}:
+            rows = [r for r, m in enumerate(lengths) if m == n]
+            for r, v in zip(rows, embeds(rows, n)):
+                out[r] = v
+        return out
+
+    whole = runner.prefill(cached, shared, width, hidden, vectors if embeds is not None else None, base)
+    cache, states = whole or _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base)
+    if store is not None:
+        if base is not None:
+            store.used(base, len(prompts))
+        if keep:  # row 0's copy of the prefix (every row's is the same)
+            at = width - lengths[0]
+            store.store(Prefix(tuple(cached[0][:shared]),
+                               [layer.keys[:1, :, at : at + shared].clone() for layer in cache.layers],
+                               [layer.values[:1, :, at : at + shared].clone() for layer in cache.layers],
+                               states[:1, at : at + shared].clone() if hidden else None))
+        store.remember(cached)
+    n = torch.tensor(lengths, device=dev, dtype=torch.long)
+    col = torch.arange(width, device=dev)[None, :]
+    valid = col >= (width - n[:, None])
+    tokens = torch.full((len(prompts), width), -1, dtype=torch.long, device=dev)
+    for r, length in enumerate(lengths):  # once per request at prefill, not per round
+        if length:
+            tokens[r, width - length :] = torch.tensor(prompts[r][:-1], device=dev)
+    positions = (col - (width - n[:, None])).clamp(min=0)
+    state = SlotState(runner, cache, valid, tokens, positions, name)
+    if not hidden:
+        return state
+    if states is None:  # every prompt is one token long
+        size = runner.model.config.get_text_config().hidden_size
+        states = torch.zeros((len(prompts), width, size), dtype=runner.model.dtype, device=dev)
+    return state, states
