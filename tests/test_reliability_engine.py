@@ -227,6 +227,41 @@ def test_draft_context_filled_exactly_is_served():
     assert llm.stats.accepted > 0
 
 
+def _short_target(n_positions=128):
+    """The tiny GPT-2 target with only ``n_positions`` learned positions."""
+    src = tiny.target("gpt2")
+    cfg = copy.deepcopy(src.config)
+    cfg.n_positions = n_positions
+    model = GPT2LMHeadModel(cfg)
+    state = src.state_dict()
+    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:n_positions]
+    model.load_state_dict(state)
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.to(src.dtype).eval()
+
+
+def test_the_default_policy_measures_within_short_learned_contexts():
+    """The adaptive policy (the default) times forwards on a synthetic batch before any request: with a learned
+    position table shorter than that batch's usual length, it measures within the table, and a prompt that fills the
+    context to its last position is served exactly (prompt lookup; a draft model shorter than the target)."""
+    from batchspec import LLM
+
+    t = _short_target(128)
+    prompt = _repetitive(100, 5)
+    llm = LLM(t, draft="prompt-lookup", num_draft_tokens=4, batch_size=2, check_invariants=True)
+    assert llm.parts.policy.name == "adaptive"
+    out = llm.generate([prompt, prompt[:60]], SamplingParams(max_tokens=28))
+    assert out[0].token_ids == tiny.oracle(t, prompt, 28) and out[1].token_ids == tiny.oracle(t, prompt[:60], 28)
+    short = _short_draft(48)
+    llm = LLM(t, draft=short, num_draft_tokens=4, batch_size=1, check_invariants=True)
+    assert llm.generate([prompt[:44]], SamplingParams(max_tokens=4))[0].token_ids == tiny.oracle(t, prompt[:44], 4)
+    with pytest.raises(ValueError, match=r"44 prompt tokens \+ max_tokens 20 = 64 exceeds the draft model's context "
+                                         r"of 48"):
+        llm.generate([prompt[:44]], SamplingParams(max_tokens=20))
+
+
 # ------------------------------------------------------------------------------------------- counters
 def _spy_raw_accepts(llm):
     raw = []

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..model import kernels, kv
-from ..model.loading import cache_base
+from ..model.loading import cache_base, context_length
 
 PROFILE_VERSION = 2  # bump when what is measured changes: older cached profiles are measured again
 WIDTHS = (1, 2, 3, 4, 6)  # new tokens per row measured (a verification of K = 5 drafts is 6 wide)
@@ -208,7 +208,7 @@ def measure(target_runner, batch_size: int, drafter=None, hidden: bool = False, 
     points = row_points(batch_size)
     target: dict[int, list[float]] = {}
     for rows in points:
-        state = synthetic_state(target_runner, rows, CONTEXT)
+        state = synthetic_state(target_runner, rows, _cached(target_runner, max(WIDTHS)))
         target[rows] = _rising(time_forwards(state, WIDTHS, hidden=hidden))
         state.cache.release()
         if progress is not None:
@@ -223,14 +223,23 @@ def measure(target_runner, batch_size: int, drafter=None, hidden: bool = False, 
     if timing is not None:  # a drafter with a model of its own: (its runner, its input layer or None, hidden)
         runner, inputs, want_hidden = timing()
         for rows in points:
-            state = synthetic_state(runner, rows, CONTEXT)
+            state = synthetic_state(runner, rows, _cached(runner, 1))
             step[rows] = time_forwards(state, (1,), hidden=want_hidden, inputs=inputs, keep=1)[0]
             state.cache.release()
         step = dict(zip(points, _rising([step[r] for r in points])))
-        state = synthetic_state(runner, 1, CONTEXT)
-        pair = time_forwards(state, (PAIRS,), hidden=want_hidden, inputs=inputs, keep=1)[0] / PAIRS
+        limit = context_length(runner.model)
+        pairs = PAIRS if limit is None else max(1, min(PAIRS, limit // 2))
+        state = synthetic_state(runner, 1, _cached(runner, pairs))
+        pair = time_forwards(state, (pairs,), hidden=want_hidden, inputs=inputs, keep=1)[0] / pairs
         state.cache.release()
     return Profile(target, step, pair)
+
+
+def _cached(runner, width: int) -> int:
+    """Cached tokens per row of a synthetic batch that a forward ``width`` wide appends to: ``CONTEXT``, or fewer
+    where the model's positions end sooner (a learned position table has no row past its last)."""
+    limit = context_length(runner.model)
+    return CONTEXT if limit is None else max(1, min(CONTEXT, limit - width))
 
 
 def _rising(values: list[float]) -> list[float]:
