@@ -54,7 +54,7 @@ def test_each_declaration_matches_its_c_definition(name):
     want = [(re.findall(r"\w+", p)[-1], "ptr" if "*" in p else p.split()[0]) for p in params]
     restype, args = kernels.signature(name)
     assert restype is kernels._C_TYPES[found.group(1)]
-    assert [(arg, kind) for arg, kind in args] == [(arg, kernels._C_TYPES[kind]) for arg, kind in want]
+    assert args == [(arg, kernels._C_TYPES[kind]) for arg, kind in want]
 
 
 def test_the_cache_key_covers_every_header(monkeypatch, tmp_path):
