@@ -327,6 +327,7 @@ def load_model(spec, dtype=None, device=None, role: str = "target", weights: str
         model = model.to(dtype)
     model = model.to(device).eval()
     if weights == "auto":
+        from .kernels import library
         from .weights import pack_model
 
         report = pack_model(model)
@@ -334,7 +335,7 @@ def load_model(spec, dtype=None, device=None, role: str = "target", weights: str
             _log.info("%s %s", os.fspath(spec), report.line())
             if cached is not None:
                 _save_packed(model, cached)
-        if report.unpacked:
+        if report.unpacked and library() is not None:  # else the kernels said once why nothing is packed
             _log.info("%s: %d weights kept in fp32 (no narrower format holds their values exactly)", os.fspath(spec),
                       len(report.unpacked))
     return model

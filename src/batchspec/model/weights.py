@@ -290,6 +290,9 @@ def pack_model(model) -> PackReport:
             w = child.weight
             if w.dtype != torch.float32 or w.device.type != "cpu":
                 continue
+            if kernels.library() is None:  # nothing can be packed here: said once per process, and why
+                kernels.tell_off()
+                return report(model)
             if id(w) not in done:
                 done[id(w)] = (w, pack(w))
             p = done[id(w)][1]

@@ -15,16 +15,21 @@
 - ``argmax.c``: the greedy tokens of a q8_0 output head without every logit: 8-bit integer scores within a proven
   bound of the exact outputs, and only the outputs the bound cannot rule out computed (``packed.c``'s bits).
 
+Shared by several: ``reduce.h`` (the horizontal sum whose order the bits rest on), ``packed.h`` (a weight as the
+kernels see it, and the entry points they call across files), ``vexp.h`` (e^x of the softmaxes).
+
 They are compiled on first use with the system C compiler into ``$BATCHSPEC_CACHE/kernels`` (default
-``~/.cache/batchspec/kernels``); without a compiler or AVX2, for other dtypes or devices, or with
-``BATCHSPEC_KERNELS=0``, the entry points return None and callers use torch. Their sums run in another order than
-MKL's, like any change of batch size.
+``~/.cache/batchspec/kernels``), the compiler's output into a log beside them; without a compiler or AVX2, for other
+dtypes or devices, or with ``BATCHSPEC_KERNELS=0``, the entry points return None and callers use torch (a build
+that fails is logged once, with where its log is). Their sums run in another order than MKL's, like any change of
+batch size.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -35,12 +40,48 @@ from pathlib import Path
 import torch
 
 MAX_ROWS = 64  # measured no slower than torch up to 48 rows; beyond this torch is used
-_SOURCES = [Path(__file__).with_name(name)
-            for name in ("skinny.c", "layer.c", "match.c", "packed.c", "causal.c", "argmax.c")]
-_HEADERS = [Path(__file__).with_name(name) for name in ("vexp.h", "packed.h")]  # included by the sources (a build depends on them too)
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / name for name in ("skinny.c", "layer.c", "match.c", "packed.c", "causal.c", "argmax.c")]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_off: str | None = None  # why the kernels are off here, once a build was tried
+_told = False  # whether that was logged (once per process)
+_log = logging.getLogger("batchspec.kernels")
+
+# Every entry point Python calls, as its .c file defines it ("ptr": any pointer, a packed_t's by reference too).
+SIGNATURES = {
+    "skinny_linear": "void (ptr x, ptr w, ptr y, long M, long N, long K)",
+    "skinny_avx512": "int (int on)",
+    "llama_layers": "int (ptr x, ptr w, ptr cos, ptr sin, ptr kc, ptr vc, ptr vis, ptr dims, float eps, float scale, "
+                    "ptr first, ptr caps, long layers)",
+    "lookup_match": "void (ptr hist, ptr length, long rows, long width, long n_max, ptr match, ptr end)",
+    "packed_linear": "int (ptr x, ptr w, ptr y, long M, long N, long K)",
+    "packed_expand": "void (ptr w, long N, long K, ptr out)",
+    "packed_gather": "void (ptr w, long K, ptr ids, long n, ptr out)",
+    "packed_find": "int (long kind, ptr w, long N, long K, ptr codes_out, ptr d, ptr m)",
+    "causal_attention": "int (ptr q, long qs, ptr k, ptr v, long hs, ptr out, long os, long first, long n, long nh, "
+                        "long nkv, long dim, float scale)",
+    "q8_argmax_supported": "int ()",
+    "q8_row_sums": "void (ptr w, long N, long K, ptr T, ptr R)",
+    "q8_argmax": "int (ptr x, ptr w, ptr T, ptr R, long M, long N, long K, ptr A, ptr tokens)",
+}
+_C_TYPES = {"void": None, "ptr": ctypes.c_void_p, "long": ctypes.c_long, "int": ctypes.c_int, "float": ctypes.c_float}
+
+
+def signature(name: str) -> tuple[type | None, list[tuple[str, type]]]:
+    """``SIGNATURES[name]`` as ctypes sees it: the return type and the ``(name, type)`` of each argument."""
+    ret, _, args = SIGNATURES[name].partition(" ")
+    params = [a.split() for a in args.strip("()").split(",") if a.strip()]
+    return _C_TYPES[ret], [(arg, _C_TYPES[kind]) for kind, arg in params]
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name in SIGNATURES:
+        fn = getattr(lib, name)
+        fn.restype, args = signature(name)
+        fn.argtypes = [kind for _, kind in args]
+    return lib
 
 
 def cache_dir() -> Path:
@@ -50,27 +91,69 @@ def cache_dir() -> Path:
 
 
 def source_digest() -> str:
-    """A digest of the kernels' sources (what a build, and the layout of packed codes, depend on)."""
-    return hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES + _HEADERS)).hexdigest()[:16]
+    """A digest of the kernels' sources and every header beside them (what a build, and the layout of packed codes,
+    depend on)."""
+    files = _SOURCES + sorted(_DIR.glob("*.h"))
+    return hashlib.sha256(b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)).hexdigest()[:16]
+
+
+def _off_because(reason: str, warn: bool) -> None:
+    """Record why the kernels are off here; a fault the user can fix (``warn``) is logged at once."""
+    global _off
+    _off = reason
+    if warn:
+        _tell(logging.WARNING)
+
+
+def _tell(level: int) -> None:
+    global _told
+    if not _told:
+        _told = True
+        _log.log(level, "packed weights and fused kernels off: %s", _off)
+
+
+def tell_off() -> None:
+    """Log, once per process, that packed weights and the fused kernels are off here and why (for a caller that
+    would use them: ``weights="auto"``); nothing where they are built, or where the build already said so."""
+    global _off
+    if os.environ.get("BATCHSPEC_KERNELS", "1") == "0":
+        _off = "BATCHSPEC_KERNELS=0"
+    elif _load() is not None:
+        return
+    _tell(logging.INFO)
 
 
 def _build() -> Path | None:
-    """Compile the kernels once per source version; None when that is not possible here."""
+    """Compile the kernels once per source version; None when that is not possible here (``_off`` says why). The
+    compiler's output goes to a log beside the library, never to the terminal."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not sys.platform.startswith("linux"):
+        return _off_because("the C kernels are built on Linux only", warn=False)
+    if capability not in ("AVX2", "AVX512"):
+        return _off_because(f"this CPU has no AVX2 (torch reports {capability})", warn=False)
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc or not sys.platform.startswith("linux") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
+    if not cc:
+        return _off_because("no C compiler found (install gcc, or name one in CC)", warn=True)
     digest = source_digest()
     out = cache_dir() / f"cpu-{digest}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    tmp, log = out.with_name(f"{out.name}.{os.getpid()}.tmp"), out.with_suffix(".log")
     # no contraction of a * b + c into one rounding: elementwise steps round like torch's
     cmd = [cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", *map(str, _SOURCES),
            "-o", str(tmp), "-lm"]
-    if subprocess.run(cmd, capture_output=True).returncode:
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            failed = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT).returncode
+        except OSError as e:
+            f.write(f"{e}\n")
+            failed = True
+    if failed:
         tmp.unlink(missing_ok=True)
-        return None
+        return _off_because(f"the C kernels did not build (install a C compiler, or see the log at {log})", warn=True)
     os.replace(tmp, out)
     return out
 
@@ -83,42 +166,13 @@ def _load() -> ctypes.CDLL | None:
         return _lib
     with _lock:
         if not _tried:
-            _tried = True
             try:
                 path = _build()
-                if path is not None:
-                    lib = ctypes.CDLL(str(path))
-                    lib.skinny_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-                    lib.skinny_linear.restype = None
-                    lib.skinny_avx512.argtypes = [ctypes.c_int]
-                    lib.skinny_avx512.restype = ctypes.c_int
-                    lib.llama_layers.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2 + [
-                        ctypes.c_long]
-                    lib.llama_layers.restype = ctypes.c_int
-                    lib.lookup_match.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
-                    lib.lookup_match.restype = None
-                    lib.packed_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-                    lib.packed_linear.restype = ctypes.c_int
-                    lib.packed_expand.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p]
-                    lib.packed_expand.restype = None
-                    lib.packed_gather.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                                                  ctypes.c_void_p]
-                    lib.packed_gather.restype = None
-                    lib.packed_find.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [
-                        ctypes.c_void_p] * 3
-                    lib.packed_find.restype = ctypes.c_int
-                    lib.causal_attention.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2 + [
-                        ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 6 + [ctypes.c_float]
-                    lib.causal_attention.restype = ctypes.c_int
-                    lib.q8_argmax_supported.argtypes = []
-                    lib.q8_argmax_supported.restype = ctypes.c_int
-                    lib.q8_row_sums.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 2
-                    lib.q8_row_sums.restype = None
-                    lib.q8_argmax.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
-                    lib.q8_argmax.restype = ctypes.c_int
-                    _lib = lib
-            except OSError:
+                _lib = None if path is None else _declare(ctypes.CDLL(str(path)))
+            except OSError as e:  # an unwritable cache folder, a library that does not load
                 _lib = None
+                _off_because(f"the C kernels did not build or load ({e})", warn=True)
+            _tried = True
     return _lib
 
 
@@ -138,7 +192,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class Packed(ctypes.Structure):
-    """``packed_t`` of ``packed.c``: a weight's format code and the addresses of its codes, scales and offsets."""
+    """``packed_t`` of ``packed.h``: a weight's format code and the addresses of its codes, scales and offsets."""
 
     _fields_ = [("kind", ctypes.c_long), ("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
 

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "packed.h"
+#include "reduce.h"
 
 #define SLACK 2e-5          /* >= 2.7x the rounding bound above (~123u = 7.3e-6) */
 #define MAX_CANDIDATES 512  /* more in one row: a degenerate x; every output is computed instead */
@@ -89,13 +90,6 @@ static double digits(const float *x, long K, uint8_t *hi, uint8_t *lo, double *s
     }
     *se_out = se;
     return rmax * (1 + 1e-9) + SLACK * m;
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
 }
 
 /* A_i into A[r * N + i] for R rows of x and weight rows n0 .. n1 - 1, one weight row at a time; top[r]: the largest

@@ -11,18 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "packed.h"
 #include "vexp.h"
-
-typedef struct {
-    long kind;
-    const void *q, *d, *m;
-} packed_t; /* packed.c: a weight in fp32 (kind 0: q the floats) or a narrower exact format */
-void packed_linears(const float *x, const packed_t *w, float *const *ys, const long *Ns, int count, long M, long K,
-                    float **xi);
-void skinny_rows(const float *x, const float *xi, int fill, const float *w, float *y, long M, long N, long K, long n0,
-                 long n1);
-long skinny_interleave(const float *x, float *xi, long M, long K, int fill);
-int skinny_avx512(int on);
 
 static void rmsnorm(const float *x, const float *w, float *out, long R, long H, float eps) {
     for (long r = 0; r < R; r++) {

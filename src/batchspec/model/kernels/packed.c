@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "packed.h"
+#include "reduce.h"
 
 #define CHUNK 12 /* weight rows a thread task takes (skinny.c's chunk) */
 /* code groups (32 bytes each) prefetched ahead of the ones being read, and their scales: a row's codes, its scales
@@ -130,13 +131,6 @@
 #define LQ4_1_VALUES(b, io) _mm256_fmadd_ps(io, _mm256_set1_ps(dp[b]), _mm256_set1_ps(mp[b]))
 #define LQ4_1_AT(c, P) LQ4_AT(c, P, LQ4_1_VALUES)
 #define LQ4_1_PART(c, P) LQ4_PART(c, P)
-
-static inline float hsum8(__m256 v) { /* skinny.c's hsum: the same pairwise order */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
 
 /* weights 8P .. 8P + 7 of the group against the R rows of x (P past the group's parts: nothing) */
 #define PSTEP(F, P)                                                                                           \
@@ -313,11 +307,6 @@ static void rows_of(const float *x, const packed_t *w, float *y, long M, long N,
         for (long n = n0; n < n1; n += k.C) k.run(x + m * K, w, y + m * N, N, K, n, n1 - n < k.C ? (int)(n1 - n) : k.C);
     }
 }
-
-int skinny_avx512(int on);
-float *skinny_scratch(const float *x, long M, long K);
-void skinny_rows(const float *x, const float *xi, int fill, const float *w, float *y, long M, long N, long K, long n0,
-                 long n1);
 
 /* y_i = x @ w[i]^T for ``count`` weights that share x [M, K] (ys[i]: [M, Ns[i]]; K a multiple of 32, of 64 for the
  * 4-bit formats), with skinny_linear's bits, by the threads of the enclosing parallel region: each of them calls it,

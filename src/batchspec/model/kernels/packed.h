@@ -1,4 +1,6 @@
-/* A weight kept in a narrower exact format (``packed.c``), as the kernels that read it see it. */
+/* A weight kept in a narrower exact format (``packed.c``), as the kernels that read it see it (``packed.c``,
+ * ``argmax.c``, ``layer.c``), and the entry points they call across files (an fp32 weight, kind W_F32, goes through
+ * ``skinny.c``). Included by every file that defines or calls them, so that the compiler checks they agree. */
 #ifndef BATCHSPEC_PACKED_H
 #define BATCHSPEC_PACKED_H
 
@@ -13,5 +15,13 @@ typedef struct {
 
 /* rows n0 .. n1 - 1 of y = x @ w^T (y [M, N]) with the bits ``packed_linears`` gives them, in the calling thread */
 void packed_rows(const float *x, const packed_t *w, float *y, long M, long N, long K, long n0, long n1);
+void packed_linears(const float *x, const packed_t *w, float *const *ys, const long *Ns, int count, long M, long K,
+                    float **xi);
+
+int skinny_avx512(int on);
+float *skinny_scratch(const float *x, long M, long K);
+long skinny_interleave(const float *x, float *xi, long M, long K, int fill);
+void skinny_rows(const float *x, const float *xi, int fill, const float *w, float *y, long M, long N, long K, long n0,
+                 long n1);
 
 #endif

@@ -2,9 +2,9 @@
  * x: M x K, w: N x K, y: M x N, all row-major and contiguous.
  *
  * Every output y[m][n] is summed in the same order whatever M is and wherever the row falls in a block: eight lanes
- * over k in steps of 8, the lanes added pairwise (hsum), then the last K % 8 products one by one. So a token's
- * logits do not depend on how many tokens share its forward (a verification block gives the bits a decode step
- * gives).
+ * over k in steps of 8, the lanes added pairwise (``hsum8``, reduce.h), then the last K % 8 products one by one. So
+ * a token's logits do not depend on how many tokens share its forward (a verification block gives the bits a decode
+ * step gives).
  *
  * Rows of x go in blocks of 8, then one block of the 1-7 left (with AVX-512, 4-7 rows in one block of 4, 6 or 8 and
  * 9-16 rows in one block, ``zpass``), each against a few weight rows at a time with every sum in a register: 8 x 1
@@ -17,18 +17,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "packed.h"
+#include "reduce.h"
+
 /* Weights are prefetched this many floats ahead of the rows being read: the hardware prefetcher alone left the
  * kernel at ~9 GB/s on 8 rows; with it, ~14 GB/s. Far more (8192) wastes bandwidth past the end of each thread's
  * share of a small matrix: one row of x ran ~5% slower. */
 #define AHEAD 3072
 #define CHUNK 12 /* weight rows per thread task: a multiple of every block's weight rows */
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
 
 /* R rows of x against the weight rows n .. n + nw - 1 (nw <= C; a short block repeats its first row, unwritten) */
 #define BLOCK(NAME, R, C)                                                                                     \
@@ -53,7 +49,7 @@ static inline float hsum(__m256 v) {
         }                                                                                                     \
         for (int r = 0; r < R; r++)                                                                           \
             for (int c = 0; c < nw; c++) {                                                                    \
-                float s = hsum(acc[r][c]);                                                                    \
+                float s = hsum8(acc[r][c]);                                                                   \
                 for (long j = k; j < K; j++) s += wr[c][j] * x[r * K + j];                                    \
                 y[r * N + n + c] = s;                                                                         \
             }                                                                                                 \
@@ -101,7 +97,7 @@ BLOCK(rows8, 8, 1)
                 for (int h = 0; h < 2; h++) {                                                                 \
                     long r = 2 * p + h;                                                                       \
                     if (r >= nr) continue;                                                                    \
-                    float s = hsum(h ? _mm512_extractf32x8_ps(acc[p][c], 1) : _mm512_castps512_ps256(acc[p][c])); \
+                    float s = hsum8(h ? _mm512_extractf32x8_ps(acc[p][c], 1) : _mm512_castps512_ps256(acc[p][c])); \
                     for (long j = k; j < K; j++) s += wr[c][j] * x[r * K + j];                                \
                     y[r * N + n + c] = s;                                                                     \
                 }                                                                                             \
