@@ -54,7 +54,9 @@ def _cell(text: str) -> str:
 def result_text(r: dict) -> str:
     """A figure as a table reads it: value with its unit, the range in brackets, then any note."""
     value = r["value"]
-    text = f"{value:.2f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
+    text = str(value)
+    if isinstance(value, float) and len(text.split(".")[1]) < 2:
+        text = f"{value:.2f}"  # 1.2 reads 1.20: ratios carry two decimals
     unit = r["unit"] or ""
     if unit.startswith("x "):
         text, unit = f"{text}x", unit[2:]
