@@ -266,7 +266,7 @@ def _run_determinism(args, levels) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ..audit.determinism import determinism_run
+    from ..audit.determinism import DeterminismRun
 
     if args.repeat < 2:
         raise ValueError(f"--repeat must be an integer >= 2 (each prompt is sent that many times), got {args.repeat}")
@@ -276,11 +276,11 @@ def _run_determinism(args, levels) -> int:
     pairs = read_prompt_set(args.prompts)[: args.limit]
     out = prepare_out(args.out, folder=True)
     try:
-        report = determinism_run(
+        report = DeterminismRun(
             args.endpoint, [t for _, t in pairs], args.repeat, levels, args.model, names=[i for i, _ in pairs],
             tokenizer=args.target, max_tokens=args.max_tokens, api=args.api, stream=args.stream,
             chat_template=args.chat_template, api_key=args.api_key, timeout=args.timeout, progress=True,
-        )
+        ).run()
     except ConnectionError as e:
         raise ValueError(str(e)) from None
     write_atomic(out / "determinism.json", lambda f: f.write(json.dumps(report.as_dict(), indent=1)))
