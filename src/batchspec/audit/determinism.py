@@ -23,9 +23,9 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
 
 from .endpoint import (ConcurrentRun, EndpointClient, check_levels, check_request, model_name, prompt_items,
                        reference_tokenizer)

@@ -5,8 +5,8 @@ same (``reference="self"``) or another (``audit_with_reference``)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from .answer import RETOKENIZED, TOKEN_IDS
 from .client import ConcurrentRun, EndpointClient, model_name
