@@ -23,7 +23,8 @@ import json
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .endpoint import (ConcurrentRun, EndpointClient, check_levels, check_request, model_name, prompt_items,
@@ -126,40 +127,78 @@ class DeterminismReport:
         return save_png(self.figure(), path)
 
 
-def determinism_run(url: str, prompts, repeat: int = 100, concurrency=(1, 8, 32), model: str | None = None, *,
-                    names=None, tokenizer=None, max_tokens: int = 64, api: str = "completions", stream: bool = False,
-                    chat_template: bool = True, api_key: str | None = None, stop_token_ids=(),
-                    timeout: float = 600.0, seed: int = 0, progress: bool = False) -> DeterminismReport:
-    """Send each prompt ``repeat`` times at the ``concurrency`` levels in turn and count its distinct outputs (see the
-    module). ``names``: what to call each prompt in the report (default its index); ``tokenizer``: an object, path or
-    name, to send text prompts as token ids (through the chat template when ``chat_template``); the other arguments
-    as for ``audit_endpoint``. Raises ``ConnectionError`` when the server cannot be reached."""
-    from ..progress import Progress
+@dataclass
+class DeterminismRun:
+    """A determinism run's settings (see ``determinism_run``); ``run()`` checks them and returns the
+    ``DeterminismReport``."""
 
-    levels = check_levels(concurrency)
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("no prompts to send")
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 2:
-        raise ValueError(f"repeat must be an integer >= 2 (each prompt is sent that many times), got {repeat!r}")
-    check_request(api, timeout)
-    names = list(names) if names is not None else list(range(len(prompts)))
-    if len(names) != len(prompts):
-        raise ValueError(f"{len(names)} names for {len(prompts)} prompts")
-    model = model_name(url, model, api_key, timeout)
-    tok = reference_tokenizer(None, tokenizer)
-    items, texts = prompt_items(prompts, tok, api, chat_template)
-    stops = {int(s) for s in stop_token_ids}
-    if getattr(tok, "eos_token_id", None) is not None:
-        stops.add(int(tok.eos_token_id))
-    client = EndpointClient(url, model, tok, max_tokens, api, stream, api_key, timeout,
-                            [int(s) for s in stop_token_ids], texts, sorted(stops))
-    rng = random.Random(seed)
-    got: list[list[tuple[int, object]]] = [[] for _ in items]  # per prompt: (concurrency, answer)
-    rounds = []
-    t = time.perf_counter()
-    try:
-        with Progress(progress, repeat, "determinism run") as bar:
+    url: str
+    prompts: Sequence = ()
+    repeat: int = 100
+    concurrency: Sequence[int] = (1, 8, 32)
+    model: str | None = None
+    names: Sequence | None = None
+    tokenizer: object = None
+    max_tokens: int = 64
+    api: str = "completions"
+    stream: bool = False
+    chat_template: bool = True
+    api_key: str | None = None
+    stop_token_ids: Sequence[int] = ()
+    timeout: float = 600.0
+    seed: int = 0
+    progress: bool = False
+
+    def checked(self) -> DeterminismRun:
+        """These settings with the levels as integers and the prompts and names as lists; ``ValueError`` for ones
+        that cannot run."""
+        levels = check_levels(self.concurrency)
+        prompts, repeat = list(self.prompts), self.repeat
+        if not prompts:
+            raise ValueError("no prompts to send")
+        if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 2:
+            raise ValueError(f"repeat must be an integer >= 2 (each prompt is sent that many times), got {repeat!r}")
+        check_request(self.api, self.timeout)
+        names = list(self.names) if self.names is not None else list(range(len(prompts)))
+        if len(names) != len(prompts):
+            raise ValueError(f"{len(names)} names for {len(prompts)} prompts")
+        return replace(self, concurrency=levels, prompts=prompts, names=names)
+
+    def run(self) -> DeterminismReport:
+        """Send the rounds (see ``determinism_run``)."""
+        run = self.checked()
+        model = model_name(run.url, run.model, run.api_key, run.timeout)
+        tok = reference_tokenizer(None, run.tokenizer)
+        items, texts = prompt_items(run.prompts, tok, run.api, run.chat_template)
+        stops = {int(s) for s in run.stop_token_ids}
+        if getattr(tok, "eos_token_id", None) is not None:
+            stops.add(int(tok.eos_token_id))
+        client = EndpointClient(run.url, model, tok, run.max_tokens, run.api, run.stream, run.api_key, run.timeout,
+                                [int(s) for s in run.stop_token_ids], texts, sorted(stops))
+        t = time.perf_counter()
+        try:
+            got, rounds = run._rounds(client, items)
+        finally:
+            client.close()
+        seconds = time.perf_counter() - t
+        summaries = [_summary(name, answers) for name, answers in zip(run.names, got)]
+        sources = sorted({a.source for answers in got for _, a in answers if a.source})
+        meta = {"url": run.url, "model": model, "api": run.api, "stream": run.stream, "repeat": run.repeat,
+                "levels": run.concurrency, "rounds": rounds, "seed": run.seed, "n_prompts": len(items),
+                "requests": run.repeat * len(items), "seconds": seconds, "max_tokens": run.max_tokens,
+                "token_source": ", ".join(sources) or None}
+        return DeterminismReport(summaries, meta)
+
+    def _rounds(self, client: EndpointClient, items: list) -> tuple[list[list[tuple[int, object]]], list[int]]:
+        """Every round in turn; per prompt: (concurrency, answer) of each of its requests, and each round's
+        concurrency."""
+        from ..progress import Progress
+
+        levels, repeat = self.concurrency, self.repeat
+        rng = random.Random(self.seed)
+        got: list[list[tuple[int, object]]] = [[] for _ in items]
+        rounds = []
+        with Progress(self.progress, repeat, "determinism run") as bar:
             for r in range(repeat):
                 c = levels[r % len(levels)]
                 bar.describe(f"round {r + 1} of {repeat}, concurrency {c}")
@@ -169,15 +208,18 @@ def determinism_run(url: str, prompts, repeat: int = 100, concurrency=(1, 8, 32)
                     got[k].append((c, a))
                 rounds.append(c)
                 bar.advance()
-    finally:
-        client.close()
-    seconds = time.perf_counter() - t
-    summaries = [_summary(name, answers) for name, answers in zip(names, got)]
-    sources = sorted({a.source for answers in got for _, a in answers if a.source})
-    meta = {"url": url, "model": model, "api": api, "stream": stream, "repeat": repeat, "levels": levels,
-            "rounds": rounds, "seed": seed, "n_prompts": len(items), "requests": repeat * len(items),
-            "seconds": seconds, "max_tokens": max_tokens, "token_source": ", ".join(sources) or None}
-    return DeterminismReport(summaries, meta)
+        return got, rounds
+
+
+def determinism_run(url: str, prompts, repeat: int = 100, concurrency=(1, 8, 32), model: str | None = None,
+                    **settings) -> DeterminismReport:
+    """Send each prompt ``repeat`` times at the ``concurrency`` levels in turn and count its distinct outputs (see the
+    module). ``settings``: the other fields of ``DeterminismRun``, by name: ``names``: what to call each prompt in the
+    report (default its index); ``tokenizer``: an object, path or name, to send text prompts as token ids (through
+    the chat template when ``chat_template``); ``seed``: of the order of each round; the others (``max_tokens``,
+    ``api``, ``stream``, ``api_key``, ``stop_token_ids``, ``timeout``, ``progress``) as for ``audit_endpoint``.
+    Raises ``ConnectionError`` when the server cannot be reached."""
+    return DeterminismRun(url, prompts, repeat, concurrency, model, **settings).run()
 
 
 def _summary(name, answers) -> dict:

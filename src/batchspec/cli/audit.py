@@ -155,11 +155,9 @@ def run(args) -> int:
 def _run_endpoint(args) -> int:
     """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``); exit status 0 clean, 1 a level not clean,
     2 a level that could not be audited. With ``--repeat``: the determinism run."""
-    import torch
-    from rich.console import Console
     from rich.markup import escape
 
-    from ..audit.endpoint import COULD_NOT_AUDIT, SELF, audit_endpoint, endpoint_markdown, endpoint_verdict
+    from ..audit.endpoint import endpoint_markdown, endpoint_verdict
 
     if args.temperature > 0:
         raise ValueError("--endpoint audits greedy decoding: leave --temperature at 0")
@@ -172,6 +170,29 @@ def _run_endpoint(args) -> int:
     levels = int_list(args.concurrency, "--concurrency")
     if args.repeat is not None:
         return _run_determinism(args, levels)
+    reference = _endpoint_reference(args)
+    pairs = read_prompt_set(args.prompts)[: args.limit]
+    out = prepare_out(args.out, folder=True)
+    try:
+        report = _endpoint_audit(args, [t for _, t in pairs], levels, reference).run()
+    except ConnectionError as e:  # connection refused, unknown host, no answer from /v1/models
+        raise ValueError(str(e)) from None
+    _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report))
+    report.plot(out / "audit.png")
+    _write_html(out / "audit.html", report)
+    console = _wide_console()
+    _print_endpoint(console, report, pairs)
+    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}")
+    status, verdict = endpoint_verdict(report)
+    if status:
+        console.print(f"[red]{escape(verdict)}[/red]")
+    return status
+
+
+def _endpoint_reference(args) -> str | None:
+    """``--reference`` checked: None (the local oracle of --target), "self" (the default without --target) or a URL."""
+    from ..audit.endpoint import SELF
+
     reference = args.reference
     if reference is None and args.reference_model is not None:
         raise ValueError("--reference-model names the model of --reference URL: give --reference as well")
@@ -179,24 +200,40 @@ def _run_endpoint(args) -> int:
         reference = SELF
     if reference is not None and reference != SELF and "://" not in reference:
         raise ValueError(f"--reference must be 'self' or a server's URL (http://host:port), got {reference!r}")
-    pairs = read_prompt_set(args.prompts)[: args.limit]
-    out = prepare_out(args.out, folder=True)
-    try:
-        report = audit_endpoint(
-            args.endpoint, args.target, [t for _, t in pairs], levels, args.model, reference=reference,
-            reference_model=args.reference_model, max_tokens=args.max_tokens, api=args.api, stream=args.stream,
-            chat_template=args.chat_template, api_key=args.api_key, tolerance=args.tolerance,
-            dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device, timeout=args.timeout,
-            top_logprobs=args.top_logprobs, progress=True,
-        )
-    except ConnectionError as e:  # connection refused, unknown host, no answer from /v1/models
-        raise ValueError(str(e)) from None
-    _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report))
-    report.plot(out / "audit.png")
-    _write_html(out / "audit.html", report)
+    return reference
+
+
+def _endpoint_audit(args, prompts: list, levels: list[int], reference: str | None):
+    """The ``EndpointAudit`` that the flags ask for."""
+    import torch
+
+    from ..audit.endpoint import EndpointAudit
+
+    return EndpointAudit(
+        args.endpoint, args.target, prompts, levels, args.model, reference=reference,
+        reference_model=args.reference_model, max_tokens=args.max_tokens, api=args.api, stream=args.stream,
+        chat_template=args.chat_template, api_key=args.api_key, tolerance=args.tolerance,
+        dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device, timeout=args.timeout,
+        top_logprobs=args.top_logprobs, progress=True,
+    )
+
+
+def _wide_console():
+    from rich.console import Console
+
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 170)
+    return console
+
+
+def _print_endpoint(console, report, pairs) -> None:
+    """The endpoint audit on the console: its table, the reference's answers, a line per level with its first
+    problems and divergences, a warning when the text was re-tokenized."""
+    from rich.markup import escape
+
+    from ..audit.endpoint import COULD_NOT_AUDIT
+
     console.print(report.rich_table())
     ref = report.meta.get("reference")
     if ref is not None:
@@ -219,11 +256,6 @@ def _run_endpoint(args) -> int:
     if ep["retokenized"]:
         console.print("[yellow]the server returned no token ids: its text was re-tokenized locally (last resort)"
                       "[/yellow]")
-    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}")
-    status, verdict = endpoint_verdict(report)
-    if status:
-        console.print(f"[red]{escape(verdict)}[/red]")
-    return status
 
 
 def _run_determinism(args, levels) -> int:
@@ -234,7 +266,7 @@ def _run_determinism(args, levels) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ..audit.determinism import determinism_run
+    from ..audit.determinism import DeterminismRun
 
     if args.repeat < 2:
         raise ValueError(f"--repeat must be an integer >= 2 (each prompt is sent that many times), got {args.repeat}")
@@ -244,11 +276,11 @@ def _run_determinism(args, levels) -> int:
     pairs = read_prompt_set(args.prompts)[: args.limit]
     out = prepare_out(args.out, folder=True)
     try:
-        report = determinism_run(
+        report = DeterminismRun(
             args.endpoint, [t for _, t in pairs], args.repeat, levels, args.model, names=[i for i, _ in pairs],
             tokenizer=args.target, max_tokens=args.max_tokens, api=args.api, stream=args.stream,
             chat_template=args.chat_template, api_key=args.api_key, timeout=args.timeout, progress=True,
-        )
+        ).run()
     except ConnectionError as e:
         raise ValueError(str(e)) from None
     write_atomic(out / "determinism.json", lambda f: f.write(json.dumps(report.as_dict(), indent=1)))

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..progress import Progress
-from .protocol import DONE, sse_data
+from .client import StreamError, StreamedAnswer, api_base, api_path, auth_headers, prompt_field
 
 PERCENTILES = (50, 90, 99)
 
@@ -64,18 +64,8 @@ class Record:
     error: str | None = None
 
 
-def base_url(url: str) -> str:
-    """``http://host:port/v1`` from a server URL given with or without ``/v1``."""
-    url = url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
-
-
-def _headers(api_key: str | None) -> dict:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
 async def first_model(client, url: str, api_key: str | None) -> str:
-    r = await client.get(base_url(url) + "/models", headers=_headers(api_key))
+    r = await client.get(api_base(url) + "/models", headers=auth_headers(api_key))
     r.raise_for_status()
     data = r.json().get("data") or []
     if not data:
@@ -88,65 +78,53 @@ def _body(cfg: LoadConfig, model: str, prompt: str) -> dict:
             "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
-    if cfg.api == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        body["prompt"] = prompt
+    body.update(prompt_field(cfg.api, prompt))
     return body
 
 
 async def _one(client, cfg: LoadConfig, model: str, index: int, prompt: str, t0: float) -> Record:
-    path = "/chat/completions" if cfg.api == "chat" else "/completions"
     start = time.perf_counter()
     rec = Record(index, start - t0, "error")
-    first = None
-    chunks_with_text, streamed_ids, usage_tokens, done = 0, 0, None, False
+    answer = StreamedAnswer(strict=False)
     try:
-        async with client.stream("POST", base_url(cfg.url) + path, json=_body(cfg, model, prompt),
-                                 headers=_headers(cfg.api_key), timeout=cfg.timeout) as r:
-            rec.http_status = r.status_code
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                rec.status = str(r.status_code) if r.status_code in (429, 503) else "error"
-                rec.error = f"HTTP {r.status_code}: {text[:300]}"
-                return rec
-            async for line in r.aiter_lines():
-                msg = sse_data(line)
-                if msg is None:
-                    continue
-                if msg == DONE:
-                    done = True
-                    break
-                if "error" in msg:
-                    rec.error = f"error event: {json.dumps(msg['error'])[:300]}"
-                    return rec
-                if msg.get("usage"):
-                    usage_tokens = msg["usage"].get("completion_tokens")
-                for ch in msg.get("choices") or []:
-                    text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                    ids = ch.get("token_ids") or []
-                    if text or ids:
-                        if first is None:
-                            first = time.perf_counter()
-                        chunks_with_text += bool(text)
-                        streamed_ids += len(ids)
-                    if ch.get("finish_reason"):
-                        rec.finish_reason = ch["finish_reason"]
+        usage_tokens = await _stream(client, cfg, model, prompt, rec, answer)
+    except StreamError as e:
+        rec.error = f"error event: {json.dumps(e.error)[:300]}"
     except Exception as e:  # connection refused or reset, timeout, bad JSON
         rec.error = f"{type(e).__name__}: {e}"[:300]
-        return rec
     end = time.perf_counter()
-    if not done or rec.finish_reason is None:
+    rec.finish_reason = answer.finish_reason
+    if rec.error is not None:
+        return rec
+    if not answer.done or rec.finish_reason is None:
         rec.error = "the stream ended without [DONE] and a finish_reason"
         return rec
     rec.status = "ok"
     rec.e2e = end - start
-    rec.output_tokens = usage_tokens if usage_tokens is not None else streamed_ids or chunks_with_text
-    if first is not None:
-        rec.ttft = first - start
+    streamed_ids = sum(len(ids) for ids in answer.token_chunks if ids)
+    rec.output_tokens = usage_tokens if usage_tokens is not None else streamed_ids or answer.text_chunks
+    if answer.first is not None:
+        rec.ttft = answer.first - start
         if rec.output_tokens > 1:
-            rec.tpot = (end - first) / (rec.output_tokens - 1)
+            rec.tpot = (end - answer.first) / (rec.output_tokens - 1)
     return rec
+
+
+async def _stream(client, cfg: LoadConfig, model: str, prompt: str, rec: Record, answer: StreamedAnswer):
+    """Send one request and fold its stream into ``answer``; returns the output tokens of its usage (None: none).
+    An answer other than 200 sets ``rec``'s status and error."""
+    async with client.stream("POST", api_base(cfg.url) + api_path(cfg.api), json=_body(cfg, model, prompt),
+                             headers=auth_headers(cfg.api_key), timeout=cfg.timeout) as r:
+        rec.http_status = r.status_code
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")
+            rec.status = str(r.status_code) if r.status_code in (429, 503) else "error"
+            rec.error = f"HTTP {r.status_code}: {text[:300]}"
+            return None
+        async for line in r.aiter_lines():
+            if answer.feed(line):
+                break
+    return answer.usage.get("completion_tokens") if answer.usage else None
 
 
 def percentiles(values) -> dict:

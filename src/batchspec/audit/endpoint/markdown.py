@@ -1,0 +1,82 @@
+"""The endpoint audit's verdict (``endpoint_verdict``: exit status and a line) and its Markdown report
+(``endpoint_markdown``)."""
+
+from __future__ import annotations
+
+from .judges import COULD_NOT_AUDIT
+
+
+def endpoint_verdict(report) -> tuple[int, str]:
+    """The endpoint audit's exit status and verdict in a line: 1 when a level is not clean (anything but ``clean``
+    and ``could not audit``), else 2 when a level could not be audited, else 0."""
+    broken = [f"concurrency {r.batch_size} ({r.signature})" for r in report.rows
+              if not r.clean and r.signature != COULD_NOT_AUDIT]
+    if broken:
+        return 1, f"not clean: {', '.join(broken)}"
+    unaudited = [f"concurrency {r.batch_size}" for r in report.rows if r.signature == COULD_NOT_AUDIT]
+    if unaudited:
+        ref = report.meta.get("reference")
+        why = "no reference answer" if ref is not None and not ref["answers"] else "every request failed"
+        return 2, f"could not audit: {', '.join(unaudited)} ({why})"
+    return 0, f"clean at concurrency {', '.join(str(r.batch_size) for r in report.rows)}"
+
+
+def endpoint_markdown(report) -> str:
+    """The audit's Markdown plus a table per level of concurrency of what was sent, what failed or was malformed, and
+    how the tokens were read, then the first problems of each level (and of the reference's answers)."""
+    ep = report.meta["endpoint"]
+    lines = [*_levels_table(report, ep), *_reference_lines(report), *_divergence_table(report)]
+    for lv in ep["levels"]:
+        if lv["problems"]:
+            lines += ["", f"Concurrency {lv['concurrency']}, first problems:", ""]
+            lines += _problem_lines(lv["problems"])
+    if ep["retokenized"]:
+        lines += ["", "**Warning:** the server returned no token ids; its text was re-tokenized locally, so a "
+                      "divergence may come from the text round trip rather than from the server."]
+    return "\n".join(lines) + "\n"
+
+
+def _problem_lines(problems) -> list[str]:
+    return [f"- prompt {p['prompt']}: {p['kind']}: {p['detail']}" for p in problems[:5]]
+
+
+def _levels_table(report, ep: dict) -> list[str]:
+    """The verdict, the audit's table, and what was sent and read back at each level."""
+    path = "/v1/chat/completions" if ep["api"] == "chat" else "/v1/completions"
+    lines = [f"**Verdict: {endpoint_verdict(report)[1]}**", "",
+             report.to_markdown().replace("| batch |", "| concurrency |", 1), "",
+             f"Endpoint {ep['url']} (model {ep['model']}, {path}{', streamed' if ep['stream'] else ''}); "
+             "concurrency: the number of requests under way at once.",
+             "", "| concurrency | requests | failed | protocol errors | finish_reason mismatches | prompt mismatches "
+                 "| overruns | no reference | token source | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for lv in ep["levels"]:
+        lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['failed']} | {lv['protocol_errors']} | "
+                     f"{lv['finish_mismatches']} | {lv['prompt_mismatches']} | {lv['overruns']} | "
+                     f"{lv.get('unreferenced', 0)} | {lv['token_source'] or '-'} | {lv['seconds']:.1f} |")
+    return lines
+
+
+def _reference_lines(report) -> list[str]:
+    """A reference server: what it was, how many of its answers served, the first left out."""
+    ref = report.meta.get("reference")
+    if ref is None:
+        return []
+    lines = ["", f"Reference: {report.meta['oracle']}; {ref['answers']} of {ref['requests']} answers usable "
+                 f"({ref['seconds']:.1f} s)."]
+    if ref["problems"]:
+        lines += ["", "Reference answers left out:", "", *_problem_lines(ref["problems"])]
+    return lines
+
+
+def _divergence_table(report) -> list[str]:
+    """The first 20 divergences that are not numerical."""
+    divs = [(r.batch_size, d) for r in report.rows for d in r.divergences if d.cls != "numerical"]
+    if not divs:
+        return []
+    return ["", "First divergences (not numerical):", "",
+            "| concurrency | prompt | index | class | reference token | endpoint token | margin | tolerance |",
+            "|---|---|---|---|---|---|---|---|",
+            *(f"| {c} | {d.prompt} | {d.index} | {d.cls} | {d.oracle_token} | {d.engine_token} | "
+              f"{'-' if d.margin is None else f'{d.margin:.4g}'} | "
+              f"{'-' if d.tolerance is None else f'{d.tolerance:.3g}'} |" for c, d in divs[:20])]

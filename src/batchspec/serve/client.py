@@ -1,0 +1,118 @@
+"""What a client of an OpenAI-compatible server needs, shared by the endpoint audit (``batchspec.audit.endpoint``) and
+the load generator (``loadtest``): the URL of the API and of each route, the request's prompt, and one streamed answer
+folded from its Server-Sent Events line by line (``StreamedAnswer``), for a synchronous or an asynchronous reader.
+Plain HTTP: no model, no engine."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from .protocol import DONE, sse_data
+
+
+class AnswerError(Exception):
+    """An answer the client cannot read; the message is one line."""
+
+
+class StreamError(AnswerError):
+    """An error event in a stream; ``error``: its ``error`` value as sent."""
+
+    def __init__(self, error):
+        super().__init__(one_line(f"error event: {json.dumps(error)}"))
+        self.error = error
+
+
+def one_line(text, limit: int = 300) -> str:
+    """``text`` with its whitespace collapsed, at most ``limit`` characters."""
+    return " ".join(str(text).split())[:limit]
+
+
+def api_base(url: str) -> str:
+    """``url`` with ``/v1`` at its end (given or not)."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def api_path(api: str) -> str:
+    """The route of ``api`` ("chat" or "completions") under the API's base."""
+    return "/chat/completions" if api == "chat" else "/completions"
+
+
+def auth_headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def prompt_field(api: str, prompt) -> dict:
+    """The request's prompt: one user message for ``api="chat"``, else the completions prompt (text or token ids)."""
+    if api == "chat":
+        return {"messages": [{"role": "user", "content": prompt}]}
+    return {"prompt": prompt if isinstance(prompt, str) else list(prompt)}
+
+
+def choice_text(choice: dict):
+    """A choice's text: ``text`` (completions), else the content of its ``message`` (chat) or ``delta`` (a chunk)."""
+    if "text" in choice:
+        return choice.get("text")
+    return (choice.get("message") or choice.get("delta") or {}).get("content")
+
+
+def choices(msg, empty: bool = False) -> list[dict]:
+    """The choices of an answer (``empty``: a stream chunk may have none, as a usage chunk); ``AnswerError`` when it
+    has no list of choice objects."""
+    found = msg.get("choices") if isinstance(msg, dict) else None
+    if isinstance(found, list) and all(isinstance(c, dict) for c in found) and (found or empty):
+        return found
+    raise AnswerError(one_line(f"no choice in the answer: {json.dumps(msg)}"))
+
+
+@dataclass
+class StreamedAnswer:
+    """One streamed answer, folded from its Server-Sent Events by ``feed(line)``, which is True at ``[DONE]``.
+
+    ``strict``: every event must carry a list of choice objects (``AnswerError`` otherwise); not strict, an event
+    without choices has none. An error event raises ``StreamError``. Per choice with token ids: ``token_chunks`` and
+    ``logprob_chunks`` (its ``token_ids`` and ``logprobs`` as sent); per choice: its text in ``texts`` ("" when not a
+    string) and counted in ``text_chunks`` when not empty. ``first``: ``time.perf_counter()`` when the first choice
+    with output (text or token ids) was read; ``usage``: the last usage sent."""
+
+    strict: bool = True
+    token_chunks: list = field(default_factory=list)
+    logprob_chunks: list = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    text_chunks: int = 0
+    prompt_ids: object = None
+    finish_reason: object = None
+    usage: object = None
+    first: float | None = None
+    done: bool = False
+
+    def feed(self, line: str) -> bool:
+        msg = sse_data(line)
+        if msg is None:
+            return False
+        if msg == DONE:
+            self.done = True
+            return True
+        if isinstance(msg, dict) and "error" in msg:
+            raise StreamError(msg["error"])
+        found = choices(msg, empty=True) if self.strict else msg.get("choices") or []
+        if msg.get("usage"):
+            self.usage = msg["usage"]
+        for ch in found:
+            self._choice(ch)
+        return False
+
+    def _choice(self, ch: dict) -> None:
+        ids, text = ch.get("token_ids"), choice_text(ch)
+        if ids is not None:
+            self.token_chunks.append(ids)
+            self.logprob_chunks.append(ch.get("logprobs"))
+        if ch.get("prompt_token_ids") is not None:
+            self.prompt_ids = ch["prompt_token_ids"]
+        if (text or ids) and self.first is None:
+            self.first = time.perf_counter()
+        self.text_chunks += bool(text)
+        self.texts.append(text if isinstance(text, str) else "")
+        self.finish_reason = ch.get("finish_reason") or self.finish_reason
