@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ def read_once(segments: list[tuple[str, torch.Tensor]]) -> dict[str, object]:
     values = flat.tolist()  # the one read
     n_ints = sum(t.numel() for _, t in ints)
     if reals:  # the bits back to floats, on the host
-        values[n_ints:] = torch.tensor(values[n_ints:], dtype=torch.int64).view(torch.float64).tolist()
+        values[n_ints:] = array("d", array("q", values[n_ints:]).tobytes()).tolist()
     out, at = {}, 0
     for name, t in ints + reals:
         out[name] = _nest(values[at : at + t.numel()], tuple(t.shape))
