@@ -53,13 +53,13 @@ def client(url, key="none"):
 
 def slow(worker, seconds):
     """Make every engine step take at least ``seconds`` longer (so a test can act while requests run)."""
-    step = worker.engine._step
+    step = worker.engine._schedule
 
     def slowed():
         time.sleep(seconds)
         return step()
 
-    worker.engine._step = slowed
+    worker.engine._schedule = slowed
 
 
 def wait(cond, timeout=10.0):

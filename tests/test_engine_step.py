@@ -333,3 +333,25 @@ def test_prefill_tokens_bound_what_joins_a_running_batch(budget):
     admitted = [n for n, _ in joins if n]
     assert admitted[0] == 2  # nothing was running: both joined
     assert admitted[1:] == ([4] if budget is None else [2, 2])  # 12-token prompts, 30 tokens a step: two at a time
+
+
+def test_read_once_brings_named_tensors_back_in_one_read(monkeypatch):
+    """The round's host read: ints, bools and floats of any shape (scalars, empty dimensions included) come back by
+    name as each tensor's own ``tolist()`` would give them (floats to the bit, through the int64 transfer), with one
+    ``tolist()`` in all."""
+    import torch
+
+    from batchspec.engine.readback import read_once
+
+    segments = [("flags", torch.tensor([True, False, True])), ("n", torch.tensor(7)),
+                ("block", torch.arange(12).view(3, 4)), ("p", torch.tensor([0.1, -1e-30, float("-inf")])),
+                ("lp", torch.randn(2, 3, 2, generator=torch.Generator().manual_seed(0))),
+                ("none", torch.zeros(2, 0, dtype=torch.long)), ("half", torch.tensor([1 / 3], dtype=torch.float32)),
+                ("ids", torch.tensor([[5, -2**62]]))]
+    want = {name: t.tolist() for name, t in segments}
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    got = read_once(segments)
+    assert got == want and len(reads) == 1
+    assert [type(v) for v in got["flags"]] == [int] * 3 and type(got["p"][0]) is float

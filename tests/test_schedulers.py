@@ -6,7 +6,7 @@ import pytest
 import tiny
 
 import batchspec
-from batchspec.engine.schedulers import ExSpec
+from batchspec.engine.schedulers import Continuous, ExSpec, Static
 
 PROMPTS = tiny.prompts(13, seed=9) + [[4]]
 MAX = [3, 25, 8, 14, 1, 20, 6, 25, 11, 2, 17, 9, 25, 5]
@@ -114,3 +114,25 @@ def test_exspec_with_stop_tokens_and_a_fault():
     assert sum(o.finish_reason == "stop" for o in outs) >= 3 and llm.stats.fallback_rounds > 0
     bad = tiny.fixed_llm(t, draft=d, num_draft_tokens=4, scheduler="exspec", batch_size=3, fault="bsp-keep-rejected-kv")
     assert [o.token_ids for o in bad.generate(PROMPTS, sp)] != want
+
+
+@pytest.mark.parametrize("scheduler", [Continuous(), ExSpec(window=2)])
+def test_admit_keeps_to_the_prompt_token_budget_while_rows_run(scheduler):
+    """``admit``'s token budget: with rows running, requests join in order while their prompts fit it, and at least
+    one joins however long its prompt; with nothing running (a batch starting) or no budget, the scheduler's room is
+    all that counts."""
+    assert scheduler.room(1, 8) >= 7
+    assert scheduler.admit(0, [50] * 20, 8, token_budget=30) == min(20, scheduler.room(0, 8))  # nothing runs
+    assert scheduler.admit(1, [12] * 20, 8) == scheduler.room(1, 8)  # no budget
+    assert scheduler.admit(1, [12] * 20, 8, token_budget=30) == 2  # 12 + 12 fit 30, a third does not
+    assert scheduler.admit(1, [10] * 20, 8, token_budget=30) == 3  # exactly the budget fits
+    assert scheduler.admit(1, [40, 2, 2], 8, token_budget=30) == 1  # a long prompt still joins, alone
+    assert scheduler.admit(1, [2, 40, 2], 8, token_budget=30) == 1  # then the long one waits while rows run
+    assert scheduler.admit(1, [], 8, token_budget=30) == 0
+    assert scheduler.admit(7, [2] * 20, 8, token_budget=30) == scheduler.room(7, 8)  # the room still bounds it
+
+
+def test_static_admits_a_full_batch_only_when_nothing_runs():
+    assert Static().admit(0, [50] * 6, 4, token_budget=30) == 4  # a batch starting: no budget
+    assert Static().admit(0, [5] * 2, 4) == 2
+    assert Static().admit(1, [5] * 6, 4, token_budget=30) == Static().admit(1, [5] * 6, 4) == 0

@@ -307,7 +307,7 @@ def test_full_queue_429_and_disconnect_aborts_rows():
         assert _wait(worker.idle), (worker.in_flight, worker.jobs)
         assert worker.finished["abort"] == 3, worker.finished
         # and the server serves on, exactly
-        del worker.engine._step
+        del worker.engine._schedule
         r = _client(s.url).completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=9, temperature=0,
                                               extra_body={"return_token_ids": True})
         assert _extra(r.choices[0], "token_ids") == tiny.oracle(tiny.target(), PROMPTS[4], 9)
@@ -322,7 +322,7 @@ def test_engine_thread_survives_a_failed_step(caplog):
         app = create_app(_llm(), model_name=MODEL, retries=retries)
         worker = app.state.worker
         calls = {"n": 0}
-        step = worker.engine._step
+        step = worker.engine._schedule
 
         def flaky():
             calls["n"] += 1
@@ -331,7 +331,7 @@ def test_engine_thread_survives_a_failed_step(caplog):
             return step()
 
         with ServerThread(app) as s:
-            worker.engine._step = flaky
+            worker.engine._schedule = flaky
             client = _client(s.url)
 
             def call(i):

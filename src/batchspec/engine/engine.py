@@ -5,10 +5,10 @@ that finish (or are aborted) leave the batch."""
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,6 +25,7 @@ from ..speculation import FixedLength
 from ..speculation.budget import DRAFT, FIXED, NO_DRAFTER, NOT_WORTH, DraftBudget, Outcome, RoundView
 from .layouts.slotmask import SlotMask
 from .protocols import Drafter, Layout, Scheduler, SpeculationPolicy
+from .readback import RoundReadback
 from .verify import emitted_block, greedy_accept, rejection_sample
 
 log = logging.getLogger("batchspec.engine")
@@ -155,6 +156,16 @@ class RoundResult:
     logprobs: RoundLogprobs | None = None  # for the rows that asked (``Sequences.logprobs``)
 
 
+@dataclass
+class RoundPlan:
+    """What a round runs on, decided before it: ``rows`` of the window (None: every running row), ``k_max`` the most
+    drafts a row may verify, and the round's ``budget``."""
+
+    rows: list[int] | None
+    k_max: int
+    budget: DraftBudget
+
+
 def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBudget) -> RoundResult:
     """One round on a batch: draft (within ``budget``: up to ``budget.k`` tokens per row) -> verify -> accept ->
     hide rejected slots -> emit (with the log-probabilities of the emitted tokens, for rows that asked)."""
@@ -202,6 +213,19 @@ def _room(parts: Parts, batch: Batch) -> int:
 WINDOW = SlotMask(max_waste=0.5)
 
 
+class _PromptLengths(Sequence):
+    """The prompt lengths of the waiting requests, in order, read only as far as the scheduler looks."""
+
+    def __init__(self, waiting: deque[Request]):
+        self.waiting = waiting
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def __getitem__(self, i: int) -> int:
+        return len(self.waiting[i].prompt)
+
+
 class Engine:
     """Runs requests through rounds. ``add_request`` queues a request and returns its id; ``step`` runs one round
     (admitting waiting requests first, as the scheduler says) and returns a ``StepOutput`` per request that gained
@@ -213,9 +237,8 @@ class Engine:
 
     def __init__(self, parts: Parts, scheduler: Scheduler, batch_size: int, stats: Stats | None = None,
                  check: bool = False, profile: bool = False, prefill_tokens: int | None = None):
-        """``prefill_tokens``: while rows are running, the prompt tokens a step prefills at most (at least one
-        request joins), so that a burst of long prompts does not stall the running rows for all of them at once
-        (None: every request the scheduler admits)."""
+        """``prefill_tokens``: while rows are running, the prompt tokens a step prefills at most (the scheduler's
+        ``admit`` token budget: at least one request joins; None: every request the scheduler has room for)."""
         self.parts, self.batch_size, self.check = parts, batch_size, check
         self.prefill_tokens = prefill_tokens
         self.scheduler = copy.deepcopy(scheduler)  # a scheduler may remember rows: one per engine
@@ -275,65 +298,101 @@ class Engine:
     # ---------------------------------------------------------------------------------------------- the loop
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        """One round: schedule (aborted rows leave, waiting requests join, the scheduler picks the round's rows and
+        the policy its budget) -> run (draft, verify, accept, emit) -> postprocess (the round's one host read,
+        counters, finished rows leave, the caches realigned). If it raises, the engine drops every request (running
+        and waiting) and stays usable."""
         try:
-            return self._step()
+            outs, plan = self._schedule()
+            if plan is None:
+                return outs
+            result = self._run(plan)
+            return outs + self._postprocess(plan, result)
         except BaseException:
             self.reset()
             raise
 
-    def _step(self) -> list[StepOutput]:
+    def _schedule(self) -> tuple[list[StepOutput], RoundPlan | None]:
+        """Before the round: the results of aborted requests, waiting requests admitted (``_admit``), then the
+        round's rows (the scheduler's ``select``) and its budget. No plan when no row is running."""
         outs, self._done = self._done, []
-        if self._aborted and self.batch is not None:
-            gone = [rid in self._aborted for rid in self.batch.request_ids]
-            self._aborted.clear()
-            outs += [StepOutput(f.request_id, [], f, None if f.logprobs is None else [])
-                     for f in self._remove(gone, reason="abort")]
+        outs += self._drop_aborted()
         self._admit()
         if self.batch is None:
-            return outs
-        batch, timer, stats, policy = self.batch, self.timer, self.stats, self.parts.policy
+            return outs, None
         self.rounds += 1
-        rows, grouped = self.scheduler.select(batch.lengths, self.batch_size)
+        rows, grouped = self.scheduler.select(self.batch.lengths, self.batch_size)
         if grouped is not None:
-            stats.grouped_rounds += grouped
-            stats.fallback_rounds += not grouped
-        k_max = _room(self.parts, batch)
+            self.stats.grouped_rounds += grouped
+            self.stats.fallback_rounds += not grouped
+        k_max = _room(self.parts, self.batch)
         if rows is None:
-            budget = self._budget(batch, k_max)
-            result = speculative_round(self.parts, batch, timer, budget)
-        else:  # rounds drawn from a window keep every row's draft state in step: fixed length
-            budget = DraftBudget(k_max, reason=FIXED)
-            result = self._round_from_window(rows, budget)
+            return outs, RoundPlan(rows, k_max, self._budget(self.batch, k_max))
+        # rounds drawn from a window keep every row's draft state in step: fixed length
+        return outs, RoundPlan(rows, k_max, DraftBudget(k_max, reason=FIXED))
+
+    def _drop_aborted(self) -> list[StepOutput]:
+        """Take the running rows whose request was aborted out of the batch; their results."""
+        if not self._aborted or self.batch is None:
+            return []
+        gone = [rid in self._aborted for rid in self.batch.request_ids]
+        self._aborted.clear()
+        return [StepOutput(f.request_id, [], f, None if f.logprobs is None else [])
+                for f in self._remove(gone, reason="abort")]
+
+    def _run(self, plan: RoundPlan) -> RoundResult:
+        """The round itself: on every running row, or on the rows of the window the scheduler chose."""
+        if plan.rows is None:
+            return speculative_round(self.parts, self.batch, self.timer, plan.budget)
+        return self._round_from_window(plan.rows, plan.budget)
+
+    def _postprocess(self, plan: RoundPlan, result: RoundResult) -> list[StepOutput]:
+        """After the round: its one host read, the counters and the policy's observation, a ``StepOutput`` per row of
+        the round, finished rows out, the caches realigned and (with ``check``) the invariants checked."""
+        batch, stats, policy = self.batch, self.stats, self.parts.policy
         widest = result.block.shape[1] - 1  # the drafts of the row that drafted most
         stats.lengths[widest] = stats.lengths.get(widest, 0) + 1
-        with timer("align"):
+        with self.timer("align"):
             # per-row acceptance estimates, for the policy's own choice, read only after rounds that drafted (a round
             # without drafting leaves them)
-            estimates = policy.estimates(batch.seqs, self.parts.k) if rows is None and budget.k else None
-            fin, width, new, values, drafted = _account(stats, batch, rows, result, estimates)  # the one host sync
-            outcome = Outcome(len(result.emitted), k_max, budget, drafted, result.kind, values)
+            estimates = policy.estimates(batch.seqs, self.parts.k) if plan.rows is None and plan.budget.k else None
+            read = RoundReadback.read(batch.seqs, result, estimates)  # the one host read
+            batch.lengths = read.lengths
+            _tally(stats, read)
+            new = self._outputs(read, plan.rows, result.logprobs)
+            outcome = Outcome(len(result.emitted), plan.k_max, plan.budget, read.drafted, result.kind, read.estimates)
             policy.observe(outcome)
             _count(stats, outcome)
-            if result.logprobs is not None:  # kept for each request's Finished (its StepOutputs carry them too)
-                for o in new:
-                    if o.logprobs is not None:
-                        self._logprobs.setdefault(o.request_id, []).extend(o.logprobs)
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("round %d: %d rows, budget k=%d%s (%s), drafted %d%s", self.rounds, outcome.rows, budget.k,
-                          " per row" if budget.per_row else "", budget.reason, drafted,
+                log.debug("round %d: %d rows, budget k=%d%s (%s), drafted %d%s", self.rounds, outcome.rows,
+                          plan.budget.k, " per row" if plan.budget.per_row else "", plan.budget.reason, read.drafted,
                           f", a {result.kind} round" if result.kind else "")
-            if any(fin):
+            if any(read.finished):
                 by_id = {o.request_id: o for o in new}
-                for f in self._remove(fin):
+                for f in self._remove(read.finished):
                     by_id[f.request_id].finished = f
             if self.batch is not None:
                 # a window keeps the layout's slots between batches; its waste is bounded like slotmask's
-                layout = self.parts.layout if rows is None else WINDOW
+                layout = self.parts.layout if plan.rows is None else WINDOW
                 for state in self._slot_states():
-                    layout.align(state, width)
+                    layout.align(state, read.width)
         if self.check and self.batch is not None:
             check_round(self.parts.drafter, self.batch, self.rounds)
-        return outs + new
+        return new
+
+    def _outputs(self, read: RoundReadback, rows: list[int] | None, lp: RoundLogprobs | None) -> list[StepOutput]:
+        """A ``StepOutput`` per row of the round's batch (``rows`` of the window, or every running row) with its new
+        tokens and, for rows that asked, their log-probabilities (also kept for the request's ``Finished``)."""
+        ids = self.batch.request_ids if rows is None else [self.batch.request_ids[i] for i in rows]
+        new = [StepOutput(rid, read.block[i][: read.emitted[i]]) for i, rid in enumerate(ids)]
+        if lp is not None:
+            for i, (row, keep) in enumerate(zip(lp.rows, lp.tops)):
+                out = new[row]
+                chosen, top_ids, top_values = read.chosen[i], read.top_ids[i], read.top_values[i]
+                out.logprobs = [TokenLogprob(tok, chosen[j], list(zip(top_ids[j][:keep], top_values[j][:keep])))
+                                for j, tok in enumerate(out.new_token_ids)]
+                self._logprobs.setdefault(out.request_id, []).extend(out.logprobs)
+        return new
 
     def _budget(self, batch: Batch, k_max: int) -> DraftBudget:
         """The round's budget, from the policy (a query)."""
@@ -347,16 +406,9 @@ class Engine:
         return (self.batch.target, *self.parts.drafter.states(self.batch.draft))
 
     def _admit(self) -> None:
+        """Prefill the waiting requests the scheduler admits and merge them into the running batch."""
         running = len(self.batch) if self.batch is not None else 0
-        n = min(len(self.waiting), self.scheduler.admit(running, len(self.waiting), self.batch_size))
-        if n > 1 and running and self.prefill_tokens is not None:
-            total, fits = 0, 0
-            for r in itertools.islice(self.waiting, n):
-                total += len(r.prompt)
-                if fits and total > self.prefill_tokens:
-                    break
-                fits += 1
-            n = fits
+        n = self.scheduler.admit(running, _PromptLengths(self.waiting), self.batch_size, self.prefill_tokens)
         if n <= 0:
             return
         joins = [self.waiting.popleft() for _ in range(n)]
@@ -418,59 +470,17 @@ class Engine:
         return done
 
 
-def _account(stats: Stats, batch: Batch, rows: list[int] | None, r: RoundResult, extra=None):
-    """Update global counters and read what the host needs, in one host read: (finished flags of every running row,
-    widest remaining row, a ``StepOutput`` with the new tokens of each row of the round's batch (and their
-    log-probabilities, for rows that asked), the values of ``extra`` (a 1D tensor, or None), the drafts verified).
-    Updates ``batch.lengths``."""
-    seqs, lp = batch.seqs, r.logprobs
-    width = (seqs.length - 1).masked_fill(r.finished, 0).max()
-    acc = r.accepted.masked_fill(r.n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
-    full = ((r.accepted == r.n_drafts) & (r.n_drafts > 0)).sum()
-    ctrl = torch.stack([width, r.emitted.sum(), r.n_drafts.sum(), r.accepted.sum(), acc.max(),
-                        acc.masked_fill(acc < 0, acc.max() + 1).min(), full, r.cut.sum()])
-    n, b, w = len(seqs), r.block.shape[0], r.block.shape[1]
-    ints = [r.finished.long(), seqs.length, ctrl, r.emitted, r.block.flatten()]
-    floats = ([] if extra is None else [extra]) + ([] if lp is None else [lp.chosen.flatten(), lp.values.flatten()])
-    if lp is not None:
-        ints.append(lp.ids.flatten())
-    bits = [f.double().view(torch.int64) for f in floats]  # floats travel as their bits
-    flat = torch.cat(ints + bits).tolist()
-    n_bits = sum(len(x) for x in bits)
-    reals = torch.tensor(flat[len(flat) - n_bits :], dtype=torch.int64).view(torch.float64).tolist() if bits else []
-    values = reals[: len(extra)] if extra is not None else None
-    fin, lengths = flat[:n], flat[n : 2 * n]
-    width, generated, drafted, acc_sum, acc_max, acc_min, full, cut = flat[2 * n : 2 * n + 8]
-    emitted, block = flat[2 * n + 8 : 2 * n + 8 + b], flat[2 * n + 8 + b : 2 * n + 8 + b + b * w]
-    ids = seqs.request_ids if rows is None else [seqs.request_ids[i] for i in rows]
-    new = [StepOutput(rid, block[i * w : i * w + emitted[i]]) for i, rid in enumerate(ids)]
-    if lp is not None:
-        top_ids = flat[2 * n + 8 + b + b * w : len(flat) - n_bits]
-        _attach_logprobs(new, lp, w, reals[0 if extra is None else len(extra) :], top_ids)
-    batch.lengths = lengths
-    stats.generated += generated
-    stats.drafted += drafted
-    stats.accepted += acc_sum
-    stats.ragged_rounds += acc_max > acc_min >= 0
-    stats.full_accepts += full
-    stats.dropped_after_stop += cut
+def _tally(stats: Stats, read: RoundReadback) -> None:
+    """Add what the round did to the global counters."""
+    stats.generated += read.generated
+    stats.drafted += read.drafted
+    stats.accepted += read.accepted
+    stats.ragged_rounds += read.accepted_max > read.accepted_min >= 0
+    stats.full_accepts += read.full_accepts
+    stats.dropped_after_stop += read.cut
     stats.rounds += 1
     stats.verify_calls += 1
-    stats.row_rounds += b
-    return fin, width, new, values, drafted
-
-
-def _attach_logprobs(new: list[StepOutput], lp: RoundLogprobs, w: int, reals: list[float], top_ids: list[int]):
-    """Give the ``StepOutput`` of each row that asked a ``TokenLogprob`` per new token, from the host copies of
-    ``lp``: ``reals`` its chosen values ``[R, w]`` then its top values ``[R, w, T]``, ``top_ids`` its top ids
-    ``[R, w, T]``, all flattened."""
-    t = len(top_ids) // (len(lp.rows) * w)
-    chosen, top_values = reals[: len(lp.rows) * w], reals[len(lp.rows) * w :]
-    for i, (row, keep) in enumerate(zip(lp.rows, lp.tops)):
-        out, at = new[row], [(i * w + j) * t for j in range(w)]
-        out.logprobs = [TokenLogprob(tok, chosen[i * w + j], list(zip(top_ids[at[j] : at[j] + keep],
-                                                                      top_values[at[j] : at[j] + keep])))
-                        for j, tok in enumerate(out.new_token_ids)]
+    stats.row_rounds += len(read.emitted)
 
 
 def _count(stats: Stats, outcome: Outcome) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from ..drafters.base import Proposal
@@ -31,7 +33,7 @@ class Scheduler(Protocol):
 
     name: str
 
-    def admit(self, running: int, waiting: int, batch_size: int) -> int: ...
+    def admit(self, running: int, waiting: Sequence[int], batch_size: int, token_budget: int | None = None) -> int: ...
 
     def select(self, lengths: list[int], batch_size: int) -> tuple[list[int] | None, bool | None]: ...
 

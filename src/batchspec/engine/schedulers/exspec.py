@@ -21,7 +21,7 @@ class ExSpec(Scheduler):
         self.window, self.max_wait = window, max_wait
         self.waits: list[int] = []  # consecutive rounds each running row sat out
 
-    def admit(self, running: int, waiting: int, batch_size: int) -> int:
+    def room(self, running: int, batch_size: int) -> int:
         return self.window * batch_size - running
 
     def select(self, lengths: list[int], batch_size: int):

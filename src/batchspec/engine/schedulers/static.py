@@ -7,5 +7,5 @@ from .base import Scheduler
 class Static(Scheduler):
     name = "static"
 
-    def admit(self, running: int, waiting: int, batch_size: int) -> int:
+    def room(self, running: int, batch_size: int) -> int:
         return batch_size if running == 0 else 0
