@@ -2,8 +2,9 @@
 
 from .api import LLM
 from .audit import audit
+from .config import EngineConfig
 from .engine.batch import InvariantError
 from .params import RequestOutput, SamplingParams, Stats
 
-__all__ = ["LLM", "audit", "SamplingParams", "RequestOutput", "Stats", "InvariantError"]
+__all__ = ["LLM", "EngineConfig", "audit", "SamplingParams", "RequestOutput", "Stats", "InvariantError"]
 __version__ = "0.1.0"
