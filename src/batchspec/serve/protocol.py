@@ -403,7 +403,7 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
     ignore_eos, return_token_ids = _get_bool(body, "ignore_eos"), _get_bool(body, "return_token_ids")
     n, logprobs = _choices(body), _logprobs(body, kind)
     tokens_as_ids = _get_bool(body, "return_tokens_as_token_ids")
-    # the ranges of SamplingParams, the same as for LLM.generate (max_tokens is checked against the context below)
+    # the ranges of SamplingParams and the engine (check_sampling); max_tokens is checked against the context below
     checked = _check_sampling({"max_tokens": param, "logprobs": "logprobs" if kind == "completion" else "top_logprobs"},
                               max_tokens=1 if max_tokens is None else max_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=seed, stop_token_ids=stop_ids, logprobs=logprobs)
