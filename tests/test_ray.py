@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray  # installed by scripts/setup (the ray extra): these tests must run, not skip
 import tiny
+import torch
 
 import batchspec
 from batchspec.cli import main
@@ -207,6 +208,36 @@ def test_predictor_in_process_formats_and_errors():
         pred(pa.table({"id": [0, 1], "prompt": ps[:2], "max_tokens": [3, -1]}))
     with pytest.raises(ValueError, match="no 'prompt' column"):
         pred(pa.table({"text": ["x"]}))
+
+
+def test_predictor_passes_every_llm_argument_on():
+    """The worker's ``LLM`` gets every argument it is given, ``weights`` included (it was dropped), as keywords or as
+    an ``EngineConfig``; both at once is refused."""
+    pred = bray.LLMPredictor(tiny.target, weights="fp32", batch_size=3, prefix_cache=0, threads=1)
+    assert (pred.llm.weights_mode, pred.llm.batch_size, pred.llm.config.prefix_cache) == ("fp32", 3, 0)
+    config = batchspec.EngineConfig(tiny.target, draft=tiny.draft, weights="fp32", num_draft_tokens=2, dtype="float64")
+    pred = bray.LLMPredictor(config=config, threads=1)
+    assert (pred.llm.weights_mode, pred.llm.k, pred.llm.target.dtype) == ("fp32", 2, tiny.target().dtype)
+    assert pred.llm.config.target is tiny.target()  # the factory was called in the worker
+    with pytest.raises(ValueError, match="not both"):
+        bray.LLMPredictor(tiny.target, config=config)
+
+
+def test_cli_generate_ray_hands_its_model_flags_on(monkeypatch, tmp_path):
+    """``generate --ray`` gives the workers the same ``EngineConfig`` as ``generate`` builds its ``LLM`` from."""
+    target_dir, _ = tiny.save_dir(tmp_path / "models", draft_too=False)
+    seen = {}
+
+    def run(source, out, **kwargs):
+        seen.update(kwargs)
+        return {"rows": 1, "tokens": 1, "seconds": 1.0, "drafted": 0, "accepted": 0, "workers": 1, "block_size": 1,
+                "out": str(out), "format": "jsonl"}
+
+    monkeypatch.setattr(bray, "run", run)
+    assert main(["generate", "--ray", "--target", str(target_dir), "--out", str(tmp_path / "out"), "--weights",
+                 "fp32", "--prefix-cache", "0", "--batch-size", "3", "--dtype", "float64", "--layout", "eqspec"]) == 0
+    assert seen["config"] == batchspec.EngineConfig(str(target_dir), weights="fp32", prefix_cache=0, batch_size=3,
+                                                    dtype=torch.float64, layout="eqspec")
 
 
 def test_missing_ray_is_a_one_line_error(monkeypatch, capsys, tmp_path):

@@ -3,7 +3,8 @@
 from .api import LLM
 from .audit import audit
 from .batch import InvariantError
+from .config import EngineConfig
 from .params import RequestOutput, SamplingParams, Stats
 
-__all__ = ["LLM", "audit", "SamplingParams", "RequestOutput", "Stats", "InvariantError"]
+__all__ = ["LLM", "EngineConfig", "audit", "SamplingParams", "RequestOutput", "Stats", "InvariantError"]
 __version__ = "0.1.0"

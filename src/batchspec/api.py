@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from .config import EngineConfig
 from .drafters import EagleDrafter, ModelDrafter, NoDrafter, PromptLookup
 from .drafters.eagle import is_checkpoint as is_eagle
 from .engine.engine import Engine, Parts, Request
@@ -17,7 +18,6 @@ from .engine.layouts import get_layout
 from .engine.schedulers import get_scheduler
 from .model import kv
 from .model.prefixes import DEFAULT_MIB as DEFAULT_PREFIX_MIB
-from .model.prefixes import budget_bytes
 from .model.loading import context_length, eos_ids, load_model, load_tokenizer, resolve, vocab_size
 from .model.runner import Runner
 from .params import RequestOutput, SamplingParams, Stats
@@ -50,12 +50,11 @@ class LLM:
         every bit, a decode step reads far fewer bytes; "fp32" keeps them as loaded. A model object passed in is
         never changed. ``llm.weights`` reports what they take. ``prefix_cache``: MiB of recurring prompt prefixes
         (a system prompt, a conversation's earlier turns) whose keys and values the target keeps between prefills
-        (``batchspec.model.prefixes``); 0 turns it off."""
-        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        budget_bytes(prefix_cache)  # checked before any model loads
+        (``batchspec.model.prefixes``); 0 turns it off.
+
+        The arguments are kept as ``llm.config`` (an ``EngineConfig``, which checks what it can before any model
+        loads); ``LLM.from_config`` builds an ``LLM`` from one."""
+        self.config = EngineConfig(**{name: value for name, value in locals().items() if name != "self"})
         self.layout = get_layout(layout)
         policy = get_policy(speculation) if isinstance(speculation, str) else speculation  # or a policy object
         self.scheduler = scheduler if hasattr(scheduler, "select") else get_scheduler(scheduler)
@@ -65,8 +64,6 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer if tokenizer is not None else target if isinstance(target, str) else None)
         self.batch_size, self.check_invariants = batch_size, check_invariants
         self.graphs = graphs
-        if graphs not in Runner.GRAPH_MODES:
-            raise ValueError(f"graphs must be one of {Runner.GRAPH_MODES}, got {graphs!r}")
         self.drafter = self._drafter(draft, dtype)
         self.k = 0 if isinstance(self.drafter, NoDrafter) else num_draft_tokens
         ctx, draft_ctx = self._contexts()
@@ -79,6 +76,11 @@ class LLM:
             self.parts.policy.bind(self.parts.target, self.drafter, batch_size)
         self.fault, self.profile = fault, profile
         self.stats = Stats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An ``LLM`` built from ``config``'s arguments."""
+        return cls(**config.kwargs())
 
     def _drafter(self, draft, dtype):
         if draft is None:

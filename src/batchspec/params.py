@@ -6,7 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass, field, fields
 
-# Bounds on SamplingParams (the server applies the same ones, through SamplingParams itself). Each keeps a value inside
+# Bounds on SamplingParams (``check_sampling``, which the engine and the server apply too). Each keeps a value inside
 # what the engine's int64 tensors and float arithmetic hold, so a request that passes cannot fail the batch it joins.
 INT64 = 2**63
 MAX_TOKENS = 2**31 - 1  # no model's context comes near it; beyond, the per-row buffers could not be allocated
@@ -67,11 +67,11 @@ class SamplingParams:
     theirs (``RequestOutput.logprobs``); with speculation the values are the verification forward's, the same as
     without.
 
-    Every value is checked here, so a bad one fails at construction (``ParamError``, a ``ValueError`` naming the
-    field), never in the middle of ``generate``: ``max_tokens`` in [1, 2**31); ``temperature`` finite in
-    [0, ``MAX_TEMPERATURE``] (10^4: already near-uniform noise); ``top_k`` in [0, 2**31) (above the vocabulary it
-    keeps every token); ``top_p`` in (0, 1]; ``seed`` in [0, 2**63); ``stop_token_ids`` in [0, 2**63);
-    ``logprobs`` None or in [0, ``MAX_LOGPROBS``].
+    Every value is checked here (``check_sampling``), so a bad one fails at construction (``ParamError``, a
+    ``ValueError`` naming the field), never in the middle of ``generate``: ``max_tokens`` in [1, 2**31);
+    ``temperature`` finite in [0, ``MAX_TEMPERATURE``] (10^4: already near-uniform noise); ``top_k`` in [0, 2**31)
+    (above the vocabulary it keeps every token); ``top_p`` in (0, 1]; ``seed`` in [0, 2**63); ``stop_token_ids`` in
+    [0, 2**63); ``logprobs`` None or in [0, ``MAX_LOGPROBS``].
     """
 
     max_tokens: int = 64
@@ -84,32 +84,41 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
-        max_tokens, top_k, temperature, top_p = (_integer(self.max_tokens), _integer(self.top_k),
-                                                 _real(self.temperature), _real(self.top_p))
-        if max_tokens is None or not 1 <= max_tokens <= MAX_TOKENS:
-            raise ParamError("max_tokens",
-                             f"max_tokens must be an integer >= 1 and < 2**31, got {show(self.max_tokens)}")
-        if temperature is None or not 0 <= temperature <= MAX_TEMPERATURE:  # also refuses NaN and infinities
-            raise ParamError("temperature", f"temperature must be >= 0 and <= {MAX_TEMPERATURE:g} (a finite number; 0 "
-                                            f"is greedy), got {show(self.temperature)}")
-        if top_k is None or not 0 <= top_k <= MAX_TOP_K:
-            raise ParamError("top_k", f"top_k must be an integer >= 0 and < 2**31 (0 disables it), got "
-                                      f"{show(self.top_k)}")
-        if top_p is None or not 0.0 < top_p <= 1.0:
-            raise ParamError("top_p", f"top_p must be in (0, 1] (1 disables it), got {show(self.top_p)}")
-        seed = None if self.seed is None else _integer(self.seed)
-        if self.seed is not None and (seed is None or not 0 <= seed < INT64):
-            raise ParamError("seed", f"seed must be an integer in [0, 2**63), got {show(self.seed)}")
-        stops = None if isinstance(self.stop_token_ids, (str, bytes)) else _token_ids(self.stop_token_ids)
-        if stops is None:
-            raise ParamError("stop_token_ids", "stop_token_ids must be a list of integer token ids >= 0 and < 2**63, "
-                                               f"got {show(self.stop_token_ids)}")
-        logprobs = None if self.logprobs is None else _integer(self.logprobs)
-        if self.logprobs is not None and (logprobs is None or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ParamError("logprobs", f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}] (the "
-                                         f"alternatives returned at each position), got {show(self.logprobs)}")
-        self.max_tokens, self.temperature, self.top_k, self.top_p = max_tokens, temperature, top_k, top_p
-        self.seed, self.stop_token_ids, self.logprobs = seed, stops, logprobs
+        checked = check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed,
+                                 self.stop_token_ids, self.logprobs)
+        for name, value in checked.items():
+            setattr(self, name, value)
+
+
+def check_sampling(max_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop_token_ids=(),
+                   logprobs=None) -> dict:
+    """The sampling values as plain Python numbers (numpy's become ``int`` / ``float``, the stop ids a list), keyed
+    by ``SamplingParams``' field names; ``ParamError`` naming the first one out of its range (the bounds are
+    ``SamplingParams``'). The one set of rules ``SamplingParams``, the engine's ``check_request`` and the server's
+    request validation apply."""
+    max_tokens_, top_k_, temperature_, top_p_ = _integer(max_tokens), _integer(top_k), _real(temperature), _real(top_p)
+    if max_tokens_ is None or not 1 <= max_tokens_ <= MAX_TOKENS:
+        raise ParamError("max_tokens", f"max_tokens must be an integer >= 1 and < 2**31, got {show(max_tokens)}")
+    if temperature_ is None or not 0 <= temperature_ <= MAX_TEMPERATURE:  # also refuses NaN and infinities
+        raise ParamError("temperature", f"temperature must be >= 0 and <= {MAX_TEMPERATURE:g} (a finite number; 0 "
+                                        f"is greedy), got {show(temperature)}")
+    if top_k_ is None or not 0 <= top_k_ <= MAX_TOP_K:
+        raise ParamError("top_k", f"top_k must be an integer >= 0 and < 2**31 (0 disables it), got {show(top_k)}")
+    if top_p_ is None or not 0.0 < top_p_ <= 1.0:
+        raise ParamError("top_p", f"top_p must be in (0, 1] (1 disables it), got {show(top_p)}")
+    seed_ = None if seed is None else _integer(seed)
+    if seed is not None and (seed_ is None or not 0 <= seed_ < INT64):
+        raise ParamError("seed", f"seed must be an integer in [0, 2**63), got {show(seed)}")
+    stops = None if isinstance(stop_token_ids, (str, bytes)) else _token_ids(stop_token_ids)
+    if stops is None:
+        raise ParamError("stop_token_ids", "stop_token_ids must be a list of integer token ids >= 0 and < 2**63, "
+                                           f"got {show(stop_token_ids)}")
+    logprobs_ = None if logprobs is None else _integer(logprobs)
+    if logprobs is not None and (logprobs_ is None or not 0 <= logprobs_ <= MAX_LOGPROBS):
+        raise ParamError("logprobs", f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}] (the "
+                                     f"alternatives returned at each position), got {show(logprobs)}")
+    return dict(max_tokens=max_tokens_, temperature=temperature_, top_k=top_k_, top_p=top_p_, seed=seed_,
+                stop_token_ids=stops, logprobs=logprobs_)
 
 
 def _token_ids(values) -> list[int] | None:

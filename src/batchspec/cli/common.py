@@ -59,6 +59,20 @@ def dtype(name):
     return getattr(torch, name) if name else None
 
 
+def engine_config(args, **given):
+    """The ``EngineConfig`` of a command's flags: every flag named as an ``LLM`` argument (--target, --draft,
+    --num-draft-tokens, --batch-size, --weights, --prefix-cache...) taken as it is, but for the draft (resolved:
+    the default target's built-in draft, 'none') and the dtype (a name made a torch dtype); ``given`` sets the others
+    or overrides a flag (the server's continuous scheduler)."""
+    from dataclasses import fields
+
+    from ..config import EngineConfig
+
+    flags = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    flags.update(draft=resolve_draft(args.target, args.draft), dtype=dtype(args.dtype))
+    return EngineConfig(**{**flags, **given})
+
+
 def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)

@@ -19,14 +19,13 @@ import time
 from pathlib import Path
 
 from .common import (
-    dtype,
     encode_prompts,
+    engine_config,
     model_args,
     prefix_cache_arg,
     positive_int,
     prepare_out,
     read_prompt_set,
-    resolve_draft,
     sampling_flags,
     write_atomic,
 )
@@ -70,11 +69,7 @@ def run(args) -> int:
     out = prepare_out(args.out, folder=False) if args.out else None
     ids = [pid for pid, _ in pairs]
     try:
-        llm = batchspec.LLM(
-            args.target, draft=resolve_draft(args.target, args.draft), num_draft_tokens=args.num_draft_tokens,
-            layout=args.layout, scheduler=args.scheduler, batch_size=args.batch_size, dtype=dtype(args.dtype),
-            device=args.device, speculation=args.speculation, weights=args.weights, prefix_cache=args.prefix_cache,
-        )
+        llm = batchspec.LLM.from_config(engine_config(args))
         _, _, prompts = encode_prompts(pairs, llm.tokenizer, args.chat_template)
         if args.seed is not None:  # one seed for the run: prompt i gets seed + i
             sp = [dataclasses.replace(sp, seed=args.seed + i) for i in range(len(prompts))]
@@ -165,7 +160,8 @@ def run_on_ray(args) -> int:
     else:
         pairs = read_prompt_set(args.prompts)
         source = [{"id": i, "prompt_id": pid, "prompt": text} for i, (pid, text) in enumerate(pairs)]
-    draft = resolve_draft(args.target, args.draft)
+    config = engine_config(args)
+    draft = config.draft
     if args.ray_address is None:  # a local Ray: check the models (fetch or convert a built-in once) before workers
         resolve(args.target, "target")
         if isinstance(draft, str) and draft != "prompt-lookup":
@@ -183,11 +179,8 @@ def run_on_ray(args) -> int:
     try:
         s = run(
             source, out, output_format=args.out_format, workers=args.workers, block_size=args.block_size,
-            seed=args.seed, cpus_per_worker=args.cpus_per_worker, gpus_per_worker=gpus,
-            target=args.target, draft=draft, num_draft_tokens=args.num_draft_tokens,
-            layout=args.layout, scheduler=args.scheduler, batch_size=args.batch_size, dtype=args.dtype,
-            device=args.device, speculation=args.speculation, chat_template=args.chat_template, sampling=sp,
-            prefix_cache=args.prefix_cache,
+            seed=args.seed, cpus_per_worker=args.cpus_per_worker, gpus_per_worker=gpus, config=config,
+            chat_template=args.chat_template, sampling=sp,
         )
     finally:
         if started:

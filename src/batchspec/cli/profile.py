@@ -5,7 +5,7 @@ count, and cached (``batchspec.speculation.costs``). Shows it, measuring it firs
 
 from __future__ import annotations
 
-from .common import DEFAULT_TARGET, weights_arg, dtype, positive_int, resolve_draft
+from .common import DEFAULT_TARGET, engine_config, positive_int, weights_arg
 
 HELP = "show (or measure again) the cost profile the speculation length is chosen from"
 
@@ -31,9 +31,8 @@ def run(args) -> int:
 
     from ..speculation.costs import CostModel, describe, load_or_measure, profile_path
 
-    llm = batchspec.LLM(args.target, draft=resolve_draft(args.target, args.draft), batch_size=args.batch_size,
-                        num_draft_tokens=args.num_draft_tokens, dtype=dtype(args.dtype), device=args.device,
-                        speculation="fixed", weights=args.weights)  # (a fixed length measures nothing: the profile is measured here)
+    # a fixed length measures nothing: the profile is measured here
+    llm = batchspec.LLM.from_config(engine_config(args, speculation="fixed"))
     drafter = llm.drafter if llm.k else None
     profile = load_or_measure(llm.parts.target, args.batch_size, drafter, bool(drafter and drafter.needs_hidden),
                               refresh=args.refresh, progress=True)

@@ -9,7 +9,7 @@ import os
 
 from ..params import MAX_TEMPERATURE
 from ..serve.protocol import DEFAULT_MAX_BODY_BYTES
-from .common import DEFAULT_TARGET, need, positive_int, prefix_cache_arg, resolve_draft, weights_arg
+from .common import DEFAULT_TARGET, engine_config, need, positive_int, prefix_cache_arg, weights_arg
 
 HELP = "serve the target over an OpenAI-compatible HTTP API"
 
@@ -73,8 +73,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_app(args):
     """The app for parsed ``serve`` arguments (loads the models)."""
-    import torch
-
     import batchspec
 
     from ..serve.app import create_app
@@ -83,12 +81,7 @@ def build_app(args):
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not (math.isfinite(args.default_temperature) and 0 <= args.default_temperature <= MAX_TEMPERATURE):
         raise ValueError(f"--default-temperature must be in [0, {MAX_TEMPERATURE:g}], got {args.default_temperature}")
-    llm = batchspec.LLM(
-        args.target, draft=resolve_draft(args.target, args.draft), tokenizer=args.tokenizer,
-        num_draft_tokens=args.num_draft_tokens, layout=args.layout, scheduler="continuous",
-        batch_size=args.batch_size, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
-        speculation=args.speculation, weights=args.weights, prefix_cache=args.prefix_cache,
-    )
+    llm = batchspec.LLM.from_config(engine_config(args, scheduler="continuous"))
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     return create_app(llm, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
                       default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature,

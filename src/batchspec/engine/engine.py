@@ -19,7 +19,7 @@ from ..batch import Batch, InvariantError, RoundLogprobs, Sequences, check_invar
 from ..drafters.base import Proposal
 from ..model.loading import vocab_size
 from ..model.runner import Runner
-from ..params import MAX_LOGPROBS, Stats, TokenLogprob, show
+from ..params import ParamError, Stats, TokenLogprob, check_sampling
 from ..sampling import Stream
 from ..speculation import FixedLength
 from ..speculation.budget import DRAFT, FIXED, NO_DRAFTER, NOT_WORTH, DraftBudget, Outcome, RoundView
@@ -44,49 +44,35 @@ class Request:
     logprobs: int | None = None  # alternatives to return with each token's log-probability (None: none at all)
 
 
-_INT64 = 2**63
-
-
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def check_request(r: Request, vocab: int | None = None, context: int | None = None) -> None:
     """Raise ``ValueError`` unless ``r`` can run in a batch without failing it (and so the rows beside it): a
-    non-empty prompt of integer ids inside the vocabulary, ``max_tokens`` >= 1 with prompt + ``max_tokens`` inside
-    ``context``, a finite ``temperature`` >= 0, ``top_p`` in (0, 1], ``logprobs`` None or in [0, ``MAX_LOGPROBS``],
-    and every integer in int64. Cheap (one pass over the prompt); ``LLM.requests`` checks more (the draft's context,
-    the dtype's smallest temperature)."""
+    non-empty prompt of integer ids inside the vocabulary, prompt + ``max_tokens`` inside ``context``, a seed, and
+    sampling values inside ``SamplingParams``' bounds (``check_sampling``: its plain values replace ``r``'s).
+    Cheap (one pass over the prompt); ``LLM.requests`` checks more (the draft's context, the dtype's smallest
+    temperature)."""
 
     def refuse(what: str):
         return ValueError(f"request {r.id}: {what}")
-
-    def integer(v, lo: int, name: str) -> None:
-        if not _is_int(v) or not lo <= v < _INT64:
-            raise refuse(f"{name} must be an integer in [{lo}, 2**63), got {show(v)}")
 
     prompt = r.prompt
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise refuse("the prompt must be a non-empty list of token ids")
     if not all(map(_is_int, prompt)) or min(prompt) < 0 or (vocab is not None and max(prompt) >= vocab):
         raise refuse(f"the prompt must hold integer token ids in [0, {vocab})")
-    integer(r.max_tokens, 1, "max_tokens")
-    if context is not None and len(prompt) + r.max_tokens > context:
-        raise refuse(f"{len(prompt)} prompt tokens + max_tokens {r.max_tokens} exceed the context of {context}")
-    integer(r.top_k, 0, "top_k")
-    integer(r.seed, -_INT64, "seed")
-    for t in r.stop_ids:
-        integer(t, 0, "a stop token id")
-    if not _is_real(r.temperature) or not 0 <= r.temperature < float("inf"):
-        raise refuse(f"temperature must be a finite number >= 0, got {show(r.temperature)}")
-    if not _is_real(r.top_p) or not 0 < r.top_p <= 1:
-        raise refuse(f"top_p must be in (0, 1], got {show(r.top_p)}")
-    if r.logprobs is not None and (not _is_int(r.logprobs) or not 0 <= r.logprobs <= MAX_LOGPROBS):
-        raise refuse(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {show(r.logprobs)}")
+    try:
+        v = check_sampling(r.max_tokens, r.temperature, r.top_k, r.top_p, r.seed, r.stop_ids, r.logprobs)
+    except ParamError as e:
+        raise ParamError(e.param, f"request {r.id}: {e}") from None
+    if v["seed"] is None:
+        raise refuse("seed must be an integer in [0, 2**63), got None (the engine draws none)")
+    if context is not None and len(prompt) + v["max_tokens"] > context:
+        raise refuse(f"{len(prompt)} prompt tokens + max_tokens {v['max_tokens']} exceed the context of {context}")
+    r.max_tokens, r.temperature, r.top_k, r.top_p = v["max_tokens"], v["temperature"], v["top_k"], v["top_p"]
+    r.seed, r.stop_ids, r.logprobs = v["seed"], set(v["stop_token_ids"]), v["logprobs"]
 
 
 @dataclass

@@ -21,6 +21,7 @@ Ray is an optional dependency (``pip install "batchspec[ray]"``): this module im
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -28,6 +29,7 @@ import re
 import time
 from pathlib import Path
 
+from ..config import EngineConfig
 from ..params import SamplingParams
 
 INSTALL = 'pip install "batchspec[ray]"'
@@ -77,36 +79,37 @@ class LLMPredictor:
     """Loads one ``batchspec.LLM`` per worker and generates for a batch of rows (a pyarrow Table, a pandas DataFrame
     or a dict of numpy arrays; the result has the same kind, with every input column kept).
 
-    ``target``, ``draft`` and ``tokenizer`` are what ``batchspec.LLM`` takes (paths and built-in names are loaded in
-    the worker), or factories: callables with no arguments, called in the worker, that return one (a module-level
-    function or a ``functools.partial`` pickles by reference, so the worker must be able to import its module).
-    ``dtype`` may be a name (``"float32"``). ``sampling``: the defaults (``SamplingParams`` or a dict of its fields)
-    for rows without sampling columns. ``chat_template``: pass text prompts through the tokenizer's chat template.
-    ``threads``: torch's CPU threads in this worker (None: leave torch's default). ``prefix_cache``: ``LLM``'s (None:
-    its default)."""
+    The ``LLM`` is built from ``config`` (an ``EngineConfig``) or, without one, from ``LLM``'s arguments given here
+    (``target``, ``draft``, ``tokenizer`` and any other of its keyword arguments in ``engine``). ``target``,
+    ``draft`` and ``tokenizer`` are what ``batchspec.LLM`` takes (paths and built-in names are loaded in the worker),
+    or factories: callables with no arguments, called in the worker, that return one (a module-level function or a
+    ``functools.partial`` pickles by reference, so the worker must be able to import its module). ``dtype`` may be a
+    name (``"float32"``). ``sampling``: the defaults (``SamplingParams`` or a dict of its fields) for rows without
+    sampling columns. ``chat_template``: pass text prompts through the tokenizer's chat template. ``threads``:
+    torch's CPU threads in this worker (None: leave torch's default)."""
 
-    def __init__(self, target, draft=None, tokenizer=None, *, num_draft_tokens: int = 5, layout: str = "slotmask",
-                 scheduler="static", batch_size: int = 8, dtype=None, device=None, speculation="adaptive",
-                 graphs: str = "auto", chat_template: bool = False, sampling=None, threads: int | None = None,
-                 prefix_cache: int | None = None):
+    def __init__(self, target=None, draft=None, tokenizer=None, *, config: EngineConfig | None = None,
+                 chat_template: bool = False, sampling=None, threads: int | None = None, **engine):
         import torch
 
         import batchspec
 
+        if config is None:
+            config = EngineConfig(target, draft, tokenizer, **engine)
+        elif target is not None or draft is not None or tokenizer is not None or engine:
+            raise ValueError("give an EngineConfig or LLM's arguments, not both")
         if threads is not None:
             torch.set_num_threads(int(threads))
+        dtype = config.dtype
         if isinstance(dtype, str):
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise ValueError(f"unknown dtype {dtype!r}")
             dtype = getattr(torch, dtype)
         self.defaults = _defaults(sampling)
         self.chat_template = chat_template
-        self.llm = batchspec.LLM(
-            _build(target), draft=_build(draft), tokenizer=_build(tokenizer), num_draft_tokens=num_draft_tokens,
-            layout=layout, scheduler=scheduler, batch_size=batch_size, dtype=dtype, device=device,
-            speculation=speculation, graphs=graphs,
-            **({} if prefix_cache is None else {"prefix_cache": prefix_cache}),
-        )
+        self.llm = batchspec.LLM.from_config(dataclasses.replace(
+            config, target=_build(config.target), draft=_build(config.draft), tokenizer=_build(config.tokenizer),
+            dtype=dtype))
 
     def __call__(self, batch):
         cols = _Columns(batch)

@@ -35,7 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..params import MAX_LOGPROBS, ParamError, SamplingParams, show
+from ..params import ParamError, SamplingParams, check_sampling, show
 
 # The largest request body by default (413 beyond): a full context of 128k tokens, as ids or as escaped text, takes
 # about 1 MB.
@@ -127,16 +127,17 @@ def _is_real(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def _get_int(body: dict, name: str, lo: int | None = None):
-    v = body.get(name)
+def _whole(v):
+    """A JSON number that is a whole float (``16.0``) as an ``int``; anything else as it is."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _get_int(body: dict, name: str):
+    v = _whole(body.get(name))
     if v is None:
         return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
     if not _is_int(v):
         raise bad(f"{name} must be an integer, got {show(v)}", name)
-    if lo is not None and v < lo:
-        raise bad(f"{name} must be at least {lo}, got {show(v)}", name)
     return int(v)
 
 
@@ -182,35 +183,24 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
 
 
 def _choices(body: dict) -> int:
-    n = body.get("n")
+    n = _whole(body.get("n"))
     if n is None:
         return 1
-    if isinstance(n, float) and n.is_integer():
-        n = int(n)
     if not _is_int(n) or not 1 <= n <= MAX_N:
         raise bad(f"n must be an integer in [1, {MAX_N}] (the choices to generate), got {show(n)}", "n")
     return int(n)
 
 
-def _alternatives(v, name: str) -> int:
-    """An integer count of alternatives in [0, ``MAX_LOGPROBS``] (``name`` is the field it came as)."""
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not _is_int(v) or not 0 <= v <= MAX_LOGPROBS:
-        raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens returned at each "
-                  f"position), got {show(v)}", name)
-    return int(v)
-
-
-def _logprobs(body: dict, kind: str) -> int | None:
-    """The alternatives asked for at each position, None when no log-probabilities are asked for. Completions:
-    ``logprobs: <int>``; chat: ``logprobs: true`` and ``top_logprobs: <int>`` (0 when left out)."""
+def _logprobs(body: dict, kind: str):
+    """The alternatives asked for at each position, None when no log-probabilities are asked for (its range is
+    ``check_sampling``'s). Completions: ``logprobs: <int>``; chat: ``logprobs: true`` and ``top_logprobs: <int>``
+    (0 when left out)."""
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if kind == "completion":
         if top is not None:
             raise bad("top_logprobs is a chat field; on /v1/completions give logprobs: <number of alternatives>",
                       "top_logprobs")
-        return None if lp is None or lp is False else _alternatives(lp, "logprobs")
+        return None if lp is None or lp is False else _whole(lp)
     if lp is not None and not isinstance(lp, bool):
         raise bad(f"logprobs must be true or false (give the alternatives as top_logprobs), got {show(lp)}",
                   "logprobs")
@@ -218,7 +208,7 @@ def _logprobs(body: dict, kind: str) -> int | None:
         if top not in (None, 0):
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
         return None
-    return 0 if top is None else _alternatives(top, "top_logprobs")
+    return 0 if top is None else _whole(top)
 
 
 def _model(body: dict, info: ModelInfo) -> str:
@@ -391,7 +381,7 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
     names = ("max_tokens",) if kind == "completion" else ("max_completion_tokens", "max_tokens")
     max_tokens, param = None, names[-1]
     for name in names:
-        v = _get_int(body, name, lo=1)
+        v = _get_int(body, name)
         if v is not None:
             max_tokens, param = v, name
             break
@@ -401,8 +391,6 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
     top_p = 1.0 if top_p is None else top_p
     top_k = _get_int(body, "top_k")
     top_k = 0 if top_k is None or top_k == -1 else top_k
-    if top_k < 0:
-        raise bad(f"top_k must be >= 0 (0 or -1: off), got {show(top_k)}", "top_k")
     seed = _get_int(body, "seed")
     if seed is not None and not -INT64 <= seed < INT64:
         raise bad(f"seed must be an integer in [-2**63, 2**63), got {show(seed)}", "seed")
@@ -415,10 +403,11 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
     ignore_eos, return_token_ids = _get_bool(body, "ignore_eos"), _get_bool(body, "return_token_ids")
     n, logprobs = _choices(body), _logprobs(body, kind)
     tokens_as_ids = _get_bool(body, "return_tokens_as_token_ids")
-    # the ranges of SamplingParams, the same as for LLM.generate (max_tokens is checked against the context below)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids,
-                    logprobs=logprobs)
-    _sampling_params(max_tokens=1 if max_tokens is None else max_tokens, **sampling, param=param)
+    # the ranges of SamplingParams and the engine (check_sampling); max_tokens is checked against the context below
+    checked = _check_sampling({"max_tokens": param, "logprobs": "logprobs" if kind == "completion" else "top_logprobs"},
+                              max_tokens=1 if max_tokens is None else max_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=seed, stop_token_ids=stop_ids, logprobs=logprobs)
+    logprobs = checked["logprobs"]
 
     ids = _prompt_ids(body, info) if kind == "completion" else _chat_ids(body, info)
     room = None if info.context is None else info.context - len(ids)
@@ -437,13 +426,14 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
     )
 
 
-def _sampling_params(param: str = "max_tokens", **kw) -> SamplingParams:
-    """``SamplingParams(**kw)``, its refusal as a 400 naming the field (``param``: the name max_tokens came as)."""
+def _check_sampling(fields: dict, **values) -> dict:
+    """``check_sampling(**values)``, its refusal as a 400 naming the field as the request gave it (``fields``: a
+    ``SamplingParams`` field -> its name on the wire, where they differ)."""
     try:
-        return SamplingParams(**kw)
+        return check_sampling(**values)
     except ParamError as e:
-        raise bad(str(e).replace("max_tokens", param) if e.param == "max_tokens" else str(e),
-                  param if e.param == "max_tokens" else e.param) from None
+        name = fields.get(e.param, e.param)
+        raise bad(str(e).replace(e.param, name, 1), name) from None
 
 
 def sampling_params(req: GenRequest, index: int = 0) -> SamplingParams:
