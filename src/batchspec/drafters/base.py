@@ -37,8 +37,8 @@ class Drafter:
 
     name = "drafter"
     needs_hidden = False  # whether ``prefill`` and ``commit`` read the target's final hidden states
-    # whether its greedy offers carry per-row candidates that speculation sizes each round by, from the budget's costs
-    # (prompt lookup, the head with copies); otherwise the policy chooses one length for the batch and ``budget.k`` is it
+    # whether its greedy offers carry per-row candidates that speculation sizes each round by, from the budget's
+    # costs (prompt lookup, the head with copies); otherwise the policy chooses one length for the batch: ``budget.k``
     sizes_own_drafts = False
     # whether the drafter may size each row on its own (``DraftBudget.per_row``) where the target's runner packs
     packs_rows = False

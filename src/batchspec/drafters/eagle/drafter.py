@@ -23,15 +23,17 @@ candidate copies; a row drafts them first when copies of its match length have b
 head's first drafts, and the head drafts on after them, fed the copied tokens. The drafter offers the copies
 (with their match lengths) and its cost terms, and speculation plans each round from them like prompt lookup's
 (``speculation.plan``): a "head" round runs the head, a "copy" round verifies only the copies and leaves the head alone
-(its features wait, and its next round catches up on them), and a round where neither pays is a plain step. Where the target's runner packs verification (each row's real tokens only), a
-copy round sizes each row on its own, as prompt lookup does (``budget.per_row``): the batch's likeliest copies, the
-features of the real tokens coming back all the same.
+(its features wait, and its next round catches up on them), and a round where neither pays is a plain step. Where the
+target's runner packs verification (each row's real tokens only), a copy round sizes each row on its own, as prompt
+lookup does (``budget.per_row``): the batch's likeliest copies, the features of the real tokens coming back all the
+same.
 
 Depth (greedy, sized rounds): a head round drafts on while the head is sure. A row is *sure* of its drafts while the
 product of the probabilities the head gave them (copies count 1) is at least the plan's ``sure``; the round stops
 drafting once no row is sure, before the planned width if need be, and drafts past it, up to the plan's ``most``,
-while one is; with ``rowwise`` each row verifies its drafts up to the first it is not sure of. The plan prices every round from one running rate; the head's own probability of a draft tells its
-rounds apart (it predicts acceptance well: docs/benchmarks.md).
+while one is; with ``rowwise`` each row verifies its drafts up to the first it is not sure of. The plan prices every
+round from one running rate; the head's own probability of a draft tells its rounds apart (it predicts acceptance
+well: docs/benchmarks.md).
 """
 
 from __future__ import annotations
