@@ -1,11 +1,15 @@
-"""How likely drafts are to be accepted: each row's recent evidence (on the device, read with the round's one host
-read) blended with the drafter's long-run rate, as expected tokens per round for each length."""
+"""How likely drafts are to be accepted, every estimator the decision uses: each row's recent evidence (on the device,
+read with the round's one host read) blended with the drafter's long-run rate, as expected tokens per round for each
+length (``Acceptance``); copies per match length and draft index (``Copies``); a head's first drafts (``HeadRate``).
+Each starts from one prior weighed ``PRIOR_WEIGHT`` rounds."""
 
 from __future__ import annotations
 
 import torch
 
-PRIOR_WEIGHT = 3.0  # pseudo-rounds of the long-run rate each row starts from: a new row drafts at the drafter's rate
+# pseudo-rounds (or counts) of the prior each estimate starts from: about what a row's decayed evidence adds up to
+# (1 / (1 - DECAY)), so a fresh estimate follows its first few rounds without being thrown by one
+PRIOR_WEIGHT = 3.0
 DECAY = 0.7  # each older round's evidence weighs this much less: a row copying a passage accepts in bursts
 RATE_SMOOTHING = 0.05  # the long-run rate: the mean of the first drafting rounds, then a moving average this fast
 INITIAL_RATE = 0.5  # the long-run rate before any round drafted
