@@ -9,6 +9,7 @@ import inspect
 import itertools
 import json
 from math import inf
+from types import SimpleNamespace
 
 import pytest
 import tiny
@@ -27,8 +28,10 @@ from batchspec.engine.schedulers import ExSpec
 from batchspec.model.kv import new_cache
 from batchspec.model.runner import Runner
 from batchspec.speculation import AdaptiveLength
+from batchspec.speculation.acceptance import Copies
 from batchspec.speculation.budget import DRAFT, NOT_WORTH, DraftBudget
 from batchspec.speculation.fixed import FixedLength
+from batchspec.speculation.plan import KINDS, Offer, Planner
 from batchspec.training.head import head_forward, head_unrolled
 
 JOIN_PROMPTS = tiny.prompts(13, seed=9) + [[4]]
@@ -148,14 +151,14 @@ def _head_drafts(drafter, history: list[int], k: int, forced=(), dtype=torch.flo
 class KindScript(Scripted):
     """For a drafter with kinds of rounds: a fixed cycle of plain rounds (None) and rounds where one kind is cheap
     and the other dear (so the drafter picks the cheap one, as wide as it can). It prices the head's rounds itself:
-    ``bind`` puts ``round_costs`` in the drafter's planner."""
+    ``bind`` puts ``round_costs`` in its own planner."""
 
     def __init__(self, cycle=(None, "copy", "copy", "head", "copy", None, "head", "copy", "copy", "copy", "head")):
         super().__init__()
         self.kinds, self.cheap = itertools.cycle(cycle), None
 
     def bind(self, target_runner, drafter, batch_size):
-        drafter.planner.round_costs = self.round_costs
+        self.planner.round_costs = self.round_costs
 
     def budget(self, view):
         self.cheap = next(self.kinds)
@@ -181,7 +184,8 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None,
     ``order``: the ``JOIN_PROMPTS`` sent, the first two first."""
     drafter = tiny.eagle(copy=copy, dtype=dtype)
     if copy:
-        monkeypatch.setattr(drafter.copy, "survival", lambda k, device: torch.ones((9, k), dtype=torch.float64))
+        sure = lambda self, k, device, keys=9: torch.ones((keys, k), dtype=torch.float64)  # noqa: E731
+        monkeypatch.setattr(Copies, "survival", sure)
     rounds, waited, propose, commit = [], [], drafter.propose, drafter.commit
     narrower = {"put": 0, "merge": 0}
     for op in ("put", "merge"):  # count the joins / window write-backs that pad a narrower feature window
@@ -339,7 +343,7 @@ def test_head_rounds_draft_as_deep_as_the_head_is_sure_one_row(sure, monkeypatch
     """One row, greedy rounds sized by the drafter: a head round planned one draft wide drafts on while the head is
     sure of its drafts (here: always, to K; of copies only; never), and stops when it is not; the output equals the
     oracle, the invariants hold."""
-    from batchspec.drafters.eagle import drafter as eagle
+    from batchspec.speculation import plan as eagle
 
     monkeypatch.setattr(eagle, "DEPTH_CONFIDENCE", sure)
     seen = _head_rounds(monkeypatch)
@@ -365,7 +369,7 @@ def test_head_rounds_draft_as_deep_as_the_head_is_sure_row_by_row(sure, monkeypa
     some row is sure of its drafts, and each row verifies its drafts up to the first it is not sure of (rows with
     copies through them and one more, the others one); every draft is still the head's prediction from the true
     history, outputs exact, invariants held."""
-    from batchspec.drafters.eagle import drafter as eagle
+    from batchspec.speculation import plan as eagle
 
     monkeypatch.setattr(eagle, "DEPTH_CONFIDENCE", sure)
     seen = _head_rounds(monkeypatch)
@@ -386,17 +390,19 @@ def test_copy_rounds_sized_row_by_row():
     """Where verification packs (``budget.per_row``): a copy round verifies the batch's likeliest copies (the strong
     row all of its copies, the weak rows none, where one width made every row verify them), within what the runner
     packs; a head round of width j is priced as rows x j drafts plus j steps of the head."""
-    d = tiny.eagle()
+    planner = Planner()
     k, rows = 3, 4
     match = torch.tensor([1, 8, 1, 1])
     n_copies, copies = torch.full((rows,), k), torch.arange(rows * k).view(rows, k) + 10
-    d.copy._tables(k, "cpu")
-    d.copy.offered[8], d.copy.hits[8] = 100.0, 97.0  # copies of 8-token matches: nearly always right
-    d.copy.offered[1], d.copy.hits[1] = 100.0, 10.0
-    d.planner.table = torch.tensor([10.0, 100.0], dtype=torch.float64)  # the head: seldom right
+    planner.copies._tables(k, "cpu")
+    planner.copies.offered[8], planner.copies.hits[8] = 100.0, 97.0  # copies of 8-token matches: nearly always right
+    planner.copies.offered[1], planner.copies.hits[1] = 100.0, 10.0
+    planner.head.table = torch.tensor([10.0, 100.0], dtype=torch.float64)  # the head: seldom right
+    offer = Offer(rows, torch.device("cpu"), copies, n_copies, match, 9, KINDS)
 
     def plan(verify, per_row=False, worth=None, step=9.0):
-        return d.planner.plan(copies, n_copies, match, DraftBudget(k, verify, step, 0.0, per_row, worth, DRAFT))
+        p = planner.plan(offer, DraftBudget(k, verify, step, 0.0, per_row, worth, DRAFT))
+        return p.kind, p.width, p.use, p.drafts
 
     assert plan([1 + 0.1 * j for j in range(k + 1)])[:2] == ("copy", 3)  # a column of the rectangle
     kind, width, _, n = plan([1 + 0.1 * j for j in range(k + 1)])
@@ -412,7 +418,7 @@ def test_copy_rounds_sized_row_by_row():
     assert plan(dearer, True, weak_first)[3].tolist() == [0, 0, 0, 1]
     assert plan(per_draft[:3], True)[3].tolist() == [0, 2, 0, 0]  # the runner packs at most 2 drafts
     # the head right every time: a head round one draft a row wide beats the copies at that cost
-    d.planner.table = torch.tensor([100.0, 100.0], dtype=torch.float64)
+    planner.head.table = torch.tensor([100.0, 100.0], dtype=torch.float64)
     one_a_row = [1.0, 1.02, 1.04, 1.06, 1.1] + [9.0] * (rows * k - rows)
     assert plan(one_a_row, per_row=True, step=0.0)[:2] == ("head", 1)
     assert plan(one_a_row, per_row=True, step=9.0)[0] == "copy"  # the head's steps dear: copies
@@ -422,44 +428,45 @@ def test_copies_used_where_they_earned_it():
     """The first drafts' acceptance is learned for the head and for copies per match length from every drafting
     round (both sources scored against the target's token, whichever was drafted); a row copies when its match
     length's copies were accepted more often than the head's drafts, at the time of the round."""
-    drafter = tiny.eagle()
+    drafter, policy = tiny.eagle(), FixedLength()
     chosen, propose = [], drafter.propose
 
-    def spy(seqs, state, budget):
-        head_rate = drafter.planner.head_survival(budget.k, seqs.length.device)[0]
-        copy_rate = drafter.copy.survival(budget.k, seqs.length.device)[:, 0]
-        proposal = propose(seqs, state, budget)
+    def spy(seqs, state, plan):
+        k, offer = plan.width, plan.offer
+        head_rate = policy.planner.head.survival(k, seqs.length.device)[0]
+        copy_rate = policy.planner.copies.survival(k, seqs.length.device)[:, 0]
+        proposal = propose(seqs, state, plan)
         assert proposal.kind == "head"  # fixed length: the head runs every round
-        match, n_copies, copied, head, used = proposal.match.unbind(1)
-        use = (n_copies > 0) & (copy_rate[match] > head_rate)
-        assert use.tolist() == used.bool().tolist()
-        chosen.append((proposal.drafts[:, 0].tolist(), torch.where(use, copied, head).tolist(),
-                       int(use.sum()), int(((n_copies > 0) & ~use).sum())))
+        n_copies = offer.count
+        use = (n_copies > 0) & (copy_rate[offer.match] > head_rate)
+        assert use.tolist() == plan.use.tolist()
+        want = torch.where(use, offer.candidates[:, 0], proposal.first)
+        weak = int(((n_copies > 0) & ~use).sum())
+        chosen.append((proposal.drafts[:, 0].tolist(), want.tolist(), int(use.sum()), weak))
         return proposal
 
     drafter.propose = spy
-    llm = _llm(3, 4, draft=drafter, speculation="fixed")
+    llm = _llm(3, 4, draft=drafter, speculation=policy)
     prompts = JOIN_PROMPTS + tiny.prompts(12, seed=3)
     outs = llm.generate(prompts, SP(max_tokens=25))
     assert [o.token_ids for o in outs] == _oracle(prompts, 25)
     assert all(got == want for got, want, _, _ in chosen)
     assert sum(c[2] for c in chosen) > 10, "no row copied"
     assert sum(c[3] for c in chosen) > 10, "every match was copied: the rule never refused one"
-    head_hits, head_scored = drafter.planner.table
+    head_hits, head_scored = policy.planner.head.table
     assert head_scored == llm.stats.row_rounds and 0 < head_hits < head_scored
-    assert 0 < drafter.copy.hits[:, 0].sum() < drafter.copy.offered[:, 0].sum()
+    assert 0 < policy.planner.copies.hits[:, 0].sum() < policy.planner.copies.offered[:, 0].sum()
 
 
 def test_copy_off_and_under_sampling():
     """``copy=False`` drafts with the head alone; sampling never copies (the proposal carries no first drafts)."""
     for copy, params in ((False, SP(max_tokens=12)), (True, SP(max_tokens=12, temperature=0.8, seed=1))):
-        drafter = tiny.eagle(copy=copy)
+        drafter, policy = tiny.eagle(copy=copy), FixedLength()
         seen, propose = [], drafter.propose
-        drafter.propose = lambda seqs, state, budget: seen.append(propose(seqs, state, budget)) or seen[-1]
-        _llm(3, 4, draft=drafter, speculation="fixed").generate(JOIN_PROMPTS, params)
-        assert seen and all(p.match is None for p in seen)
-        assert drafter.planner is None or drafter.planner.table is None
-        assert drafter.copy is None or drafter.copy.offered is None
+        drafter.propose = lambda seqs, state, plan: seen.append(propose(seqs, state, plan)) or seen[-1]
+        _llm(3, 4, draft=drafter, speculation=policy).generate(JOIN_PROMPTS, params)
+        assert seen and all(p.first is None and p.kind is None for p in seen)
+        assert policy.planner.head.table is None and policy.planner.copies.offered is None
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -700,9 +707,9 @@ def test_round_costs_from_the_budget():
     """A copy round costs its verification (never falling with m, unpriced sizes out of reach); a head round of j
     steps that plus j steps of the head; after a long wait (more pairs than a round's block) each pair beyond it at
     the budget's price, shared by ``CATCH_UP_SHARED`` rounds or by the rounds left when fewer."""
-    from batchspec.drafters.eagle.plan import CATCH_UP_SHARED
+    from batchspec.speculation.plan import CATCH_UP_SHARED
 
-    d, cpu = tiny.eagle(), torch.device("cpu")
+    d, cpu = SimpleNamespace(planner=Planner()), torch.device("cpu")
     b = DraftBudget(3, [1.0, 1.1, 1.05, 1.2], 0.1, 0.01, reason=DRAFT)
     copy, head = d.planner.round_costs(b, cpu).tolist()
     assert copy == pytest.approx([1.0, 1.1, 1.1, 1.2]) and head == pytest.approx([1.0, 1.2, 1.3, 1.5])

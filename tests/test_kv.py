@@ -361,9 +361,8 @@ def test_engine_with_packed_verification_stays_exact(monkeypatch):
     policy = AdaptiveLength(synthetic(per_token=0.0001))  # verification cheap: rows draft what they have
     llm = batchspec.LLM(t, draft="prompt-lookup", num_draft_tokens=4, batch_size=4, check_invariants=True,
                         speculation=policy)
-    budgets, propose = [], llm.drafter.propose
-    llm.drafter.propose = lambda seqs, state, budget: budgets.append((len(seqs), budget)) or propose(seqs, state,
-                                                                                                     budget)
+    budgets, plan = [], policy.plan  # every budget a drafter's offer is planned within
+    policy.plan = lambda offer, budget: budgets.append((offer.rows, budget)) or plan(offer, budget)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=24))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 24) for p in prompts]
     assert packed and llm.stats.accepted > 0 and llm.stats.ragged_rounds > 0

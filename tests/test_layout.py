@@ -175,3 +175,37 @@ def test_public_names():
 
     assert batchspec.LLM and batchspec.SamplingParams and batchspec.RequestOutput and batchspec.InvariantError
     assert callable(batchspec.audit) and batchspec.audit.__module__ == "batchspec.audit.core"
+
+
+def deciders(graph_files: dict[str, Path]) -> list[str]:
+    """Modules outside ``speculation/`` that decide a round's length: they call the pricing routine (``cheapest``,
+    ``likeliest``, ``plan``/``round_costs`` of a planner, ``Planner()``) or take an argmax over costs."""
+    decide = {"cheapest", "likeliest", "round_costs", "Planner", "Copies", "HeadRate"}
+    bad = []
+    for mod, path in sorted(graph_files.items()):
+        if mod.startswith("batchspec.speculation"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in decide:
+                bad.append(f"{mod} calls {name}")
+            elif name == "argmax" and any(w in ast.unparse(node).lower() for w in ("cost", "verify", "price")):
+                bad.append(f"{mod} takes an argmax over costs")
+    return bad
+
+
+def test_only_speculation_decides_a_rounds_length():
+    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+    assert deciders({m: p for m, p in files.items() if m.startswith(("batchspec.drafters", "batchspec.engine"))}) == []
+
+
+def test_decider_check_finds_a_drafter_that_prices(tmp_path):
+    drafter = tmp_path / "drafter.py"
+    drafter.write_text("def propose(chance, budget):\n    return (chance / budget.verify_tensor(3, 'cpu')).argmax()\n")
+    pricing = tmp_path / "pricing.py"
+    pricing.write_text("from batchspec.speculation.plan import cheapest\ncheapest(a, b)\n")
+    assert deciders({"batchspec.drafters.x": drafter, "batchspec.engine.y": pricing}) == [
+        "batchspec.drafters.x takes an argmax over costs", "batchspec.engine.y calls cheapest"]

@@ -13,10 +13,37 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import batchspec
-from batchspec.drafters import PromptLookup, lookup
-from batchspec.drafters.lookup import PRIOR_WEIGHT, survival
+from batchspec.drafters import lookup
+from batchspec.drafters.lookup import PromptLookup as Drafter
 from batchspec.model import kernels
+from batchspec.speculation.acceptance import PRIOR_WEIGHT, survival
 from batchspec.speculation.budget import DRAFT, FIXED, DraftBudget
+from batchspec.speculation.plan import Planner
+
+
+class PromptLookup:
+    """Prompt lookup as the engine runs it: it offers, the planner plans (``propose``) and learns (``commit``)."""
+
+    def __init__(self, **kw):
+        self.drafter, self.planner = Drafter(**kw), Planner()
+
+    def propose(self, seqs, state, budget):
+        self.plan = self.planner.plan(self.drafter.offer(seqs, state, budget.k), budget)
+        return self.drafter.propose(seqs, state, self.plan)
+
+    def commit(self, state, proposal, accepted, target):
+        self.planner.learn(self.plan, proposal, accepted, target)
+
+    def survival(self, k, device):
+        return self.planner.copies.survival(k, device)
+
+    @property
+    def offered(self):
+        return self.planner.copies.offered
+
+    @property
+    def hits(self):
+        return self.planner.copies.hits
 
 
 def B(k, verify=None, per_row=False, worth=None):
@@ -49,7 +76,7 @@ def test_longest_match_and_its_continuation():
     # drafts (E(2) / 1.4 = 2.54 against E(1) / 1.2 = 2.50 and E(3) / 1.6 = 2.43)
     assert d.propose(SimpleNamespace(**p), None, B(5, linear(0.2))).n_drafts.tolist() == [2, 2]
     prop = d.propose(SimpleNamespace(**p), None, B(5))
-    assert prop.match.tolist() == [1, 4]
+    assert d.plan.offer.match.tolist() == [1, 4]
     assert prop.n_drafts.tolist() == [5, 5]
     assert prop.drafts[0].tolist() == [20, 21, 22, 23, 24] and prop.drafts[1].tolist() == [30, 31, 32, 33, 34]
 
@@ -194,7 +221,7 @@ def test_latest_occurrence_gives_the_candidates():
     occurrence continues."""
     d = PromptLookup()
     prop = d.propose(_seqs([[5, 6, 7, 8, 5, 6, 40, 41, 5, 6]]), None, B(2))  # every candidate offered
-    assert prop.match.tolist() == [2] and prop.drafts.tolist() == [[40, 41]]
+    assert d.plan.offer.match.tolist() == [2] and prop.drafts.tolist() == [[40, 41]]
 
 
 def test_block_width_maximises_tokens_per_cost():
@@ -236,7 +263,7 @@ def test_matching_equals_brute_force(rows, max_ngram, min_ngram):
             prop = d.propose(seqs, None, B(3))
         for i, row in enumerate(rows):
             n, start = _reference(row, max_ngram, min_ngram)
-            assert prop.match[i] == n
+            assert d.plan.offer.match[i] == n
             want = [] if start is None else row[start : start + 3]
             assert prop.drafts[i, : prop.n_drafts[i]].tolist() == want
 
@@ -256,7 +283,7 @@ def test_engine_learns_and_stays_exact():
     llm = tiny.fixed_llm(t, draft="prompt-lookup", num_draft_tokens=6, batch_size=4, check_invariants=True)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=30))
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 30) for p in prompts]
-    d = llm.drafter
+    d = llm.parts.policy.planner.copies
     assert d.offered.sum() > 0 and (d.hits <= d.offered).all() and d.hits.sum() > 0
     assert (d.offered[:, 1:] <= d.offered[:, :-1]).all()  # index j is offered only with every index before it
     assert llm.stats.accepted > 0 and llm.stats.ragged_rounds > 0

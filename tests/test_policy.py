@@ -361,3 +361,34 @@ def test_prior_is_the_drafters_long_run_rate():
     for _ in range(30):
         a.update([1.0, 1.1, 1.1, 0.0, 4.0], drafted=False)
     assert a.rate == before
+
+
+def test_drafters_draft_exactly_the_plan():
+    """A drafter given a plan drafts exactly its counts, whatever its candidates promise: prompt lookup the first
+    ``plan.drafts`` of each row's candidates (none for a row whose count is 0 though it has a match), the draft model
+    ``plan.width`` a row."""
+    from types import SimpleNamespace
+
+    from batchspec.drafters import ModelDrafter, PromptLookup
+    from batchspec.speculation.plan import DraftPlan
+
+    rows = [[1, 2, 3, 4, 30, 31, 32, 33, 1, 2, 3, 4], [5, 6, 7, 8, 9, 5, 6], [7, 8, 40, 41, 42, 7, 8]]
+    hist = torch.zeros((3, 20), dtype=torch.long)
+    for i, r in enumerate(rows):
+        hist[i, : len(r)] = torch.tensor(r)
+    seqs = SimpleNamespace(history=hist, length=torch.tensor([len(r) for r in rows]), sampling=False)
+    d = PromptLookup()
+    offer = d.offer(seqs, None, 4)
+    assert offer.count.tolist() == [4, 4, 4]
+    for counts in ([0, 3, 1], [2, 2, 2], [4, 0, 0]):
+        n = torch.tensor(counts)
+        p = d.propose(seqs, None, DraftPlan(offer, None, n, max(counts), DRAFT))
+        assert p.n_drafts.tolist() == counts and p.drafts.shape[1] == max(counts)
+        for i, c in enumerate(counts):
+            assert p.drafts[i, :c].tolist() == offer.candidates[i, :c].tolist()
+    m = ModelDrafter(tiny.draft())
+    state = m.prefill(rows)
+    offer = m.offer(seqs, state, 3)
+    assert offer.candidates is None
+    p = m.propose(seqs, state, DraftPlan(offer, None, torch.full((3,), 2), 2, DRAFT))
+    assert p.n_drafts.tolist() == [2, 2, 2] and p.drafts.shape == (3, 2)

@@ -145,18 +145,20 @@ def _repetitive(n, seed=0):
 
 
 def _record_k(llm):
-    """Record (k asked for, most drafts proposed) of every round."""
-    seen = []
-    original = llm.drafter.propose
+    """Record (k offered for, most drafts proposed) of every round that drafted."""
+    seen, asked = [], []
+    offer, propose = llm.drafter.offer, llm.drafter.propose
 
-    def spy(*a, **kw):
-        p = original(*a, **kw)
-        k = (kw["budget"] if "budget" in kw else a[-1]).k
-        n = p.n_drafts if hasattr(p, "n_drafts") else p[1]
-        seen.append((k, int(n.max()) if n.numel() else 0))
+    def spy_offer(seqs, state, k):
+        asked.append(k)
+        return offer(seqs, state, k)
+
+    def spy(seqs, state, plan):
+        p = propose(seqs, state, plan)
+        seen.append((asked[-1], int(p.n_drafts.max()) if p.n_drafts.numel() else 0))
         return p
 
-    llm.drafter.propose = spy
+    llm.drafter.offer, llm.drafter.propose = spy_offer, spy
     return seen
 
 

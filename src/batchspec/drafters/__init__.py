@@ -1,5 +1,6 @@
-"""Drafters propose up to K tokens per row (interface in ``base``): ``prefill(prompts) -> state``,
-``propose(seqs, state, k) -> Proposal``, ``commit(state, proposal, accepted, target_output)``, ``states(state)`` (the
+"""Drafters offer and draft up to K tokens per row (interface in ``base``): ``prefill(prompts) -> state``,
+``offer(seqs, state, k) -> Offer`` (what they could draft), ``propose(seqs, state, plan) -> Proposal`` (exactly the
+plan speculation made of the offer), ``commit(state, proposal, accepted, target_output)``, ``states(state)`` (the
 caches a layout keeps aligned) and ``processed(seqs, state)`` (tokens each of those must hold, for the invariant
 checker). The running batch owns each drafter's state."""
 

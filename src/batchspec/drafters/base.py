@@ -8,21 +8,22 @@ from dataclasses import dataclass
 
 import torch
 
+from ..speculation.plan import DraftPlan, Offer
+
 
 @dataclass
 class Proposal:
     """A round's drafts. Shapes: ``drafts`` ``[B, k]`` (entries past ``n_drafts[b]`` are meaningless), ``n_drafts``
     ``[B]``, ``q`` ``[B, k, V]`` the distributions the drafts were sampled from (None for greedy or deterministic
-    drafting: one-hot on the drafts). ``match``: what the drafter wants back at ``commit`` (prompt lookup: the match
-    lengths ``[B]``; the head with copies: ``[B, 5]``, each row's match length, copies, first copy, the head's first
-    draft and whether it copied), or None. ``kind``: the kind of round, for drafters whose rounds come in kinds (the
-    head's "copy" and "head"), counted in ``Stats.kinds``."""
+    drafting: one-hot on the drafts). ``kind``: the kind of round, for drafters whose rounds come in kinds (the
+    head's "copy" and "head"), counted in ``Stats.kinds``. ``first`` ``[B]``: a head round's first drafts by the head
+    (before any copies replaced them), which speculation scores against the target's tokens; else None."""
 
     drafts: torch.Tensor
     n_drafts: torch.Tensor
     q: torch.Tensor | None = None
-    match: torch.Tensor | None = None
     kind: str | None = None
+    first: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, rows: int, device) -> "Proposal":
@@ -36,8 +37,8 @@ class Drafter:
 
     name = "drafter"
     needs_hidden = False  # whether ``prefill`` and ``commit`` read the target's final hidden states
-    # whether ``propose`` sizes its own greedy rounds from the budget's costs (prompt lookup, the head with copies: they
-    # know per row what their candidates promise); otherwise the policy chooses the length and ``budget.k`` is it
+    # whether its greedy offers carry per-row candidates that speculation sizes each round by, from the budget's
+    # costs (prompt lookup, the head with copies); otherwise the policy chooses one length for the batch: ``budget.k``
     sizes_own_drafts = False
     # whether the drafter may size each row on its own (``DraftBudget.per_row``) where the target's runner packs
     packs_rows = False
@@ -51,9 +52,14 @@ class Drafter:
         H]`` right-aligned (``batch.prefill``), and ``joining``: whether the rows join a running batch."""
         return None
 
-    def propose(self, seqs, state, budget) -> Proposal:
-        """Up to ``budget.k`` (>= 1) proposed tokens per row (``DraftBudget``); a round that drafts nothing does not
-        ask."""
+    def offer(self, seqs, state, k: int) -> Offer:
+        """What it could draft this round, up to k (>= 1) a row (``speculation.plan.Offer``); it decides nothing. By
+        default no candidates: it drafts the plan's k a row its default way."""
+        return Offer(len(seqs.length), seqs.length.device, sampling=seqs.sampling)
+
+    def propose(self, seqs, state, plan: DraftPlan) -> Proposal:
+        """Exactly ``plan.drafts`` tokens per row, in a block ``plan.width`` (>= 1) wide (``speculation.plan``
+        decided them from ``offer``); a round that drafts nothing does not ask."""
         raise NotImplementedError
 
     def commit(self, state, proposal: Proposal, accepted: torch.Tensor, target) -> None:

@@ -61,8 +61,9 @@ class ModelDrafter(Drafter):
         processed = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=self.runner.device)
         return DraftState(prefill(self.runner, prompts, name="draft"), processed)
 
-    def propose(self, seqs, state: DraftState, budget):
-        k, m = budget.k, state.catch_up
+    def propose(self, seqs, state: DraftState, plan):
+        """``plan.width`` drafts a row (the plan's k for every row: a model's drafts are not known before it runs)."""
+        k, m = plan.width, state.catch_up
         at = seqs.length[:, None] - m + torch.arange(m, device=seqs.length.device)[None, :]  # ends at the pending token
         ids = seqs.history.gather(1, at.clamp(min=0))
         logits = state.slots.append(ids, at >= state.processed[:, None], logits_to_keep=1).logits
@@ -77,7 +78,7 @@ class ModelDrafter(Drafter):
             else:  # sample from the warped draft distribution, keep it for the rejection sampler
                 qs.append(seqs.warp(logits[:, -1:])[:, 0])
                 drafts.append(draw(qs[-1], u[:, i]))
-        return Proposal(torch.stack(drafts, 1), torch.full_like(seqs.length, k), torch.stack(qs, 1) if qs else None)
+        return Proposal(torch.stack(drafts, 1), plan.drafts, torch.stack(qs, 1) if qs else None)
 
     def commit(self, state: DraftState, proposal: Proposal, accepted, target) -> None:
         k = proposal.drafts.shape[1]

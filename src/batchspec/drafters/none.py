@@ -6,5 +6,5 @@ from .base import Drafter, Proposal
 class NoDrafter(Drafter):
     name = "none"
 
-    def propose(self, seqs, state, budget):
+    def propose(self, seqs, state, plan):
         return Proposal.empty(len(seqs), seqs.length.device)

@@ -153,12 +153,14 @@ class RoundPlan:
 
 
 def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBudget) -> RoundResult:
-    """One round on a batch: draft (within ``budget``: up to ``budget.k`` tokens per row) -> verify -> accept ->
-    hide rejected slots -> emit (with the log-probabilities of the emitted tokens, for rows that asked)."""
+    """One round on a batch: draft (the plan the policy makes of the drafter's offer within ``budget``: up to
+    ``budget.k`` tokens per row) -> verify -> accept -> hide rejected slots -> emit (with the log-probabilities of the
+    emitted tokens, for rows that asked)."""
     seqs, target, drafter = batch.seqs, batch.target, parts.drafter
-    with timer("draft"):
-        if budget.k:
-            proposal = drafter.propose(seqs, batch.draft, budget)
+    with timer("draft"):  # the drafter offers, speculation plans, the drafter drafts exactly the plan
+        plan = parts.policy.plan(drafter.offer(seqs, batch.draft, budget.k), budget) if budget.k else None
+        if plan is not None and plan.width:
+            proposal = drafter.propose(seqs, batch.draft, plan)
         else:
             proposal = Proposal.empty(len(seqs), seqs.length.device)
         drafts, n_drafts = proposal.drafts, proposal.n_drafts
@@ -177,7 +179,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
         drafter.commit(batch.draft, proposal, accepted, out)
         block = emitted_block(drafts, accepted, bonus)
         logprobs = seqs.logprobs(out, block)
-        parts.policy.record(seqs, accepted, k)
+        parts.policy.record(seqs, accepted, k, plan, proposal, out)
         finished, n, cut = seqs.extend(block, accepted + 1)
         # count what was emitted: a round's first token is the target's own, drafts cut after a stop token or at
         # the limit are not counted (so generated tokens = accepted drafts + row-rounds)

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
     from ..drafters.base import Proposal
     from ..speculation.budget import DraftBudget, Outcome, RoundView
+    from ..speculation.plan import DraftPlan, Offer
     from ..batch import Sequences, SlotState
 
 
@@ -42,17 +43,19 @@ class Scheduler(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes up to k tokens per row each round (``drafters/base.py`` documents each member). Per-row state lives
+    """Offers up to k tokens per row each round and drafts exactly the plan speculation makes of the offer (``drafters/base.py`` documents each member). Per-row state lives
     in the object ``prefill`` returns, which the running batch owns and moves with its rows."""
 
     name: str
     needs_hidden: bool  # commit reads the target's final hidden states
-    sizes_own_drafts: bool  # greedy rounds are sized by the drafter from the budget's costs
+    sizes_own_drafts: bool  # greedy offers carry candidates that speculation sizes each row by
     packs_rows: bool  # it may size each row on its own where the target's runner packs verification
 
     def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None, joining: bool = False): ...
 
-    def propose(self, seqs: Sequences, state, budget: DraftBudget) -> Proposal: ...
+    def offer(self, seqs: Sequences, state, k: int) -> Offer: ...
+
+    def propose(self, seqs: Sequences, state, plan: DraftPlan) -> Proposal: ...
 
     def commit(self, state, proposal: Proposal, accepted: torch.Tensor, target) -> None: ...
 
@@ -72,7 +75,10 @@ class SpeculationPolicy(Protocol):
 
     def budget(self, view: RoundView) -> DraftBudget: ...
 
-    def record(self, seqs: Sequences, accepted: torch.Tensor, k: int) -> None: ...
+    def plan(self, offer: Offer, budget: DraftBudget) -> DraftPlan: ...
+
+    def record(self, seqs: Sequences, accepted: torch.Tensor, k: int, plan: DraftPlan | None = None,
+               proposal: Proposal | None = None, target=None) -> None: ...
 
     def estimates(self, seqs: Sequences, k_max: int) -> torch.Tensor | None: ...
 

@@ -7,9 +7,9 @@ one token a row for one step, so drafting pays only where some length promises m
   (``costs.py``); live rounds do not change them, so one slow round (the machine busy elsewhere) cannot price a length
   out of reach, and a batch size seen for the first time is priced as well as any.
 - Acceptance comes from each row's own recent rounds, blended with the drafter's long-run rate (``acceptance.py``).
-- A drafter that sizes its own rounds (prompt lookup, the feature-reading head with copies: they know per row what
-  their candidates promise) gets the costs in its ``DraftBudget`` and chooses; for any other drafter (a draft model)
-  the length is chosen here, one for the batch.
+- A drafter whose offers carry candidates (prompt lookup, the feature-reading head with copies: they know per row
+  what their candidates promise) gets its rounds sized per row or width from the costs in the ``DraftBudget`` and its
+  offer (``plan.py``); for any other drafter (a draft model) the length is chosen here, one for the batch.
 - With temperature > 0 the length stays K: the tokens a seed yields depend on how many were drafted, and a length
   chosen from timings would make seeded outputs depend on the machine's speed.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 from .acceptance import Acceptance
 from .budget import DRAFT, DRY, FIXED, NO_ROOM, NOT_WORTH, PROBE, DraftBudget, Outcome, RoundView
 from .costs import CostModel, Profile, load_or_measure
+from .plan import Plans
 from .row_values import row_values
 
 # a drafter that sizes its own rounds and verified nothing for this many rounds in a row is asked only every
@@ -35,7 +36,7 @@ PROBE_EVERY = 8
 PROBE_LONGEST = 8
 
 
-class AdaptiveLength:
+class AdaptiveLength(Plans):
     name = "adaptive"
 
     def __init__(self, costs: CostModel | Profile | None = None):
@@ -43,7 +44,7 @@ class AdaptiveLength:
         machine, models and batch size, measured or read from the cache when the engine binds the policy."""
         self.costs = CostModel(costs) if isinstance(costs, Profile) else costs
         self.acceptance = Acceptance()
-        self.sizes_own = False  # whether the bound drafter sizes its own rounds
+        self.sizes_own = False  # whether the bound drafter's offers carry candidates its rounds are sized by
         self.idle = 0  # rounds in a row whose chosen length was 0 (a draft model's)
         self.interval = PROBE_EVERY  # rounds of 0 between probes
         self.unverified = 0  # rounds in a row that verified nothing (a drafter sizing its own rounds)
@@ -107,8 +108,10 @@ class AdaptiveLength:
         return max(range(k_max + 1), key=lambda k: (self.acceptance.tokens(k) / self.round_cost(rows, k), -k))
 
     # ---------------------------------------------------------------------------------------------- learn
-    def record(self, seqs, accepted, k: int) -> None:
+    def record(self, seqs, accepted, k: int, plan=None, proposal=None, target=None) -> None:
+        """What the round's drafts did (device only): each row's evidence, and the planner's acceptance."""
         self.acceptance.record(seqs, accepted, k)
+        self.learn(plan, proposal, accepted, target)
 
     def estimates(self, seqs, k_max: int):
         """Per-row acceptance for the round's host read: only a draft model's length is chosen from them."""

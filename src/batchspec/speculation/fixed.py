@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from .budget import FIXED, NO_ROOM, DraftBudget, RoundView
+from .plan import Plans
 
 
-class FixedLength:
-    """Every round drafts ``k_max`` (K, clipped near the context's end); a subclass may choose another ``length``."""
+class FixedLength(Plans):
+    """Every round drafts ``k_max`` (K, clipped near the context's end), every candidate a drafter offers up to it; a
+    subclass may choose another ``length``."""
 
     name = "fixed"
 
@@ -21,8 +23,9 @@ class FixedLength:
             return DraftBudget.plain(NO_ROOM)
         return DraftBudget(self.length(view.rows, view.k_max, view.seqs.sampling), reason=FIXED)
 
-    def record(self, seqs, accepted, k: int) -> None:
-        pass
+    def record(self, seqs, accepted, k: int, plan=None, proposal=None, target=None) -> None:
+        """What the round's drafts did: the planner's acceptance learns (device only)."""
+        self.learn(plan, proposal, accepted, target)
 
     def estimates(self, seqs, k_max: int):
         return None

@@ -20,19 +20,20 @@ wait too, rather than be cached for a head that may not run).
 Copies (greedy): text that repeats (a passage being summarised, code being edited) is better drafted by prompt
 lookup than by any small head, and the two fail in different places. Each row's longest earlier match gives
 candidate copies; a row drafts them first when copies of its match length have been accepted more often than the
-head's first drafts, and the head drafts on after them, fed the copied tokens. Each round is sized like prompt
-lookup's (expected tokens over the budget's costs, ``plan.py``): a "head" round runs the head, a "copy" round verifies
-only the copies and leaves the head alone (its features wait, and its next round catches up on them), and a round
-where neither pays is a plain step. Where the target's runner packs verification (each row's real tokens only), a
-copy round sizes each row on its own, as prompt lookup does (``budget.per_row``): the batch's likeliest copies, the
-features of the real tokens coming back all the same.
+head's first drafts, and the head drafts on after them, fed the copied tokens. The drafter offers the copies
+(with their match lengths) and its cost terms, and speculation plans each round from them like prompt lookup's
+(``speculation.plan``): a "head" round runs the head, a "copy" round verifies only the copies and leaves the head alone
+(its features wait, and its next round catches up on them), and a round where neither pays is a plain step. Where the
+target's runner packs verification (each row's real tokens only), a copy round sizes each row on its own, as prompt
+lookup does (``budget.per_row``): the batch's likeliest copies, the features of the real tokens coming back all the
+same.
 
 Depth (greedy, sized rounds): a head round drafts on while the head is sure. A row is *sure* of its drafts while the
-product of the probabilities the head gave them (copies count 1) is at least ``DEPTH_CONFIDENCE``; the round stops
-drafting once no row is sure, before the planned width if need be, and drafts past it, up to K, while one is, where
-rows are verified one by one (one row, or ``budget.per_row``); there each row verifies its drafts up to the first it is
-not sure of. The plan prices every round from one running rate; the head's own probability of a draft tells its
-rounds apart (it predicts acceptance well: docs/benchmarks.md).
+product of the probabilities the head gave them (copies count 1) is at least the plan's ``sure``; the round stops
+drafting once no row is sure, before the planned width if need be, and drafts past it, up to the plan's ``most``,
+while one is; with ``rowwise`` each row verifies its drafts up to the first it is not sure of. The plan prices every
+round from one running rate; the head's own probability of a draft tells its rounds apart (it predicts acceptance
+well: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -47,10 +48,9 @@ from ...batch import SlotState, prefill
 from ...sampling import Stream, draw, greedy
 from ...model.kv import new_cache
 from ...model.runner import Runner
-from ...speculation.budget import DraftBudget
+from ...speculation.plan import KINDS, DraftPlan, Offer
 from ..base import Drafter, Proposal
 from ..lookup import PromptLookup
-from .plan import DEPTH_CONFIDENCE, RoundPlanner
 from .state import EagleState
 
 EXTRA = "eagle.safetensors"  # fc and token_map; the decoder layer, norm and head are a Llama checkpoint beside it
@@ -79,9 +79,8 @@ class EagleDrafter(Drafter):
         self.token_map = token_map.to(model.device)
         self.vocab = embedding.num_embeddings
         self.runner = Runner(model, graphs)
-        # with copies, greedy rounds are planned here, each kind and width priced by the round's budget
-        self.planner = RoundPlanner(PromptLookup()) if copy else None
-        self.copy = self.planner.copy if copy else None
+        # with copies, greedy rounds offer prompt lookup's candidates too, and speculation plans each kind and width
+        self.copy = PromptLookup() if copy else None
         self.sizes_own_drafts = copy
 
     # ------------------------------------------------------------------------------------------------ loading
@@ -172,18 +171,24 @@ class EagleDrafter(Drafter):
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         return EagleState(state, (lengths - 2).clamp(min=0), hidden[:, -1:])
 
-    def propose(self, seqs, state: EagleState, budget: DraftBudget):
-        length, k = seqs.length, budget.k
-        k_max = k
-        if self.copy is not None and not seqs.sampling:
-            copies, n_copies, match = self.copy.candidates(seqs, k)
-            waiting = state.waiting
-            left = (seqs.limit - seqs.generated()).max() if waiting > k + 1 else None  # rounds left, at most
-            kind, k, use, n = self.planner.plan(copies, n_copies, match, budget, waiting, left)
-            if not k:
-                return Proposal.empty(len(length), length.device)
-            if kind == "copy":  # the head does not run: its pairs wait for a round that runs it
-                return Proposal(copies[:, :k], n, match=match, kind=kind)
+    def offer(self, seqs, state: EagleState, k: int) -> Offer:
+        """Greedy, with copies: each row's copies up to k and match length, and a head round's cost terms (the pairs
+        a row waits to have cached, and the most tokens a row may still generate while many wait); else nothing to
+        weigh per row (a head round of the plan's k)."""
+        length = seqs.length
+        if self.copy is None or seqs.sampling:
+            return Offer(len(length), length.device, sampling=seqs.sampling)
+        copies, n_copies, match = self.copy.candidates(seqs, k)
+        waiting = state.waiting
+        left = (seqs.limit - seqs.generated()).max() if waiting > k + 1 else None  # rounds left, at most
+        return Offer(len(length), length.device, copies, n_copies, match, self.copy.max_ngram + 1, KINDS,
+                     waiting=waiting, left=left)
+
+    def propose(self, seqs, state: EagleState, plan: DraftPlan):
+        length, k, offer = seqs.length, plan.width, plan.offer
+        if plan.kind == "copy":  # the head does not run: its pairs wait for a round that runs it
+            return Proposal(offer.candidates[:, :k], plan.drafts, kind="copy")
+        copies, n_copies, use = offer.candidates, offer.count, plan.use
         feats = state.feats
         m = feats.shape[1]
         at = (length - 1)[:, None] - m + torch.arange(m, device=length.device)[None, :]  # ends at length-2
@@ -194,12 +199,12 @@ class EagleDrafter(Drafter):
         state.processed = torch.maximum(state.processed, length - 1)
         u = seqs.uniforms(k, Stream.DRAFT) if seqs.sampling else None
         drafts, qs, first = [], [], None
-        # greedy rounds sized here: the head drafts on while a row is sure (past the plan where rows are verified one
-        # by one), and stops when none is; sures[i] [B]: P(a row's drafts 1..i+1 are right) by the head's probabilities
-        deep = u is None and budget.sized and DEPTH_CONFIDENCE is not None
+        # as the plan says: the head drafts on while a row is sure (up to ``plan.most``), and stops when none is;
+        # sures[i] [B]: P(a row's drafts 1..i+1 are right) by the head's probabilities
+        deep = u is None and plan.sure is not None
         sures = []
-        for i in range(k_max if deep and (len(length) == 1 or budget.per_row) else k):
-            if deep and i and not bool((sures[-1] >= DEPTH_CONFIDENCE).any()):  # one host read a step
+        for i in range(plan.most if deep else k):
+            if deep and i and not bool((sures[-1] >= plan.sure).any()):  # one host read a step
                 break
             if i:
                 slot = seqs.pending() if i == 1 else drafts[-2]  # the token at this pair's position
@@ -208,9 +213,9 @@ class EagleDrafter(Drafter):
             logits = out.logits[:, -1]
             if u is None:
                 drafts.append(self.token_map[greedy(logits)])
-                if self.copy is not None:  # rows whose copies earned it draft them; the head drafts on after them
+                if copies is not None:  # rows whose copies earned it draft them; the head drafts on after them
                     if not i:
-                        first = torch.stack([match, n_copies, copies[:, 0], drafts[0], use.long()], 1)
+                        first = drafts[0]
                     drafts[-1] = torch.where(use & (i < n_copies), copies[:, i], drafts[-1])
                 if deep:  # (rounds are sized here only with copies)
                     p = torch.where(use & (i < n_copies), 1.0, logits.float().softmax(-1).amax(-1))
@@ -221,16 +226,16 @@ class EagleDrafter(Drafter):
                 qs.append(seqs.warp(full[:, None])[:, 0])
                 drafts.append(draw(qs[-1], u[:, i]))
         kind = None if first is None else "head"
-        k = len(drafts)
-        n = torch.full_like(length, k)
-        if deep and budget.per_row:  # each row: its drafts up to the first it is not sure of
-            n = ((torch.stack(sures, 1) >= DEPTH_CONFIDENCE).sum(1) + 1).clamp(max=k)
-        return Proposal(torch.stack(drafts, 1), n, torch.stack(qs, 1) if qs else None, match=first, kind=kind)
+        n = plan.drafts
+        if deep:  # as far as some row was sure
+            k = len(drafts)
+            n = n.new_full(n.shape, k)
+            if plan.rowwise:  # each row: its drafts up to the first it is not sure of
+                n = ((torch.stack(sures, 1) >= plan.sure).sum(1) + 1).clamp(max=k)
+        return Proposal(torch.stack(drafts, 1), n, torch.stack(qs, 1) if qs else None, kind, first)
 
     def commit(self, state: EagleState, proposal: Proposal, accepted, target) -> None:
         k = proposal.drafts.shape[1]
-        if proposal.match is not None:
-            self.planner.learn(proposal, accepted, target)
         if not k or proposal.kind == "copy":  # the head did not run: the new features wait for a round that runs it
             state.aside.append((target.hidden.to(state._feats.dtype), accepted + 1 if k else None))
             return
