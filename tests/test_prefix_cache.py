@@ -111,9 +111,9 @@ def test_rows_of_one_prefill_start_from_their_own_cached_starts(computed, hidden
     other = tiny.prompts(1, seed=43, lo=24, hi=25)[0]
     batch.prefill(runner, [SYSTEM + TAILS[0], other + TAILS[1]], hidden=hidden, overhead=0)
     computed.clear()
-    rows = [other + TAILS[2], tiny.prompts(1, seed=44, lo=30, hi=31)[0], SYSTEM + TAILS[3], SYSTEM + TAILS[4]]
+    rows = [other + TAILS[2], tiny.prompts(1, seed=44, lo=30, hi=31)[0], SYSTEM + TAILS[3], [5], SYSTEM + TAILS[4]]
     got = batch.prefill(runner, rows, hidden=hidden, overhead=0)
-    hits = [BLOCK, 0, HIT, HIT]  # one block of ``other``, none, SYSTEM's two twice
+    hits = [BLOCK, 0, HIT, 0, HIT]  # one block of ``other``, none, SYSTEM's two twice (a one-token prompt: none)
     assert sum(computed) == _uncached(rows, hits) - (len(SYSTEM) - HIT)  # the rest of SYSTEM once for both
     assert runner.prefixes.hits == 3 and runner.prefixes.reused == sum(hits)
     _same(got, _fresh(t, rows, hidden), hidden)

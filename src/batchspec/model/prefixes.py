@@ -138,7 +138,7 @@ class PrefixCache:
     def find(self, tokens, chain: list[bytes], hidden: bool) -> Prefix | None:
         """The longest run of cached blocks ``tokens`` (keys ``chain``) starts with and goes past (a token of its own
         is left), as a ``Prefix``; with hidden states when ``hidden``; None when not one block is. A query."""
-        n = min(self.held(chain, hidden), (len(tokens) - 1) // BLOCK)
+        n = min(self.held(chain, hidden), max(len(tokens) - 1, 0) // BLOCK)
         with self._lock:
             blocks = [self._blocks.get(key) for key in chain[:n]]
         if not n or any(b is None for b in blocks):  # dropped meanwhile (another thread): computed instead
