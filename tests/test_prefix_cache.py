@@ -1,9 +1,8 @@
-"""Kept prefixes (``model/prefixes.py``): a prompt start that recurs (a system prompt, a conversation's earlier turns)
-is computed once and kept; a later prefill whose prompts all start with it copies its keys, values and hidden
-states and computes only the tokens after it. The state such a prefill leaves is the fresh prefill's (same slots,
-tokens and positions; keys, values and hidden states equal to float64 rounding), in the grouped prefill and the
-whole one, and generation from it is HF ``generate`` at batch size 1, with every drafter, through the engine and
-the server."""
+"""Automatic prefix caching (``model/prefixes.py``): every prompt prefilled is cached in hashed blocks; a later prompt
+starts from its longest cached start (whenever it was seen; rows of one prefill from different starts) and computes
+only the tokens after it. The state such a prefill leaves is the fresh prefill's (same slots, tokens and positions;
+keys, values and hidden states equal to float64 rounding), in the grouped prefill and the whole one, and generation
+from it is HF ``generate`` at batch size 1, with every drafter, through the engine and the server."""
 
 import httpx
 import pytest
@@ -14,12 +13,13 @@ import torch
 import batchspec
 from batchspec.batch import prefilling as batch
 from batchspec.model import prefill as whole
-from batchspec.model.prefixes import MIN_TOKENS, Prefix, PrefixCache
+from batchspec.model.prefixes import BLOCK, PrefixCache, block_keys, default_mib
 from batchspec.model.runner import Runner
 
-SYSTEM = tiny.prompts(1, seed=41, lo=20, hi=21)[0]  # 20 tokens, above MIN_TOKENS
+SYSTEM = tiny.prompts(1, seed=41, lo=40, hi=41)[0]  # 40 tokens: two whole blocks and a part of a third
 # each starts with its own token (so the common start of any two is SYSTEM exactly), 5..29 more tokens
 TAILS = [[60 + i] + t for i, t in enumerate(tiny.prompts(8, seed=42, lo=4, hi=29))]
+HIT = 2 * BLOCK  # the whole blocks of SYSTEM
 
 
 @pytest.fixture(params=["grouped", "whole"])
@@ -63,120 +63,196 @@ def _fresh(t, prompts, hidden):
     return batch.prefill(Runner(t), prompts, hidden=hidden, overhead=0)
 
 
+def _uncached(prompts, hits):
+    """The tokens a prefill computes: every prompt's cached tokens (all but its last) after its hit."""
+    return sum(len(p) - 1 - h for p, h in zip(prompts, hits))
+
+
 @pytest.mark.parametrize("hidden", [True, False], ids=["hidden", "no-hidden"])
-def test_a_recurring_start_is_kept_and_later_prefills_start_from_it(computed, hidden):
+def test_every_prompt_is_cached_and_a_later_one_starts_from_its_longest_cached_start(computed, hidden):
     t = tiny.target()
     runner = Runner(t, prefix_cache=8)
     kept = runner.prefixes
     first = [SYSTEM + TAILS[0]]
     _same(batch.prefill(runner, first, hidden=hidden, overhead=0), _fresh(t, first, hidden), hidden)
-    assert len(kept) == 0  # seen once: nothing recurs yet
+    assert len(kept) == (len(first[0]) - 1) // BLOCK and kept.hits == 0  # seen once: every whole block cached
+    computed.clear()
     second = [SYSTEM + TAILS[1]]
-    _same(batch.prefill(runner, second, hidden=hidden, overhead=0), _fresh(t, second, hidden), hidden)
-    assert [len(e) for e in kept._entries.values()] == [len(SYSTEM)]  # its start recurred: kept
-    assert kept.hits == 0
+    got = batch.prefill(runner, second, hidden=hidden, overhead=0)
+    assert sum(computed) == _uncached(second, [HIT])  # the first prompt's blocks of SYSTEM were not computed again
+    _same(got, _fresh(t, second, hidden), hidden)
+    assert kept.hits == 1 and kept.reused == HIT
     computed.clear()
     third = [SYSTEM + TAILS[3][:12], SYSTEM + TAILS[7][:12]]  # equal lengths: no padding in the grouped prefill
     got = batch.prefill(runner, third, hidden=hidden, overhead=0)
-    assert sum(computed) == 2 * 11  # each row's own cached tokens only: the system prompt was not computed again
-    assert kept.hits == 2 and kept.reused == 2 * len(SYSTEM)
+    assert sum(computed) == _uncached(third, [HIT, HIT]) - (len(SYSTEM) - HIT)  # the rest of SYSTEM once for both
+    assert kept.hits == 3 and kept.reused == 3 * HIT
     _same(got, _fresh(t, third, hidden), hidden)
 
 
-def test_a_kept_prefix_is_what_the_next_prefill_reads(computed):
+def test_a_prompt_seen_again_after_many_others_starts_from_its_own_blocks(computed):
     t = tiny.target()
     runner = Runner(t, prefix_cache=8)
-    for tail in TAILS[:2]:
-        batch.prefill(runner, [SYSTEM + tail], hidden=True, overhead=0)
-    (entry,) = runner.prefixes._entries.values()
-    entry.keys[1].add_(1.0)  # a kept prefix changed behind the runner's back
-    entry.hidden.add_(2.0)
+    again = tiny.prompts(1, seed=7, lo=70, hi=71)[0]
+    batch.prefill(runner, [again], hidden=True, overhead=0)
+    for p in tiny.prompts(40, seed=8, lo=20, hi=60):  # more than the old history of 32 prompts
+        batch.prefill(runner, [p], hidden=True, overhead=0)
+    computed.clear()
+    got = batch.prefill(runner, [again], hidden=True, overhead=0)
+    hit = (len(again) - 2) // BLOCK * BLOCK  # every whole block that leaves a cached token of its own
+    assert sum(computed) == _uncached([again], [hit]) and runner.prefixes.reused == hit
+    _same(got, _fresh(t, [again], True), True)
+
+
+@pytest.mark.parametrize("hidden", [True, False], ids=["hidden", "no-hidden"])
+def test_rows_of_one_prefill_start_from_their_own_cached_starts(computed, hidden):
+    t = tiny.target()
+    runner = Runner(t, prefix_cache=8)
+    other = tiny.prompts(1, seed=43, lo=24, hi=25)[0]
+    batch.prefill(runner, [SYSTEM + TAILS[0], other + TAILS[1]], hidden=hidden, overhead=0)
+    computed.clear()
+    rows = [other + TAILS[2], tiny.prompts(1, seed=44, lo=30, hi=31)[0], SYSTEM + TAILS[3], [5], SYSTEM + TAILS[4]]
+    got = batch.prefill(runner, rows, hidden=hidden, overhead=0)
+    hits = [BLOCK, 0, HIT, 0, HIT]  # one block of ``other``, none, SYSTEM's two twice (a one-token prompt: none)
+    assert sum(computed) == _uncached(rows, hits) - (len(SYSTEM) - HIT)  # the rest of SYSTEM once for both
+    assert runner.prefixes.hits == 3 and runner.prefixes.reused == sum(hits)
+    _same(got, _fresh(t, rows, hidden), hidden)
+
+
+def test_salts_keep_prompts_apart():
+    t = tiny.target()
+    runner = Runner(t, prefix_cache=8)
+    kept, p = runner.prefixes, SYSTEM + TAILS[0]
+    batch.prefill(runner, [p], salts=["a"])
+    batch.prefill(runner, [p], salts=["b"])
+    batch.prefill(runner, [p])
+    assert kept.hits == 0  # each salt's blocks are its own
+    batch.prefill(runner, [p, p, p], salts=["b", None, "c"])
+    assert kept.hits == 2
+    assert block_keys(p, "a") != block_keys(p, "b") and block_keys(p, None) == block_keys(p, "")
+
+
+def test_a_block_key_covers_every_token_before_it():
+    a, b = SYSTEM[:2 * BLOCK], [SYSTEM[0] + 1] + SYSTEM[1 : 2 * BLOCK]  # the same second block after other tokens
+    ka, kb = block_keys(a), block_keys(b)
+    assert len(ka) == 2 and ka[0] != kb[0] and ka[1] != kb[1]
+    assert block_keys(a + [5] * (BLOCK - 1)) == ka  # a part of a block has no key
+    assert block_keys(a[:BLOCK]) == ka[:1]
+
+
+def test_a_cached_block_is_what_the_next_prefill_reads(computed):
+    t = tiny.target()
+    runner = Runner(t, prefix_cache=8)
+    batch.prefill(runner, [SYSTEM + TAILS[0]], hidden=True, overhead=0)
+    block = runner.prefixes._blocks[block_keys(SYSTEM)[1]]
+    block.keys[1].add_(1.0)  # a cached block changed behind the runner's back
+    block.hidden.add_(2.0)
     state, states = batch.prefill(runner, [SYSTEM + TAILS[2]], hidden=True, overhead=0)
     (fresh, fresh_states) = _fresh(t, [SYSTEM + TAILS[2]], True)
     at = state.valid.shape[1] - (len(SYSTEM) + len(TAILS[2]) - 1)
-    slots = slice(at, at + len(SYSTEM))
+    slots = slice(at + BLOCK, at + HIT)
     torch.testing.assert_close(state.cache.layers[1].keys[:, :, slots], fresh.cache.layers[1].keys[:, :, slots] + 1.0,
                                rtol=0, atol=1e-12)
     torch.testing.assert_close(states[:, slots], fresh_states[:, slots] + 2.0, rtol=0, atol=1e-12)
 
 
-def test_a_longer_recurring_start_is_computed_on_top_of_the_kept_one(computed):
-    """A conversation: each turn's prompt is the last one's plus an answer and a question. A turn's prompt recurs in
-    the next one: that turn computes it on top of the longest kept start and keeps it, so each turn computes the
-    last turn's new tokens and its own, never the system prompt or the turns before."""
+def test_a_conversation_computes_only_each_turns_new_tokens(computed):
     t = tiny.target()
     runner = Runner(t, prefix_cache=8)
-    kept = runner.prefixes
-    for tail in TAILS[:2]:
-        batch.prefill(runner, [SYSTEM + tail], hidden=True, overhead=0)
-    turn1 = SYSTEM + TAILS[4] + [3] * MIN_TOKENS
-    turn2 = turn1 + TAILS[5] + [4] * MIN_TOKENS
+    turn1 = SYSTEM + TAILS[4]
+    turn2 = turn1 + TAILS[5]
     turn3 = turn2 + TAILS[6]
-    starts = {}
-    for turn, start in ((turn1, len(SYSTEM)), (turn2, len(SYSTEM)), (turn3, len(turn1) - 1)):
+    for turn, last in ((turn1, None), (turn2, turn1), (turn3, turn2)):
         computed.clear()
         got = batch.prefill(runner, [turn], hidden=True, overhead=0)
-        assert sum(computed) == len(turn) - 1 - start  # every cached token after the longest kept start
+        hit = 0 if last is None else (len(last) - 1) // BLOCK * BLOCK  # the last turn's whole blocks
+        assert sum(computed) == _uncached([turn], [hit])
         _same(got, _fresh(t, [turn], True), True)
-        starts[len(turn)] = sorted(len(e) for e in kept._entries.values())
-    assert starts == {len(turn1): [len(SYSTEM)], len(turn2): [len(SYSTEM), len(turn1) - 1],
-                      len(turn3): [len(SYSTEM), len(turn1) - 1, len(turn2) - 1]}
-    assert kept.hits == 3
+    assert runner.prefixes.hits == 2
 
 
-def test_the_budget_keeps_the_most_recently_used():
-    def entry(n, hidden=True):
-        k = torch.zeros(1, 2, n, 4)  # 32 n bytes a tensor
-        return Prefix(tuple(range(n)), [k], [k.clone()], torch.zeros(1, n, 4) if hidden else None)
+def test_eviction_keeps_the_budget_and_drops_descendants_first(computed):
+    t = tiny.target()
+    runner = Runner(t, prefix_cache=8)
+    long = tiny.prompts(1, seed=9, lo=90, hi=91)[0]  # five whole blocks and a part
+    batch.prefill(runner, [long], overhead=0)
+    block = runner.prefixes.nbytes // len(runner.prefixes)
+    kept = runner.prefixes = PrefixCache(budget=3 * block + block // 2)
+    chain = block_keys(long[:-1])
+    batch.prefill(runner, [long], overhead=0)
+    assert [k in kept for k in chain] == [True] * 3 + [False] * 2 and kept.evictions == 2
+    assert kept.nbytes <= kept.budget
+    computed.clear()
+    got = batch.prefill(runner, [long], overhead=0)
+    assert sum(computed) == _uncached([long], [3 * BLOCK])  # its first three blocks, still cached
+    _same(got, _fresh(t, [long], False), False)
+    for p in tiny.prompts(6, seed=10, lo=40, hi=60):  # others take the room, least recently used first
+        batch.prefill(runner, [p], overhead=0)
+        held = [k in kept for k in chain]
+        assert held == sorted(held, reverse=True)  # a block is never dropped before its descendants
+    assert kept.nbytes <= kept.budget and kept.evictions > 2 and not any(k in kept for k in chain)
 
-    kept = PrefixCache(budget=96 * 40)
-    a, b = entry(17), entry(18)
-    kept.store(a)
-    kept.store(b)
-    prompts = [list(range(30))]
-    assert kept.find(prompts, hidden=True) is b  # the longest that every prompt goes past
-    assert kept.find([list(range(18))], hidden=True) is a  # 18 tokens do not go past b's
-    kept.used(a, 1)
-    kept.store(entry(19))  # over the budget: b, the least recently used, goes
-    assert sorted(len(e) for e in kept._entries.values()) == [17, 19] and kept.nbytes <= kept.budget
-    kept.store(entry(200))  # larger than the whole budget: not kept
-    assert len(kept) == 2
-    kept.store(entry(25, hidden=False))
-    assert len(kept.find(prompts, hidden=False)) == 25 and len(kept.find(prompts, hidden=True)) == 19
+
+def test_the_unit_cache_drops_least_recently_used_leaves():
+    kept = PrefixCache(budget=0)
+    assert kept.find(SYSTEM, block_keys(SYSTEM), hidden=False) is None
+    keys = torch.zeros(1, 1, 2 * BLOCK, 1)  # 2 blocks of BLOCK x 4 bytes, keys and values
+    kept.budget = 3 * 2 * BLOCK * 4  # three blocks
+    a, b = block_keys(SYSTEM[: 2 * BLOCK]), block_keys(SYSTEM[:BLOCK] + [7] * BLOCK)
+    kept.put(a, 0, keys, keys, None)
+    kept.put(b, 1, keys[:, :, :BLOCK], keys[:, :, :BLOCK], None)  # b shares a's first block
+    assert len(kept) == 3 and kept.evictions == 0
+    kept.touch(a)
+    kept.put(block_keys([8] * BLOCK), 0, keys[:, :, :BLOCK], keys[:, :, :BLOCK], None)
+    assert b[1] not in kept and a[0] in kept and a[1] in kept and kept.evictions == 1  # b's leaf: least recently used
+    assert kept.held(a, hidden=False) == 2 and kept.held(a, hidden=True) == 0
 
 
-def test_what_recurs():
-    kept = PrefixCache(budget=1 << 20)
-    a = SYSTEM + TAILS[0]
-    assert kept.recurring([a]) == 0  # nothing seen
-    assert kept.recurring([a, SYSTEM + TAILS[1]]) == len(SYSTEM)  # shared by the prompts of one prefill
-    assert kept.recurring([a, SYSTEM[:MIN_TOKENS - 1] + TAILS[1]]) == 0  # too short to keep
-    kept.remember([a])
-    assert kept.recurring([SYSTEM + TAILS[1]]) == len(SYSTEM)
-    assert kept.recurring([a]) == len(a) - 1  # the same prompt again: all but a token of its own
-    assert kept.recurring([SYSTEM]) == len(SYSTEM) - 1
+def test_the_default_budget_is_sized_from_the_machine():
+    mib = default_mib(torch.device("cpu"))
+    assert 1 <= mib <= 4096
+    assert Runner(tiny.target(), prefix_cache=None).prefixes.budget == mib << 20
+    assert batchspec.LLM(tiny.target()).parts.target.prefixes.budget == mib << 20
 
 
 @pytest.mark.parametrize("drafter,graphs", [("none", "auto"), ("model", "auto"), ("eagle", "auto"),
                                             ("none", "static"), ("eagle", "static")])
-def test_generation_from_kept_prefixes_is_the_oracles(drafter, graphs):
+def test_generation_from_cached_prefixes_is_the_oracles(drafter, graphs):
     """``graphs="static"``: the static-shape steps a GPU replays as graphs (run on CPU here), whose prefill is the
-    grouped one."""
+    grouped one. Two rows at a time, continuous batching (most prompts join alone, as in a server); then every
+    prompt again, four at a time, each row from its own cached start."""
     t = tiny.target()
     draft = {"model": tiny.draft(), "eagle": tiny.eagle(graphs=graphs), "none": None}[drafter]
     prompts = [SYSTEM + tail for tail in TAILS]
-    # two rows at a time, continuous batching: most prompts join alone, as in a server
     llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=3, batch_size=2, scheduler="continuous",
                          check_invariants=True, graphs=graphs)
-    outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=10))
-    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 10) for p in prompts]
-    assert llm.stats.prefix_hits >= 4 and llm.stats.prefix_tokens == llm.stats.prefix_hits * len(SYSTEM)
+    sp = batchspec.SamplingParams(max_tokens=10)
+    outs = llm.generate(prompts, sp)
+    oracle = [tiny.oracle(t, p, 10) for p in prompts]
+    assert [o.token_ids for o in outs] == oracle
+    assert llm.stats.prefix_hits == len(prompts) - 2 and llm.stats.prefix_tokens == llm.stats.prefix_hits * HIT
     if draft is not None:
         assert llm.stats.accepted > 0
+    llm.batch_size, before = 4, (llm.stats.prefix_hits, llm.stats.prefix_tokens)
+    again = [TAILS[0] + TAILS[1], *prompts[:4], TAILS[0] + TAILS[2]]  # TAILS[0] is no whole block of any prompt
+    outs = llm.generate(again, sp)
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 10) for p in again]
+    hits = [(len(p) - 2) // BLOCK * BLOCK for p in prompts[:4]]
+    assert (llm.stats.prefix_hits - before[0], llm.stats.prefix_tokens - before[1]) == (4, sum(hits))
     off = tiny.fixed_llm(t, draft=None, batch_size=2, scheduler="continuous", prefix_cache=0)
-    assert [o.token_ids for o in off.generate(prompts, batchspec.SamplingParams(max_tokens=10))] == [
-        o.token_ids for o in outs]
+    assert [o.token_ids for o in off.generate(prompts, sp)] == oracle
     assert off.parts.target.prefixes is None and off.stats.prefix_hits == 0
+
+
+def test_a_request_salt_keeps_generation_apart():
+    t = tiny.target()
+    llm = tiny.fixed_llm(t, batch_size=1, scheduler="continuous")
+    p = SYSTEM + TAILS[0]
+    for salt, hits in (("a", 0), ("b", 0), ("a", 1), (None, 1)):
+        out = llm.generate([p], batchspec.SamplingParams(max_tokens=4, cache_salt=salt))
+        assert out[0].token_ids == tiny.oracle(t, p, 4) and llm.stats.prefix_hits == hits
+    with pytest.raises(ValueError, match="cache_salt"):
+        batchspec.SamplingParams(cache_salt=3)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "64"])
@@ -185,22 +261,44 @@ def test_a_bad_budget_is_refused(bad):
         batchspec.LLM(tiny.target(), prefix_cache=bad)
 
 
-def test_the_server_counts_its_kept_prefixes():
+def _metrics(url) -> dict:
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_the_server_counts_its_cached_prefixes_and_keeps_salts_apart():
     t = tiny.target()
     with servekit.served(servekit.llm(batch_size=2)) as s:
         client = servekit.client(s.url)
-        for tail in TAILS[:4]:
+        for tail, salt in zip(TAILS[:5], [None, None, None, None, "x"]):
             r = client.completions.create(model="tiny", prompt=SYSTEM + tail, max_tokens=6, temperature=0,
-                                          extra_body={"return_token_ids": True})
+                                          extra_body={"return_token_ids": True, "cache_salt": salt})
             assert r.choices[0].model_extra["token_ids"] == tiny.oracle(t, SYSTEM + tail, 6)
-        text = httpx.get(s.url + "/metrics").text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
-    assert values["batchspec_prefix_cache_hits_total"] == 2  # the third and fourth request
-    assert values["batchspec_prefix_cache_tokens_total"] == 2 * len(SYSTEM)
+        values = _metrics(s.url)
+        with pytest.raises(Exception, match="cache_salt"):
+            client.completions.create(model="tiny", prompt=[5, 6], max_tokens=2, extra_body={"cache_salt": 7})
+    assert values["batchspec_prefix_cache_hits_total"] == 3  # the second to fourth request; the fifth's salt differs
+    assert values["batchspec_prefix_cache_tokens_total"] == 3 * HIT
+    assert values["batchspec_prefix_cache_evictions_total"] == 0
 
 
-def test_kept_prefixes_follow_the_weights_they_were_computed_with():
+def test_an_api_key_salts_its_requests():
+    from batchspec.serve.app import create_app
+    from batchspec.serve.server import ServerThread
+
+    t, p = tiny.target(), SYSTEM + TAILS[0]
+    llm = servekit.llm(batch_size=2)
+    llm.generate([p], batchspec.SamplingParams(max_tokens=2))  # cached without a salt
+    with ServerThread(create_app(llm, model_name="tiny", api_key="k1")) as s:
+        client = servekit.client(s.url, key="k1")
+        for hits in (0, 1):
+            r = client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0,
+                                          extra_body={"return_token_ids": True})
+            assert r.choices[0].model_extra["token_ids"] == tiny.oracle(t, p, 6)
+            assert _metrics(s.url)["batchspec_prefix_cache_hits_total"] == hits
+
+
+def test_cached_prefixes_follow_the_weights_they_were_computed_with():
     """Weights edited in place: ``clear_prefixes`` drops what was kept; a model cast to another dtype drops it by
     itself. Outputs are HF's of the model as it is (a private copy of the tiny target: it is changed here)."""
     t = tiny._build("llama", 0, torch.float64, "sdpa")
@@ -213,13 +311,13 @@ def test_kept_prefixes_follow_the_weights_they_were_computed_with():
 
     assert [o.token_ids for o in llm.generate(prompts, sp)] == oracle()
     kept = llm.parts.target.prefixes
-    assert len(kept) == 1
+    assert len(kept) > 0
     with torch.no_grad():
         t.model.layers[0].mlp.down_proj.weight.mul_(3.0)
     llm.clear_prefixes()
     assert len(kept) == 0
     assert [o.token_ids for o in llm.generate(prompts, sp)] == oracle()
-    assert len(kept) == 1 and llm.stats.prefix_hits > 0
+    assert len(kept) > 0 and llm.stats.prefix_hits > 0
     t.to(torch.float32)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == oracle()
-    assert len(kept) == 1 and all(e.keys[0].dtype == torch.float32 for e in kept._entries.values())
+    assert len(kept) > 0 and all(b.keys.dtype == torch.float32 for b in kept._blocks.values())

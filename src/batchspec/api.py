@@ -17,7 +17,6 @@ from .engine.faults import apply_fault
 from .engine.layouts import get_layout
 from .engine.schedulers import get_scheduler
 from .model import kv
-from .model.prefixes import DEFAULT_MIB as DEFAULT_PREFIX_MIB
 from .model.loading import context_length, eos_ids, load_model, load_tokenizer, resolve, vocab_size
 from .model.runner import Runner
 from .params import RequestOutput, SamplingParams, Stats
@@ -43,14 +42,14 @@ class LLM:
         speculation: str = "adaptive",
         graphs: str = "auto",
         weights: str = "auto",
-        prefix_cache: int = DEFAULT_PREFIX_MIB,
+        prefix_cache: int | None = None,
     ):
         """``weights``: "auto" keeps each weight of a model this LLM loads (fp32 on CPU) in the narrowest format that
         holds its values exactly (GGUF-style blocks, bf16, fp16; see ``batchspec.model.weights``): outputs keep
         every bit, a decode step reads far fewer bytes; "fp32" keeps them as loaded. A model object passed in is
-        never changed. ``llm.weights`` reports what they take. ``prefix_cache``: MiB of recurring prompt prefixes
-        (a system prompt, a conversation's earlier turns) whose keys and values the target keeps between prefills
-        (``batchspec.model.prefixes``); 0 turns it off.
+        never changed. ``llm.weights`` reports what they take. ``prefix_cache``: MiB of prompt blocks whose keys and
+        values the target keeps between prefills, so a prompt computes only the tokens after its longest cached start
+        (``batchspec.model.prefixes``); 0 turns it off; None sizes it from the machine (``prefixes.default_mib``).
 
         The arguments are kept as ``llm.config`` (an ``EngineConfig``, which checks what it can before any model
         loads); ``LLM.from_config`` builds an ``LLM`` from one."""
@@ -190,7 +189,8 @@ class LLM:
         stops = [set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos) for sp in params]
         seeds = [sp.seed if sp.seed is not None else int(torch.randint(2**62, ())) for sp in params]
         return ids, [
-            Request(p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed, id=i, logprobs=sp.logprobs)
+            Request(p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed, id=i, logprobs=sp.logprobs,
+                    cache_salt=sp.cache_salt)
             for i, (p, sp, stop, seed) in enumerate(zip(ids, params, stops, seeds))
         ]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .model.prefixes import DEFAULT_MIB as DEFAULT_PREFIX_MIB
 from .model.prefixes import budget_bytes
 from .model.runner import Runner
 
@@ -32,7 +31,7 @@ class EngineConfig:
     speculation: object = "adaptive"
     graphs: str = "auto"
     weights: str = "auto"
-    prefix_cache: int = DEFAULT_PREFIX_MIB
+    prefix_cache: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:

@@ -67,11 +67,13 @@ class SamplingParams:
     theirs (``RequestOutput.logprobs``); with speculation the values are the verification forward's, the same as
     without.
 
-    Every value is checked here (``check_sampling``), so a bad one fails at construction (``ParamError``, a
-    ``ValueError`` naming the field), never in the middle of ``generate``: ``max_tokens`` in [1, 2**31);
-    ``temperature`` finite in [0, ``MAX_TEMPERATURE``] (10^4: already near-uniform noise); ``top_k`` in [0, 2**31)
-    (above the vocabulary it keeps every token); ``top_p`` in (0, 1]; ``seed`` in [0, 2**63); ``stop_token_ids`` in
-    [0, 2**63); ``logprobs`` None or in [0, ``MAX_LOGPROBS``].
+    Every value is checked here (``check_sampling``), so a bad one fails at construction (``ParamError``, a ``ValueError`` naming the
+    field), never in the middle of ``generate``: ``max_tokens`` in [1, 2**31); ``temperature`` finite in
+    [0, ``MAX_TEMPERATURE``] (10^4: already near-uniform noise); ``top_k`` in [0, 2**31) (above the vocabulary it
+    keeps every token); ``top_p`` in (0, 1]; ``seed`` in [0, 2**63); ``stop_token_ids`` in [0, 2**63);
+    ``logprobs`` None or in [0, ``MAX_LOGPROBS``]. ``cache_salt`` (None: none): a prompt starts from cached blocks
+    (``LLM(prefix_cache=)``) only of prompts with the same salt, so prompts of different salts never speed up or
+    inform one another.
     """
 
     max_tokens: int = 64
@@ -82,12 +84,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self):
         checked = check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed,
                                  self.stop_token_ids, self.logprobs)
         for name, value in checked.items():
             setattr(self, name, value)
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ParamError("cache_salt", f"cache_salt must be None or a string, got {show(self.cache_salt)}")
 
 
 def check_sampling(max_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop_token_ids=(),
@@ -168,8 +173,9 @@ class Stats:
     generated: int = 0  # tokens emitted
     ragged_rounds: int = 0  # rounds in which rows of the batch accepted different numbers of draft tokens
     joined_running: int = 0  # requests spliced into a batch that was already running (continuous batching)
-    prefix_hits: int = 0  # prompts whose prefill started from a kept prefix (``Runner.prefixes``)
-    prefix_tokens: int = 0  # their prompt tokens taken from it, not computed
+    prefix_hits: int = 0  # prompts whose prefill started from cached blocks (``Runner.prefixes``)
+    prefix_tokens: int = 0  # their prompt tokens taken from the cache, not computed
+    prefix_evictions: int = 0  # cached blocks dropped for room
     dropped_after_stop: int = 0  # verified tokens discarded because a stop token came earlier in the same round
     full_accepts: int = 0  # row-rounds that accepted every proposed draft token (the bonus came after the last one)
     grouped_rounds: int = 0  # exspec: rounds whose batch had rows of one length (no realignment needed)

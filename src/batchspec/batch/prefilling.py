@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..model import kv
-from ..model.prefixes import Prefix
+from ..model.prefixes import BLOCK, Prefix, block_keys
 from ..model.runner import Runner
 from .slots import SlotState, compact_index
 
@@ -130,8 +130,86 @@ def _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, 
     return cache, states
 
 
+def _prefill(runner, prompts, lengths, width, overhead, hidden, embeds, base):
+    """``(cache, states or None)`` of ``prompts`` (``lengths``: each one's cached tokens) right-aligned in ``width``
+    slots, every one starting from ``base`` (a cached ``Prefix`` of each, or None): ``prefill`` for one start."""
+    # the prefix every prompt shares, up to each row's last cached token (every row keeps one of its own): computed
+    # once where that saves more than a forward's overhead
+    cached = [p[:n] for p, n in zip(prompts, lengths)]
+    shared = 0
+    if embeds is None and len(prompts) > 1 and min(lengths) > 0:
+        shared = min(shared_prefix(cached), min(lengths) - 1)
+        if shared < SHARED_PREFIX_MIN or (len(prompts) - 1) * shared <= overhead:
+            shared = 0
+    if base is not None:
+        shared = max(shared, len(base))
+
+    def vectors():  # each row's input vectors [n, H] for the end-to-end forward, asked for once per row length
+        out = [None] * len(prompts)
+        for n in set(lengths) - {0}:
+            rows = [r for r, m in enumerate(lengths) if m == n]
+            for r, v in zip(rows, embeds(rows, n)):
+                out[r] = v
+        return out
+
+    whole = runner.prefill(cached, shared, width, hidden, vectors if embeds is not None else None, base)
+    return whole or _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base)
+
+
+def _starts(store, runner, cached, chains, hidden) -> list:
+    """Each row's longest cached start (a ``Prefix``, one object per distinct start) or None. The cache is dropped
+    when what it holds no longer fits the model (moved or cast since)."""
+    starts, seen = [], {}
+    for tokens, chain in zip(cached, chains):
+        entry = store.find(tokens, chain, hidden)
+        if entry is not None:
+            entry = seen.setdefault(entry.chain[-1], entry)
+        starts.append(entry)
+    first = next((s for s in starts if s is not None), None)
+    if first is not None and (first.keys[0].device != runner.device or first.keys[0].dtype != runner.model.dtype):
+        store.clear()
+        return [None] * len(cached)
+    return starts
+
+
+def _by_start(runner, prompts, lengths, width, overhead, hidden, starts):
+    """The prefill of rows with different cached starts: each group of rows sharing one (or none) prefilled from it
+    (``_prefill``), their rows copied into one rectangle of ``width`` slots."""
+    dev, groups = runner.device, {}
+    for r, s in enumerate(starts):
+        groups.setdefault(None if s is None else s.chain[-1], []).append(r)
+    cache, states = kv.new_cache(runner.model), None
+    for rows in groups.values():
+        n = max(lengths[r] for r in rows)
+        if not n:
+            continue
+        part, h = _prefill(runner, [prompts[r] for r in rows], [lengths[r] for r in rows], n, overhead, hidden,
+                           None, starts[rows[0]])
+        index = torch.tensor(rows, device=dev)
+        kv.place_rows(cache, index, part, len(prompts), width)
+        if hidden:
+            if states is None:
+                states = h.new_zeros((len(prompts), width, h.shape[-1]))
+            states[index, width - n :] = h
+        part.release()
+    return cache, states
+
+
+def _keep(store, cache, states, cached, chains, width) -> None:
+    """Every row's whole blocks into ``store`` (those not cached yet, with hidden states where ``states`` has them)."""
+    for r, (tokens, chain) in enumerate(zip(cached, chains)):
+        first = store.held(chain, states is not None)
+        if first == len(chain):
+            store.touch(chain)
+            continue
+        a, b = width - len(tokens) + first * BLOCK, width - len(tokens) + len(chain) * BLOCK
+        keys = torch.stack([layer.keys[r, :, a:b] for layer in cache.layers])
+        values = torch.stack([layer.values[r, :, a:b] for layer in cache.layers])
+        store.put(chain, first, keys, values, states[r, a:b] if states is not None else None)
+
+
 def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None,
-            hidden: bool = False, embeds=None):
+            hidden: bool = False, embeds=None, salts: list | None = None):
     """Cache every prompt but its last token as one left-padded ``SlotState``; with ``hidden``, returns
     ``(state, states)``, ``states`` ``[B, W, H]`` the model's final hidden states at those tokens, laid out like the
     state's slots (zeros on padding).
@@ -146,6 +224,10 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     ``_prefill_group``). ``embeds(rows, n)``: a group's input vectors ``[len(rows), n, H]`` (its rows' last n,
     right-aligned) in place of the token embeddings (a head that reads the target's features); the end-to-end forward
     asks for each row's own n, rows of one length together (no prefix is shared then).
+
+    The runner's prefix cache (``Runner.prefixes``, not with ``embeds``): each row starts from its own longest run of
+    cached blocks (``salts``: each row's isolation salt, None: none); rows with different starts are prefilled in
+    groups, one per start, and copied into one rectangle (``_by_start``); afterwards every row's blocks are cached.
     """
     runner = runner if isinstance(runner, Runner) else Runner(runner)  # a model: a runner of its own
     dev = runner.device
@@ -153,47 +235,20 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     width = max(lengths, default=0)
     if overhead is None:
         overhead = PREFILL_OVERHEAD.get(dev.type, 1)
-    cached = [p[:n] for p, n in zip(prompts, lengths)]
-    # the prefix every prompt shares, up to each row's last cached token (every row keeps one of its own): computed
-    # once where that saves more than a forward's overhead
-    shared = 0
-    if embeds is None and len(prompts) > 1 and min(lengths) > 0:
-        shared = min(shared_prefix(cached), min(lengths) - 1)
-        if shared < SHARED_PREFIX_MIN or (len(prompts) - 1) * shared <= overhead:
-            shared = 0
-    # the runner's kept prefixes: start from the longest one the prompts all go past; compute (and keep) a longer
-    # prefix that recurs, once
-    store = runner.prefixes if embeds is None and prompts and min(lengths) > 0 else None
-    base = keep = None
+    store = runner.prefixes if embeds is None and prompts else None
+    starts = [None] * len(prompts)
     if store is not None:
-        base = store.find(cached, hidden)
-        if base is not None and (base.keys[0].device != dev or base.keys[0].dtype != runner.model.dtype):
-            store.clear()  # the model was moved or cast since: what was kept no longer fits it
-            base = None
-        start, grow = (len(base) if base is not None else 0), store.recurring(cached)
-        keep = grow >= start + SHARED_PREFIX_MIN
-        shared = grow if keep else max(shared, start)
-
-    def vectors():  # each row's input vectors [n, H] for the end-to-end forward, asked for once per row length
-        out = [None] * len(prompts)
-        for n in set(lengths) - {0}:
-            rows = [r for r, m in enumerate(lengths) if m == n]
-            for r, v in zip(rows, embeds(rows, n)):
-                out[r] = v
-        return out
-
-    whole = runner.prefill(cached, shared, width, hidden, vectors if embeds is not None else None, base)
-    cache, states = whole or _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base)
+        cached = [p[:n] for p, n in zip(prompts, lengths)]
+        chains = [block_keys(c, s) for c, s in zip(cached, salts or [None] * len(prompts))]
+        starts = _starts(store, runner, cached, chains, hidden)
+    if len({id(s) for s in starts}) > 1:
+        cache, states = _by_start(runner, prompts, lengths, width, overhead, hidden, starts)
+    else:
+        cache, states = _prefill(runner, prompts, lengths, width, overhead, hidden, embeds, starts[0])
     if store is not None:
-        if base is not None:
-            store.used(base, len(prompts))
-        if keep:  # row 0's copy of the prefix (every row's is the same)
-            at = width - lengths[0]
-            store.store(Prefix(tuple(cached[0][:shared]),
-                               [layer.keys[:1, :, at : at + shared].clone() for layer in cache.layers],
-                               [layer.values[:1, :, at : at + shared].clone() for layer in cache.layers],
-                               states[:1, at : at + shared].clone() if hidden else None))
-        store.remember(cached)
+        for s in {id(s): s for s in starts if s is not None}.values():
+            store.used(s, sum(t is s for t in starts))
+        _keep(store, cache, states if hidden else None, cached, chains, width)
     n = torch.tensor(lengths, device=dev, dtype=torch.long)
     col = torch.arange(width, device=dev)[None, :]
     valid = col >= (width - n[:, None])

@@ -40,11 +40,12 @@ def weights_arg(p: argparse.ArgumentParser) -> None:
 
 
 def prefix_cache_arg(p: argparse.ArgumentParser) -> None:
-    from ..model.prefixes import DEFAULT_MIB
+    from ..model.prefixes import DEFAULT_CAP_MIB, DEFAULT_FRACTION
 
-    p.add_argument("--prefix-cache", type=non_negative_int, default=DEFAULT_MIB, metavar="MIB",
-                   help="MiB of recurring prompt starts (a system prompt, a conversation's earlier turns) kept "
-                        f"between prefills, so that they are computed once; 0 turns it off (default {DEFAULT_MIB})")
+    p.add_argument("--prefix-cache", type=non_negative_int, default=None, metavar="MIB",
+                   help="MiB of prompt blocks kept between prefills, so that a prompt computes only the tokens after "
+                        "its longest cached start; 0 turns it off (default: "
+                        f"{DEFAULT_FRACTION:.0%} of the available memory, at most {DEFAULT_CAP_MIB})")
 
 
 def resolve_draft(target: str, draft: str | None):

@@ -42,6 +42,7 @@ class Request:
     seed: int = 0
     id: int | None = None  # given by ``Engine.add_request`` when None
     logprobs: int | None = None  # alternatives to return with each token's log-probability (None: none at all)
+    cache_salt: str | None = None  # prompts share cached prefixes only with prompts of the same salt
 
 
 def _is_int(v) -> bool:
@@ -403,15 +404,16 @@ class Engine:
         prompts = [r.prompt for r in joins]
         drafter = self.parts.drafter
         kept = getattr(self.parts.target, "prefixes", None)
-        before = (kept.hits, kept.reused) if kept is not None else None
+        before = (kept.hits, kept.reused, kept.evictions) if kept is not None else None
+        salts = [r.cache_salt for r in joins]
         with self.timer("prefill"):
             if drafter.needs_hidden:  # a drafter that reads the target's features starts from the prompt's
-                target, states = self.parts.prefill(self.parts.target, prompts, hidden=True)
+                target, states = self.parts.prefill(self.parts.target, prompts, hidden=True, salts=salts)
                 # joining a running batch: cached now, unless the drafter is dry (then caught up when it next runs)
                 joining = self.batch is not None and not self.parts.policy.dry()
                 draft = drafter.prefill(prompts, states, joining=joining)
             else:
-                target, draft = self.parts.prefill(self.parts.target, prompts), drafter.prefill(prompts)
+                target, draft = self.parts.prefill(self.parts.target, prompts, salts=salts), drafter.prefill(prompts)
             new = Batch(Sequences(joins, self.parts.k, self.parts.target.device), target, draft,
                         [len(p) for p in prompts])
             if self.batch is None:
@@ -422,6 +424,7 @@ class Engine:
         if before is not None:
             self.stats.prefix_hits += kept.hits - before[0]
             self.stats.prefix_tokens += kept.reused - before[1]
+            self.stats.prefix_evictions += kept.evictions - before[2]
 
     def _round_from_window(self, rows: list[int], budget: DraftBudget) -> RoundResult:
         """A round on ``rows`` of the window: copy them out (aligned by the layout), run the round, write them back.

@@ -30,7 +30,7 @@ from . import graphs, kernels, kv
 from . import prefill as whole_prefill
 from .kernels import linear as fp32_linear
 from .kernels import llama as fused_llama
-from .prefixes import PrefixCache, budget_bytes
+from .prefixes import PrefixCache, budget_bytes, default_mib
 SLOT_SDPA = "batchspec_slot_sdpa"
 
 
@@ -181,20 +181,23 @@ class Runner:
 
     GRAPH_MODES = ("auto", "off", "static")
 
-    def __init__(self, model, graphs: str = "auto", prefix_cache: int = 0):
+    def __init__(self, model, graphs: str = "auto", prefix_cache: int | None = 0):
         """``graphs``: "auto" replays static-shape steps as CUDA graphs on a GPU where ``graphs.supported(model)``;
         "off" never; "static" runs the static-shape steps without capture on any device (how they are tested on
-        CPU). ``prefix_cache``: MiB of recurring prompt prefixes the prefills keep (``prefixes``; 0: none)."""
+        CPU). ``prefix_cache``: MiB of prompt blocks the prefills keep (``prefixes``; 0: none; None: sized from the
+        model's device, ``prefixes.default_mib``)."""
         if graphs not in self.GRAPH_MODES:
             raise ValueError(f"graphs must be one of {self.GRAPH_MODES}, got {graphs!r}")
         budget = budget_bytes(prefix_cache)
         self.model, self.graphs = model, graphs
+        self._first = next(model.parameters(), None)  # the device is read from it (it moves with ``model.to``)
+        if budget < 0:
+            budget = budget_bytes(default_mib(self.device))
         self.prefixes = PrefixCache(budget) if budget else None
         self._static = None
         self._copy = self._key = None
         self._ends = ()
         self._lock = threading.Lock()
-        self._first = next(model.parameters(), None)  # the device is read from it (it moves with ``model.to``)
 
     @property
     def device(self) -> torch.device:

@@ -16,6 +16,7 @@ is logged with that id (its text is never sent); ``Guard`` checks ``Host`` and `
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -141,6 +142,12 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
             raise P.APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                              "invalid_request_error", None, "invalid_api_key")
 
+    def key_salt(request: Request) -> str | None:
+        """A cache salt per API key (None without keys): prompts sent with one key never start from another's."""
+        if api_key is None:
+            return None
+        return hashlib.sha256(request.headers.get("authorization", "").partition(" ")[2].strip().encode()).hexdigest()
+
     def too_large(size: str) -> P.APIError:
         return P.APIError(413, f"the request body ({size}) is larger than this server's limit of {max_body_bytes} "
                           "bytes", "invalid_request_error", None, "request_too_large")
@@ -163,9 +170,10 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def prepare(raw: bytes, kind: str):
+    def prepare(raw: bytes, kind: str, salt: str | None = None):
         """In a worker thread: parse, validate, tokenise (or render the chat template) and build the engine
-        requests, one per choice. Client mistakes raise ``APIError`` (400)."""
+        requests, one per choice; ``salt`` (the API key's) goes before the request's own ``cache_salt``. Client
+        mistakes raise ``APIError`` (400)."""
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -175,6 +183,8 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
         except ValueError:  # not UTF-8 (UnicodeDecodeError), an integer of more than 4300 digits
             raise P.bad("the request body is not valid JSON") from None
         req = P.parse_completion(body, info) if kind == "completion" else P.parse_chat(body, info)
+        if salt is not None:
+            req.cache_salt = f"{salt}:{req.cache_salt or ''}"
         try:
             _, engine_requests = llm.requests([req.prompt_ids] * req.n,
                                               [P.sampling_params(req, i) for i in range(req.n)])
@@ -205,13 +215,15 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
     async def completions(request: Request):
         check_key(request)
         raw = await read_body(request)
-        return await generate(request, *await asyncio.to_thread(prepare, raw, "completion"), "/v1/completions")
+        return await generate(request, *await asyncio.to_thread(prepare, raw, "completion", key_salt(request)),
+                              "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         check_key(request)
         raw = await read_body(request)
-        return await generate(request, *await asyncio.to_thread(prepare, raw, "chat"), "/v1/chat/completions")
+        return await generate(request, *await asyncio.to_thread(prepare, raw, "chat", key_salt(request)),
+                              "/v1/chat/completions")
 
     async def generate(request: Request, req: P.GenRequest, engine_requests, endpoint: str):
         rid = P.new_id(req.kind)

@@ -37,9 +37,10 @@ class _EngineCollector:
             ("batchspec_accepted_tokens", "Draft tokens accepted", s.accepted),
             ("batchspec_engine_errors", "Engine steps that raised", w.errors),
             ("batchspec_request_restarts", "Requests started again after a failed step", w.restarts),
-            ("batchspec_prefix_cache_hits", "Prompts whose prefill started from a kept prefix", s.prefix_hits),
-            ("batchspec_prefix_cache_tokens", "Prompt tokens taken from kept prefixes, not computed",
+            ("batchspec_prefix_cache_hits", "Prompts whose prefill started from cached blocks", s.prefix_hits),
+            ("batchspec_prefix_cache_tokens", "Prompt tokens taken from cached blocks, not computed",
              s.prefix_tokens),
+            ("batchspec_prefix_cache_evictions", "Cached prompt blocks dropped for room", s.prefix_evictions),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)

@@ -114,6 +114,7 @@ class GenRequest:
     n: int = 1  # choices
     logprobs: int | None = None  # alternatives at each position (None: no log-probabilities)
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
+    cache_salt: str | None = None  # prompts share cached prefixes only with prompts of the same salt
 
 
 # ------------------------------------------------------------------------------------------------ field readers
@@ -403,6 +404,9 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
     ignore_eos, return_token_ids = _get_bool(body, "ignore_eos"), _get_bool(body, "return_token_ids")
     n, logprobs = _choices(body), _logprobs(body, kind)
     tokens_as_ids = _get_bool(body, "return_tokens_as_token_ids")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise bad(f"cache_salt must be a non-empty string, got {show(cache_salt)}", "cache_salt")
     # the ranges of SamplingParams and the engine (check_sampling); max_tokens is checked against the context below
     checked = _check_sampling({"max_tokens": param, "logprobs": "logprobs" if kind == "completion" else "top_logprobs"},
                               max_tokens=1 if max_tokens is None else max_tokens, temperature=temperature, top_k=top_k,
@@ -422,7 +426,7 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, stream=stream,
         include_usage=stream and _get_bool(opts, "include_usage"), return_token_ids=return_token_ids, n=n,
-        logprobs=logprobs, tokens_as_ids=tokens_as_ids,
+        logprobs=logprobs, tokens_as_ids=tokens_as_ids, cache_salt=cache_salt,
     )
 
 
@@ -442,7 +446,7 @@ def sampling_params(req: GenRequest, index: int = 0) -> SamplingParams:
     seed = None if req.seed is None else (req.seed + index) % INT64
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                           seed=seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                          logprobs=req.logprobs)
+                          logprobs=req.logprobs, cache_salt=req.cache_salt)
 
 
 def parse_completion(body, info: ModelInfo) -> GenRequest:
