@@ -4,7 +4,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (plain JSON o
 ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``. Requests go through one engine thread (``worker``): they join the
 running batch at a round boundary and leave when done; a client that disconnects has its row dropped at the next
-round boundary. A request of ``n`` choices runs as n rows (choice i seeded ``seed + i``), streamed with each chunk
+round boundary (its place under the capacity is free at once). A stream's opening chunk goes out with its first token.
+``app.state.shutdown`` winds the server down: 503 for new requests, a grace period for those in flight, an error for
+the rest (``_Gate``). A request of ``n`` choices runs as n rows (choice i seeded ``seed + i``), streamed with each chunk
 naming its choice; log-probabilities come from the engine with the tokens (``protocol.Logprobs`` shapes them).
 
 Hardening: request bodies must be ``application/json`` (415) of at most ``max_body_bytes`` (413, checked on
