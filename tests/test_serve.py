@@ -567,6 +567,28 @@ def test_serve_command_reports_bad_flags(capsys):
     assert "not found" in capsys.readouterr().err
 
 
+def test_a_second_shutdown_ends_the_grace_period_at_once():
+    """``app.state.shutdown`` twice (a second signal): the long grace period ends at once, the stream in flight gets
+    its error event and ``[DONE]``, then the server is told to stop; a non-streamed request meanwhile gets a JSON
+    503."""
+    app = create_app(_llm(), model_name=MODEL)
+    stopped = threading.Event()
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        _slow(app.state.worker, 0.05)
+        cm, _, lines = _open_stream(http, PROMPTS[1], 200)
+        assert next(line for line in lines if line.startswith("data:"))
+        app.state.shutdown(600, stopped.set)
+        assert _wait(lambda: http.get("/health").status_code == 503)
+        assert _check_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [3]}), 503)["code"] == (
+            "shutting_down")
+        assert not stopped.is_set()
+        app.state.shutdown(600, stopped.set)
+        events = [line for line in lines if line.startswith("data:")]
+        cm.__exit__(None, None, None)
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][5:])["error"]["code"] == "shutting_down"
+        assert stopped.wait(10)
+
+
 def test_an_empty_api_key_is_refused(monkeypatch, capsys):
     """An empty key (flag or environment) would turn on a check that an empty token passes: a one-line error before
     the model loads (the target here does not exist), exit status 2; ``create_app`` refuses it too."""

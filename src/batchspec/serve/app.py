@@ -286,7 +286,7 @@ class _Gate:
         self.runs: set[_Run] = set()  # requests whose answer is on its way
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's (set when it starts)
         self._hurry: asyncio.Event | None = None
-        self._drain: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
 
     @contextmanager
     def enter(self):
@@ -309,7 +309,7 @@ class _Gate:
             self._hurry.set()
             return
         self.closed, self._hurry = True, asyncio.Event()
-        self._drain = asyncio.ensure_future(self._wind_down(grace, done))
+        self._task = asyncio.ensure_future(self._wind_down(grace, done))
 
     async def _wind_down(self, grace: float, done: Callable[[], None]) -> None:
         try:
