@@ -42,6 +42,82 @@ def served(engine=None):
     return ServerThread(create_app(engine if engine is not None else llm(), model_name="tiny"))
 
 
+def model_dir(tmp_path):
+    """The tiny target and its tokenizer saved in ``tmp_path/model``, for the ``serve`` command."""
+    path = tmp_path / "model"
+    tiny.target().save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return path
+
+
+_SERVE = """
+import sys
+sys.path.insert(0, {tests!r})
+import servekit
+from batchspec.cli.commands import main
+from batchspec.serve import app, worker
+
+
+class Slowed(worker.EngineWorker):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        servekit.slow(self, {slow!r})
+
+
+app.EngineWorker = Slowed
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def serve_command(args, slow=0.0, timeout=120.0):
+    """``batchspec serve ARGS`` in a process of its own on a free loopback port, each engine step made ``slow``
+    seconds longer: ``(process, url)`` once ``/health`` answers (its stdout holds its output and errors)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = _SERVE.format(tests=os.path.dirname(os.path.abspath(__file__)), slow=slow)
+    cmd = [sys.executable, "-c", script, "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read())
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    if not wait(up, timeout):
+        stop(proc)
+        raise AssertionError(f"the server did not start within {timeout} s")
+    return proc, url
+
+
+def stop(proc, sig=None, timeout=30.0) -> str:
+    """Send ``sig`` (default SIGINT) to a ``serve_command`` process, wait for it (killing it after ``timeout``
+    seconds) and return its output."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(sig or signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.stdout.read()
+
+
 def faulty(fault):
     """A server whose engine has the injected ``fault`` (fixed speculation length: drafts are verified every round)."""
     return served(llm(fault=fault, speculation="fixed"))

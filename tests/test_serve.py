@@ -4,6 +4,7 @@ in-process models, called through the official ``openai`` client (and raw HTTP w
 import json
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -257,8 +258,10 @@ def test_api_key():
         with httpx.Client(base_url=s.url) as http:
             _check_error(http.get("/v1/models"), 401)
             _check_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [1]}), 401)
-            assert http.get("/health").status_code == 200  # health and metrics stay open
-            assert http.get("/metrics").status_code == 200
+            assert http.get("/health").status_code == 200  # health stays open
+            _check_error(http.get("/metrics"), 401)  # the prefix cache's counters tell about others' prompts
+            metrics = http.get("/metrics", headers={"Authorization": "Bearer sekret"})
+            assert metrics.status_code == 200 and "batchspec_prefix_cache_hits" in metrics.text
         r = _client(s.url, "sekret").completions.create(model=MODEL, prompt=[1, 2], max_tokens=3, temperature=0)
         assert r.usage.completion_tokens == 3
         assert [m.id for m in _client(s.url, "sekret").models.list()] == [MODEL]
@@ -268,14 +271,23 @@ def test_api_key():
 
 
 def _open_stream(http, prompt, max_tokens):
-    """Start a streamed request and read its first event: it is accepted and running."""
+    """Start a streamed request and read its headers: it is accepted (its first event comes with its first token)."""
     cm = http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                                                        "temperature": 0, "stream": True, "return_token_ids": True})
     r = cm.__enter__()
     assert r.status_code == 200
-    lines = r.iter_lines()
-    first = next(line for line in lines if line.startswith("data:"))
-    return cm, r, lines, json.loads(first[5:])
+    return cm, r, r.iter_lines()
+
+
+def _stream_ids(lines):
+    """The token ids of the rest of a stream (its events up to ``[DONE]``)."""
+    ids = []
+    for line in lines:
+        if line == "data: [DONE]":
+            return ids
+        if line.startswith("data:"):
+            ids += json.loads(line[5:])["choices"][0]["token_ids"]
+    raise AssertionError("the stream ended without [DONE]")
 
 
 def test_full_queue_429_and_disconnect_aborts_rows():
@@ -295,8 +307,7 @@ def test_full_queue_429_and_disconnect_aborts_rows():
         metrics = http.get("/metrics").text
         assert 'batchspec_http_requests_total{endpoint="/v1/completions",status="429"} 2.0' in metrics
         assert "batchspec_running_rows 1.0" in metrics and "batchspec_queue_length 1.0" in metrics
-        for cm, r, lines, _ in (a, b):  # hang up mid-stream
-            next(lines)
+        for cm, r, lines in (a, b):  # hang up mid-stream
             cm.__exit__(None, None, None)
         assert _wait(worker.idle), (worker.in_flight, worker.jobs, worker.engine.has_work())
         assert worker.finished["abort"] == 2 and not worker.engine.has_work() and worker.engine.batch is None
@@ -311,6 +322,70 @@ def test_full_queue_429_and_disconnect_aborts_rows():
         r = _client(s.url).completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=9, temperature=0,
                                               extra_body={"return_token_ids": True})
         assert _extra(r.choices[0], "token_ids") == tiny.oracle(tiny.target(), PROMPTS[4], 9)
+
+
+def test_a_cancelled_request_frees_its_place_at_once():
+    """Capacity 4 (2 rows + 2 waiting), all taken, the engine inside a step: two clients hang up and their places are
+    free at once (their rows leave at the next round boundary), so two new streams are taken, not refused with 429;
+    once the step ends, every stream left runs exactly."""
+    app = create_app(_llm(batch_size=2), model_name=MODEL, max_queue=2)
+    worker = app.state.worker
+    go, step = threading.Event(), worker.engine._step
+
+    def held():
+        go.wait(30)
+        return step()
+
+    worker.engine._step = held
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        try:
+            streams = [_open_stream(http, PROMPTS[i], 12) for i in range(4)]
+            assert worker.in_flight == 4
+            _check_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [3], "max_tokens": 2}), 429)
+            for cm, _, _ in streams[:2]:
+                cm.__exit__(None, None, None)
+            assert _wait(lambda: worker.in_flight == 2), worker.in_flight
+            assert not go.is_set()  # no round boundary has come
+            streams[:2] = [_open_stream(http, PROMPTS[i], 12) for i in (4, 5)]
+            go.set()
+            for i, (cm, _, lines) in zip((4, 5, 2, 3), streams):
+                assert _stream_ids(lines) == tiny.oracle(tiny.target(), PROMPTS[i], 12)
+                cm.__exit__(None, None, None)
+        finally:
+            go.set()
+        assert _wait(worker.idle) and worker.finished["abort"] == 2, worker.finished
+
+
+def test_stream_opens_with_its_first_token():
+    """The opening chunk (chat's role) goes out with the first token, not before the prefill: with a first step
+    that takes 0.5 s, a client's first event comes after the step produced the first token."""
+    app = create_app(_llm(), model_name=MODEL)
+    worker = app.state.worker
+    step, produced = worker.engine.step, []
+
+    def slow_first():
+        if not produced:
+            time.sleep(0.5)
+        outs = step()
+        if any(o.new_token_ids for o in outs) and not produced:
+            produced.append(time.monotonic())
+        return outs
+
+    worker.engine.step = slow_first
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4, "temperature": 0,
+            "stream": True}
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines, first = [], None
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    first = first or time.monotonic()
+                    lines.append(line)
+    assert produced and first >= produced[0]
+    events = [json.loads(line[5:]) for line in lines[:-1]]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:])
+    assert lines[-1] == "data: [DONE]"
 
 
 def test_engine_thread_survives_a_failed_step(caplog):
@@ -435,45 +510,54 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
 
 def test_serve_command(tmp_path):
     """``python -m batchspec serve`` on a model directory: a real process, health, a greedy request, shutdown."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-
-    model_dir = tmp_path / "model"
-    tiny.target().save_pretrained(model_dir)
-    servekit.tokenizer().save_pretrained(model_dir)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "batchspec", "serve", "--target", str(model_dir), "--port", str(port),
-           "--batch-size", "2", "--served-model-name", "m", "--api-key", "k", "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url = servekit.serve_command(["--target", str(servekit.model_dir(tmp_path)), "--batch-size", "2",
+                                        "--served-model-name", "m", "--api-key", "k", "--log-level", "warning"])
     try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up():
-            if proc.poll() is not None:
-                raise AssertionError(proc.stdout.read())
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert _wait(up, timeout=120)
         r = _client(url, "k").completions.create(model="m", prompt=PROMPTS[2], max_tokens=7, temperature=0,
                                                  extra_body={"return_token_ids": True})
         assert _extra(r.choices[0], "token_ids") == tiny.oracle(tiny.target(), PROMPTS[2], 7)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode in (0, -signal.SIGINT)  # uvicorn shuts down cleanly, then re-raises the signal
+        servekit.stop(proc)
+    assert proc.returncode == 0  # an idle server winds down at once
+
+
+def test_sigterm_lets_requests_finish_then_ends_the_rest(tmp_path):
+    """SIGTERM with requests in flight (no draft, steps of at least 0.1 s: one token each): new requests get a JSON
+    503 and ``/health`` says so; a short stream finishes within the 4 s grace period; past it a long stream gets an
+    error event then ``[DONE]``, a long non-streamed request a JSON 503; no traceback, exit status 0."""
+    import signal
+
+    proc, url = servekit.serve_command(["--target", str(servekit.model_dir(tmp_path)), "--batch-size", "4",
+                                        "--served-model-name", MODEL, "--shutdown-grace", "4",
+                                        "--log-level", "warning"], slow=0.1)
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http, ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(http.post, "/v1/completions", json={"model": MODEL, "prompt": PROMPTS[1],
+                                                                    "max_tokens": 150, "temperature": 0})
+            long = _open_stream(http, PROMPTS[2], 150)
+            short = _open_stream(http, PROMPTS[3], 15)
+            first = json.loads(next(line for line in short[2] if line.startswith("data:"))[5:])
+            assert _wait(lambda: "batchspec_requests_in_flight 3.0" in http.get("/metrics").text)
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            assert _wait(lambda: http.get("/health").status_code == 503)
+            err = _check_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [3], "max_tokens": 2}),
+                               503)
+            assert err["code"] == "shutting_down"
+            ids = first["choices"][0]["token_ids"] + _stream_ids(short[2])
+            assert ids == tiny.oracle(tiny.target(), PROMPTS[3], 15) and time.monotonic() - t0 < 4
+            events = [line for line in long[2] if line.startswith("data:")]
+            assert events[-1] == "data: [DONE]" and time.monotonic() - t0 > 3.9
+            assert json.loads(events[-2][5:])["error"]["code"] == "shutting_down"
+            assert all("choices" in json.loads(e[5:]) for e in events[:-2])
+            assert _check_error(plain.result(), 503)["code"] == "shutting_down"
+            for cm, _, _ in (long, short):
+                cm.__exit__(None, None, None)
+        proc.wait(30)
+        assert time.monotonic() - t0 < 15
+    finally:
+        out = servekit.stop(proc, signal.SIGKILL)
+    assert proc.returncode == 0 and "Traceback" not in out, out
 
 
 def test_serve_command_reports_bad_flags(capsys):
@@ -481,3 +565,40 @@ def test_serve_command_reports_bad_flags(capsys):
 
     assert main(["serve", "--target", "/nonexistent/model"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_a_second_shutdown_ends_the_grace_period_at_once():
+    """``app.state.shutdown`` twice (a second signal): the long grace period ends at once, the stream in flight gets
+    its error event and ``[DONE]``, then the server is told to stop; a non-streamed request meanwhile gets a JSON
+    503."""
+    app = create_app(_llm(), model_name=MODEL)
+    stopped = threading.Event()
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        _slow(app.state.worker, 0.05)
+        cm, _, lines = _open_stream(http, PROMPTS[1], 200)
+        assert next(line for line in lines if line.startswith("data:"))
+        app.state.shutdown(600, stopped.set)
+        assert _wait(lambda: http.get("/health").status_code == 503)
+        assert _check_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [3]}), 503)["code"] == (
+            "shutting_down")
+        assert not stopped.is_set()
+        app.state.shutdown(600, stopped.set)
+        events = [line for line in lines if line.startswith("data:")]
+        cm.__exit__(None, None, None)
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][5:])["error"]["code"] == "shutting_down"
+        assert stopped.wait(10)
+
+
+def test_an_empty_api_key_is_refused(monkeypatch, capsys):
+    """An empty key (flag or environment) would turn on a check that an empty token passes: a one-line error before
+    the model loads (the target here does not exist), exit status 2; ``create_app`` refuses it too."""
+    from batchspec.cli import main
+
+    assert main(["serve", "--target", "/nonexistent/model", "--api-key", ""]) == 2
+    err = capsys.readouterr().err
+    assert "API key" in err and "empty" in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setenv("BATCHSPEC_API_KEY", " ")
+    assert main(["serve", "--target", "/nonexistent/model"]) == 2
+    assert "empty" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="empty"):
+        create_app(_llm(), api_key="")

@@ -42,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("BATCHSPEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $BATCHSPEC_API_KEY; none: open). "
-                        "Prefer the environment variable: a key on the command line is visible to every user in ps")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $BATCHSPEC_API_KEY; "
+                        "none: open; an empty key is refused). Prefer the environment variable: a key on the command "
+                        "line is visible to every user in ps")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
                    help="while rows are running, the prompt tokens one step prefills at most (at least one request "
                         "joins), so a burst of long prompts stalls the running rows for a share of them at a time "
@@ -68,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat's max_tokens when a request gives none (completions: 16, as OpenAI)")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature when a request gives none (default 1.0, as OpenAI; 0: greedy)")
+    p.add_argument("--shutdown-grace", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT, new requests get 503 and those in flight get this long to finish; the "
+                        "rest then end with an error (a stream: an error event, then [DONE]) (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -77,6 +81,8 @@ def build_app(args):
 
     from ..serve.app import create_app
 
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("the API key (--api-key or BATCHSPEC_API_KEY) is empty: set a key, or unset it to serve open")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not (math.isfinite(args.default_temperature) and 0 <= args.default_temperature <= MAX_TEMPERATURE):
@@ -89,6 +95,17 @@ def build_app(args):
                       allowed_origins=args.allowed_origins, docs=args.docs, prefill_tokens=args.max_prefill_tokens)
 
 
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _names(text: str) -> list[str]:
     """argparse type: a comma list of names (``--allowed-hosts a,b --allowed-hosts c``)."""
     return [x.strip() for x in text.split(",") if x.strip()]
@@ -99,5 +116,5 @@ def run(args) -> int:
     from ..serve.server import serve_forever
 
     app = build_app(args)
-    serve_forever(app, args.host, args.port, args.log_level)
+    serve_forever(app, args.host, args.port, args.log_level, args.shutdown_grace)
     return 0

@@ -4,7 +4,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (plain JSON o
 ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``. Requests go through one engine thread (``worker``): they join the
 running batch at a round boundary and leave when done; a client that disconnects has its row dropped at the next
-round boundary. A request of ``n`` choices runs as n rows (choice i seeded ``seed + i``), streamed with each chunk
+round boundary (its place under the capacity is free at once). A stream's opening chunk goes out with its first token.
+``app.state.shutdown`` winds the server down: 503 for new requests, a grace period for those in flight, an error for
+the rest (``_Gate``). A request of ``n`` choices runs as n rows (choice i seeded ``seed + i``), streamed with each chunk
 naming its choice; log-probabilities come from the engine with the tokens (``protocol.Logprobs`` shapes them).
 
 Hardening: request bodies must be ``application/json`` (415) of at most ``max_body_bytes`` (413, checked on
@@ -22,7 +24,8 @@ import json
 import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -71,17 +74,20 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts=None, allowed_origins=None,
                docs: bool = False, prefill_tokens: int | None = None) -> FastAPI:
     """The server app over ``llm`` (build it with ``scheduler="continuous"`` for continuous batching). The engine
-    thread starts with the app (its lifespan) and stops with it; ``app.state.worker`` is the ``EngineWorker``.
+    thread starts with the app (its lifespan) and stops with it; ``app.state.worker`` is the ``EngineWorker``;
+    ``app.state.shutdown(grace, done)`` winds the server down gracefully (``_Gate``), then calls ``done``.
 
     ``model_name``: the id clients give as ``model`` (default: the target's directory name). ``api_key``: when set,
-    ``/v1/*`` asks for ``Authorization: Bearer <api_key>``. ``max_queue``: requests that may wait beyond the batch
-    before new ones get 429. ``default_max_tokens`` / ``default_temperature``: chat's ``max_tokens`` and both
-    endpoints' ``temperature`` when a request leaves them out. ``max_body_bytes``: the largest request body (413
-    beyond). ``allowed_hosts``: ``Host`` names accepted besides the loopback ones (``["*"]``: any), checked on
-    loopback connections and, once given, on all; ``allowed_origins``: web origins (``http://host:port``, ``"*"``)
-    whose pages may call the server (also given CORS headers); others get 403. ``docs``: serve ``/docs``,
-    ``/redoc`` and ``/openapi.json`` (off by default). ``prefill_tokens``: while rows run, the prompt tokens one
-    engine step prefills at most (``Engine``; None: every request that fits joins at once)."""
+    ``/v1/*`` and ``/metrics`` ask for ``Authorization: Bearer <api_key>`` (an empty key is refused). ``max_queue``:
+    requests that may wait beyond the batch before new ones get 429. ``default_max_tokens`` / ``default_temperature``:
+    chat's ``max_tokens`` and both endpoints' ``temperature`` when a request leaves them out. ``max_body_bytes``: the
+    largest request body (413 beyond). ``allowed_hosts``: ``Host`` names accepted besides the loopback ones (``["*"]``:
+    any), checked on loopback connections and, once given, on all; ``allowed_origins``: web origins
+    (``http://host:port``, ``"*"``) whose pages may call the server (also given CORS headers); others get 403. ``docs``:
+    serve ``/docs``, ``/redoc`` and ``/openapi.json`` (off by default). ``prefill_tokens``: while rows run, the prompt
+    tokens one engine step prefills at most (``Engine``; None: every request that fits joins at once)."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key is empty: give a key, or none to leave the server open")
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
     name = model_name or default_model_name(llm)
@@ -90,9 +96,11 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
     metrics = ServerMetrics(worker, llm)
     created = P.now()
     texts = P.TokenTexts(llm.tokenizer)  # each token's own text, for log-probabilities (decoded once per server)
+    gate = _Gate()
 
     @asynccontextmanager
     async def lifespan(app):
+        gate.loop = asyncio.get_running_loop()
         worker.start()
         try:
             yield
@@ -102,6 +110,7 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
     app = FastAPI(title="batchspec", lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.worker, app.state.metrics, app.state.info, app.state.llm = worker, metrics, info, llm
+    app.state.shutdown = gate.shutdown
 
     def count(endpoint: str, status: int) -> None:
         metrics.requests.labels(endpoint if endpoint in ENDPOINTS else "other", str(status)).inc()
@@ -196,12 +205,15 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
 
     @app.get("/health")
     async def health():
+        if gate.closed:
+            return error_response(shutting_down(), "/health")
         if not worker.alive:
             return error_response(P.APIError(503, "the engine thread is not running", "server_error"), "/health")
         return {"status": "ok", "running": worker.running, "queued": worker.queued}
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: Request):
+        check_key(request)  # the prefix cache's counters tell one client about another's prompts
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -214,16 +226,18 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_key(request)
-        raw = await read_body(request)
-        return await generate(request, *await asyncio.to_thread(prepare, raw, "completion", key_salt(request)),
-                              "/v1/completions")
+        with gate.enter():
+            raw = await read_body(request)
+            return await generate(request, *await asyncio.to_thread(prepare, raw, "completion", key_salt(request)),
+                                  "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         check_key(request)
-        raw = await read_body(request)
-        return await generate(request, *await asyncio.to_thread(prepare, raw, "chat", key_salt(request)),
-                              "/v1/chat/completions")
+        with gate.enter():
+            raw = await read_body(request)
+            return await generate(request, *await asyncio.to_thread(prepare, raw, "chat", key_salt(request)),
+                                  "/v1/chat/completions")
 
     async def generate(request: Request, req: P.GenRequest, engine_requests, endpoint: str):
         rid = P.new_id(req.kind)
@@ -239,6 +253,8 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
         n = len(engine_requests)
         if n > worker.capacity:  # would be refused whenever it came: not a 429
             raise P.bad(f"n is {n}, more requests than this server holds at once ({worker.capacity})", "n")
+        if gate.ended:  # admitted before the shutdown, ready after its grace period
+            raise shutting_down()
         try:
             jobs = worker.submit_all(engine_requests, [deliver(i) for i in range(n)],
                                      [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)])
@@ -249,6 +265,8 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
             raise P.APIError(503, str(e), "server_error", None, "engine_unavailable") from None
         metrics.prompt_tokens.inc(len(req.prompt_ids))
         run = _Run(req, rid, jobs, events, worker, metrics, llm.tokenizer, texts, arrival)
+        gate.runs.add(run)
+        run.done = gate.runs.discard
         if req.stream:
             count(endpoint, 200)
             return StreamingResponse(run.sse(), media_type="text/event-stream",
@@ -258,6 +276,76 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
         return out
 
     return app
+
+
+def shutting_down() -> P.APIError:
+    return P.APIError(503, "the server is shutting down", "server_error", None, "shutting_down")
+
+
+class _Gate:
+    """Admission and the requests in flight, for a graceful shutdown. ``shutdown(grace, done)`` (from any thread, a
+    signal handler's included) closes admission (new requests and ``/health`` get 503), lets the requests in flight
+    finish for up to ``grace`` seconds, then ends each one left with a 503 (a stream: an error event, then
+    ``[DONE]``), gives them ``LAST_WORDS`` seconds to send it and calls ``done`` (the server then stops). Another
+    ``shutdown`` while waiting ends the grace period at once."""
+
+    LAST_WORDS = 5.0
+
+    def __init__(self):
+        self.closed = False  # admission is closed
+        self.ended = False  # the grace period is over
+        self.pending = 0  # requests admitted whose run has not started (reading, parsing, tokenising)
+        self.runs: set[_Run] = set()  # requests whose answer is on its way
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's (set when it starts)
+        self._hurry: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
+
+    @contextmanager
+    def enter(self):
+        if self.closed:
+            raise shutting_down()
+        self.pending += 1
+        try:
+            yield
+        finally:
+            self.pending -= 1
+
+    def shutdown(self, grace: float, done: Callable[[], None]) -> None:
+        if self.loop is None or self.loop.is_closed():
+            done()
+        else:
+            self.loop.call_soon_threadsafe(self._start, grace, done)
+
+    def _start(self, grace: float, done: Callable[[], None]) -> None:
+        if self._hurry is not None:
+            self._hurry.set()
+            return
+        self.closed, self._hurry = True, asyncio.Event()
+        self._task = asyncio.ensure_future(self._wind_down(grace, done))
+
+    async def _wind_down(self, grace: float, done: Callable[[], None]) -> None:
+        try:
+            log.info("shutting down: %d request(s) in flight, %g s to finish", self._open(), grace)
+            if not await self._settled(grace, self._hurry):
+                log.warning("shutting down: ending %d request(s) still in flight", self._open())
+                self.ended = True
+                for run in list(self.runs):
+                    run.end(shutting_down())
+                await self._settled(self.LAST_WORDS, None)
+        finally:
+            done()
+
+    def _open(self) -> int:
+        return self.pending + len(self.runs)
+
+    async def _settled(self, seconds: float, hurry: asyncio.Event | None) -> bool:
+        """Whether every request in flight finished within ``seconds`` (False at once when ``hurry`` is set)."""
+        end = time.monotonic() + seconds
+        while self._open():
+            if time.monotonic() >= end or (hurry is not None and hurry.is_set()):
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
 
 async def _disconnected(request: Request) -> None:
@@ -275,6 +363,7 @@ class _Choice:
         self.text = P.TextStream(tokenizer, stop)
         self.logprobs: list = []
         self.first: float | None = None
+        self.opened = False  # its stream's opening chunk went out
         self.closed = False  # the engine is done with it (or was told to drop it)
         self.reason: str | None = None  # its finish reason, once it has finished
 
@@ -289,13 +378,14 @@ class _Run:
         self.choices = [_Choice(i, job, tokenizer, req.stop) for i, job in enumerate(jobs)]
         self.logprobs = P.Logprobs(texts, req.tokens_as_ids) if req.logprobs is not None else None
         self.rid, self.created, self.arrival = rid, P.now(), arrival
+        self.done: Callable[[_Run], None] = lambda run: None  # called once its answer is out (or abandoned)
 
     async def _next(self):
-        """``(choice, event)`` for the next engine event (choice None: the engine thread stopped), or None after
-        POLL seconds without one."""
+        """``(choice, event)`` for the next engine event (choice None: the engine thread stopped, or ``end``), or
+        None after POLL seconds without one."""
         try:
             index, event = await asyncio.wait_for(self.events.get(), POLL)
-            return self.choices[index], event
+            return (None if index is None else self.choices[index]), event
         except asyncio.TimeoutError:
             if not self.worker.alive and self.events.empty():
                 return None, ("error", "the engine thread stopped")
@@ -338,6 +428,16 @@ class _Run:
             if not c.closed:
                 c.closed = True
                 self.worker.abort(c.job.id)
+        self.done(self)
+
+    def end(self, err: P.APIError) -> None:
+        """Answer ``err`` now (a stream: its error event, then ``[DONE]``); the engine drops the rows."""
+        self.events.put_nowait((None, ("error", err.message, err)))
+
+    @staticmethod
+    def _error(event) -> P.APIError:
+        """The error an ``("error", message[, APIError])`` event answers."""
+        return event[2] if len(event) > 2 else P.APIError(500, event[1], "server_error", None, "engine_error")
 
     def _usage(self) -> dict:
         return P.usage(len(self.req.prompt_ids), sum(len(c.text.ids) for c in self.choices))
@@ -353,7 +453,7 @@ class _Run:
                     continue
                 c, ev = item
                 if ev[0] == "error":
-                    raise P.APIError(500, ev[1], "server_error", None, "engine_error")
+                    raise self._error(ev)
                 if c.reason is not None:  # events after a stop string ended the choice
                     continue
                 if ev[0] == "tokens":
@@ -385,16 +485,23 @@ class _Run:
 
     async def _sse(self, event):
         req, rid, created = self.req, self.rid, self.created
-        if req.kind == "chat" or req.return_token_ids:
-            for c in self.choices:
-                yield event(P.chunk(req, rid, created, "", [], first=True, index=c.index))
+        opening = req.kind == "chat" or req.return_token_ids
+
+        def lead(c: _Choice) -> str:
+            """The choice's opening chunk (chat's role, the prompt's ids) before its first output, in the same write:
+            sent before the prefill, it would make every client's time to first token a few milliseconds."""
+            if not opening or c.opened:
+                return ""
+            c.opened = True
+            return event(P.chunk(req, rid, created, "", [], first=True, index=c.index))
+
         while True:
             item = await self._next()
             if item is None:
                 continue
             c, ev = item
             if ev[0] == "error":
-                yield event(P.APIError(500, ev[1], "server_error", None, "engine_error").body())
+                yield event(self._error(ev).body())
                 yield "data: [DONE]\n\n"
                 return
             if c.reason is not None:  # events after a stop string ended the choice
@@ -403,8 +510,8 @@ class _Run:
                 kept, delta, entries = self._tokens(c, ev[1], ev[2])
                 if c.text.stopped is None:
                     if kept or delta:
-                        yield event(P.chunk(req, rid, created, delta, kept, index=c.index,
-                                            logprobs=self._render(c, entries) if entries else None))
+                        yield lead(c) + event(P.chunk(req, rid, created, delta, kept, index=c.index,
+                                                      logprobs=self._render(c, entries) if entries else None))
                     continue
                 reason = "stop"
             else:
@@ -415,8 +522,8 @@ class _Run:
             delta += c.text.text[sent:]
             last = all(x.reason is not None for x in self.choices)
             use = self._usage() if last else None  # the whole request's, on the last choice's last chunk
-            yield event(P.chunk(req, rid, created, delta, kept, c.reason, use=use, index=c.index,
-                                logprobs=self._render(c, entries) if entries else None))
+            yield lead(c) + event(P.chunk(req, rid, created, delta, kept, c.reason, use=use, index=c.index,
+                                          logprobs=self._render(c, entries) if entries else None))
             if last:
                 if req.include_usage:
                     yield event(P.usage_chunk(req, rid, created, use))

@@ -15,10 +15,31 @@ def _config(app, host: str, port: int, log_level: str):
                           access_log=log_level in ("debug", "trace"))
 
 
-def serve_forever(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def serve_forever(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                  grace: float = 30.0) -> None:
+    """Serve until SIGTERM or SIGINT, then wind down (``graceful``) and return."""
     import uvicorn
 
-    uvicorn.Server(_config(app, host, port, log_level)).run()
+    server = uvicorn.Server(_config(app, host, port, log_level))
+    graceful(server, app, grace)
+    server.run()
+
+
+def graceful(server, app, grace: float) -> None:
+    """Make ``server``'s SIGTERM and SIGINT wind ``app`` down before it stops (``app.state.shutdown``: no new requests,
+    up to ``grace`` seconds for those in flight, the rest ended with an error) instead of cutting its streams; a
+    second signal ends the grace period at once. The signal is not raised again afterwards: the exit is a clean one."""
+    shutdown = getattr(app.state, "shutdown", None)
+    if shutdown is None:
+        return
+
+    def stop() -> None:
+        server.should_exit = True
+
+    def handle_exit(sig, frame) -> None:
+        shutdown(grace, stop)
+
+    server.handle_exit = handle_exit
 
 
 class ServerThread:

@@ -7,7 +7,9 @@ round boundary) and read their tokens from the ``deliver`` callback they gave, w
 choices is n engine requests, submitted together (``submit_all``).
 
 Admission: at most ``batch_size + max_queue`` requests are in flight (running or waiting); ``submit`` raises
-``QueueFull`` beyond that, so a burst is shed instead of queueing without bound.
+``QueueFull`` beyond that, so a burst is shed instead of queueing without bound. A request aborted (its client left)
+gives its place back at once, though its row leaves only at the next round boundary: the count is of the requests
+someone still waits for, and the engine takes the abort before any request submitted after it.
 
 Failures: if a step raises, the engine drops every request (``Engine.step`` resets it) and the thread carries on.
 Each dropped request is started again from its prompt, once (``retries``), and the tokens it had already delivered are
@@ -82,7 +84,7 @@ class EngineWorker:
         self.jobs: dict[int, Job] = {}  # every request the engine holds (running or waiting), by id
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._in_flight = 0
+        self._held: set[int] = set()  # ids of the requests that hold a place under ``capacity``
         self.running = 0  # rows in the engine's batch after the last step
         self.errors = 0  # steps that raised
         self.restarts = 0  # requests started again after a failed step
@@ -109,12 +111,12 @@ class EngineWorker:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return len(self._held)
 
     @property
     def queued(self) -> int:
         """Requests accepted that hold no row of the running batch yet."""
-        return max(0, self._in_flight - self.running)
+        return max(0, len(self._held) - self.running)
 
     def submit(self, request: Request, deliver: Callable[[tuple], None], name: str | None = None) -> Job:
         """Hand a request to the engine thread (its id is set here; ``name``: the id its client sees, for the log).
@@ -129,25 +131,27 @@ class EngineWorker:
         with self._lock:
             if not self.alive:
                 raise Unavailable("the engine is not running")
-            if self._in_flight + len(requests) > self.capacity:
-                raise QueueFull(f"{self._in_flight} requests in flight, {len(requests)} more asked for (capacity "
+            if len(self._held) + len(requests) > self.capacity:
+                raise QueueFull(f"{len(self._held)} requests in flight, {len(requests)} more asked for (capacity "
                                 f"{self.capacity})")
-            self._in_flight += len(requests)
             for request in requests:
                 request.id = next(self._ids)
+                self._held.add(request.id)
         jobs = [Job(r, d, name=n) for r, d, n in zip(requests, delivers, names)]
         for job in jobs:
             self.inbox.put(("add", job))
         return jobs
 
     def abort(self, request_id: int, reason: str = "abort") -> None:
-        """Drop a request; its row leaves the batch at the next round boundary. ``reason`` is what ``finished``
-        counts it as ("abort" when the client left, "stop" when its text reached a stop string)."""
+        """Drop a request: its place under ``capacity`` is free at once, its row leaves the batch at the next round
+        boundary. ``reason`` is what ``finished`` counts it as ("abort" when the client left, "stop" when its text
+        reached a stop string)."""
+        self._release(request_id)
         self.inbox.put(("abort", (request_id, reason)))
 
     def idle(self) -> bool:
         """No request anywhere (inbox, engine, jobs)."""
-        return self._in_flight == 0 and not self.jobs and not self.engine.has_work() and self.inbox.empty()
+        return not self._held and not self.jobs and not self.engine.has_work() and self.inbox.empty()
 
     # ----------------------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
@@ -194,7 +198,7 @@ class EngineWorker:
         except Exception:  # it never joined the batch: nobody else is touched
             log.exception("the engine refused request %s", job.label)
             del self.jobs[job.id]
-            self._release()
+            self._release(job.id)
             self.finished["error"] += 1
             self._send(job, ("error", job.failed))
 
@@ -245,7 +249,7 @@ class EngineWorker:
 
     def _finish(self, job: Job, reason: str, finished, message: str | None = None) -> None:
         self.jobs.pop(job.id, None)
-        self._release()
+        self._release(job.id)
         self.finished[job.cancelled if reason == "abort" and job.cancelled else reason] += 1
         if self.on_finish is not None:
             try:
@@ -254,9 +258,9 @@ class EngineWorker:
                 log.exception("on_finish callback failed")
         self._send(job, ("error", message) if reason == "error" else ("done", reason, finished))
 
-    def _release(self) -> None:
+    def _release(self, request_id: int) -> None:
         with self._lock:
-            self._in_flight -= 1
+            self._held.discard(request_id)
 
     def _send(self, job: Job, event: tuple) -> None:
         try:
@@ -274,5 +278,5 @@ class EngineWorker:
             except queue.Empty:
                 break
             if kind == "add":
-                self._release()
+                self._release(arg.id)
                 self._send(arg, ("error", message))
