@@ -118,6 +118,7 @@ def run(args) -> int:
         if value is not None:
             raise ValueError(f"{flag} applies to the endpoint audit: give --endpoint URL as well")
     args.target = args.target or DEFAULT_TARGET
+    resolve_draft(args.target, args.draft)  # a misspelt model name fails here, before any model loads
     sampled = args.temperature > 0
     sampling = sampling_flags(args, max_tokens=args.n_tokens if sampled else args.max_tokens)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]

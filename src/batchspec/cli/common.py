@@ -4,6 +4,7 @@ user's (one line on stderr, exit status 2)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import secrets
 from pathlib import Path
@@ -48,9 +49,24 @@ def prefix_cache_arg(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_draft(target: str, draft: str | None):
+    """The ``draft`` argument of ``LLM`` for --target and --draft; a misspelt name (``prompt_lookup``) is refused
+    here, with the name meant, before any model loads."""
+    from ..model.loading import BUILTIN_MODELS
+
+    _near_name("--target", target, BUILTIN_MODELS)
     if draft is None:
         return DEFAULT_DRAFT if target == DEFAULT_TARGET else None
+    _near_name("--draft", draft, ("prompt-lookup", "none", *BUILTIN_MODELS))
     return None if draft == "none" else draft
+
+
+def _near_name(flag: str, value, names) -> None:
+    """Refuse ``value`` when it is no path but close to one of the built-in ``names``: a typo, not a model."""
+    if not isinstance(value, str) or value in names or "/" in value or os.path.exists(os.path.expanduser(value)):
+        return
+    close = difflib.get_close_matches(value, names, n=1, cutoff=0.8)
+    if close:
+        raise ValueError(f"{flag} {value!r} is no model path or name: did you mean {close[0]!r}?")
 
 
 def dtype(name):
