@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from .common import (DEFAULT_TARGET, encode_prompts, int_list, model_args, positive_float, positive_int, prepare_out,
-                     read_prompt_set, resolve_draft, sampling_flags, write_atomic)
+                     read_prompt_set, resolve_draft, sampling_flags, show_table, rich_console, write_atomic)
 
 HELP = "audit engines (or a running server) against the batch-size-1 oracle"
 
@@ -104,7 +104,6 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     import torch
-    from rich.console import Console
 
     from ..audit.core import audit
     from ..audit.engines import resolve
@@ -142,10 +141,8 @@ def run(args) -> int:
     _write_reports(out, "audit", report.as_dict(), report.to_markdown())
     report.plot(out / "audit.png")
     _write_html(out / "audit.html", report)
-    console = Console()
-    if not console.is_terminal:  # a log file: keep every column readable instead of wrapping at 80
-        console.width = max(console.width, 170)
-    console.print(report.rich_table())
+    console = rich_console()
+    show_table(console, report.rich_table())
     console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}")
     status, verdict = report.verdict()
     if status:
@@ -157,7 +154,6 @@ def _run_endpoint(args) -> int:
     """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``); exit status 0 clean, 1 a level not clean,
     2 a level that could not be audited. With ``--repeat``: the determinism run."""
     import torch
-    from rich.console import Console
     from rich.markup import escape
 
     from ..audit.endpoint import COULD_NOT_AUDIT, SELF, audit_endpoint, endpoint_markdown, endpoint_verdict
@@ -195,10 +191,8 @@ def _run_endpoint(args) -> int:
     _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report))
     report.plot(out / "audit.png")
     _write_html(out / "audit.html", report)
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 170)
-    console.print(report.rich_table())
+    console = rich_console()
+    show_table(console, report.rich_table())
     ref = report.meta.get("reference")
     if ref is not None:
         console.print(escape(f"reference: {report.meta['oracle']}; {ref['answers']} of {ref['requests']} answers "
@@ -232,7 +226,6 @@ def _run_determinism(args, levels) -> int:
     prompt gave one output, 1 when one gave more (or requests failed), 2 when every request failed."""
     import json
 
-    from rich.console import Console
     from rich.markup import escape
 
     from ..audit.determinism import determinism_run
@@ -256,7 +249,7 @@ def _run_determinism(args, levels) -> int:
     write_atomic(out / "determinism.md", lambda f: f.write(report.to_markdown()))
     report.plot(out / "determinism.png")
     _write_html(out / "determinism.html", report)
-    console = Console()
+    console = rich_console()
     spread = [p for p in report.prompts if p["unique"] > 1]
     for p in spread[:10]:
         counts = ", ".join(str(o["count"]) for o in p["outputs"])
@@ -299,7 +292,6 @@ def _level_line(row, lv: dict) -> str:
 
 
 def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling, out) -> int:
-    from rich.console import Console
 
     from ..audit.core import audit
 
@@ -309,10 +301,8 @@ def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling
         samples=args.samples, n_tokens=args.n_tokens, alpha=args.alpha,
     )
     _write_reports(out, "distribution", report.as_dict(), report.to_markdown())
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 150)
-    console.print(report.rich_table())
+    console = rich_console()
+    show_table(console, report.rich_table())
     console.print(f"wrote {out / 'distribution.json'}, {out / 'distribution.md'}")
     failed = [e for e, ok in report.engines().items() if not ok and not e.startswith("fault:")]
     if failed:

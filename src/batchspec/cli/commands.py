@@ -5,6 +5,7 @@ stack, Ray) only when they run."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import difflib
 import sys
@@ -67,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def quiet_libraries():
+    """No progress bars from the libraries models load through (transformers' "Loading weights", the hub's
+    downloads) while a command runs: its own progress (rich) is what it shows."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # the hub's bars too
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
+
+
 def main(argv=None) -> int:
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # named by the command's parser, with the closest of its flags
@@ -75,7 +91,8 @@ def main(argv=None) -> int:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}"
                           + (f" (did you mean {close[0]}?)" if close else ""))
     try:
-        return args.func(args)
+        with quiet_libraries():
+            return args.func(args)
     except USER_ERRORS as e:
         print(f"batchspec {args.command}: error: {e}", file=sys.stderr)
         return 2

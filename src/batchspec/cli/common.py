@@ -190,6 +190,59 @@ def encode_prompts(pairs, tokenizer, chat_template: bool):
     return [i for i, _ in pairs], [t for _, t in pairs], encode(tokenizer, [t for _, t in pairs], chat_template)
 
 
+def rich_console(stderr: bool = False):
+    """stdout's (or stderr's) rich console. When it is no terminal (a pipe, a log file) there is no width to fit:
+    lines are written whole, never wrapped at 80 columns."""
+    from rich.console import Console
+
+    out = Console(stderr=stderr)
+    return out if out.is_terminal else Console(stderr=stderr, soft_wrap=True)
+
+
+def show_table(out, table) -> None:
+    """A rich table on ``out``: on a terminal fitted to its width (a cell too wide is wrapped, never cut short with an
+    ellipsis); elsewhere as a plain Markdown table, each cell whole."""
+    if out.is_terminal:
+        for column in table.columns:
+            column.overflow = "fold"
+        out.print(table)
+    else:
+        print(markdown_table(table), file=out.file, flush=True)
+
+
+def show_markdown_table(out, md: str) -> None:
+    """A Markdown table (``| a | b |`` lines) on ``out``: as it is when stdout is no terminal, else as ``show_table``
+    shows it."""
+    if not out.is_terminal:
+        print(md.rstrip("\n"), file=out.file, flush=True)
+        return
+    from rich.table import Table
+
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines() if line.startswith("|")]
+    table = Table()
+    for heading, rule in zip(rows[0], rows[1]):
+        table.add_column(heading, justify="right" if rule.endswith(":") else "left")
+    for row in rows[2:]:
+        table.add_row(*row)
+    show_table(out, table)
+
+
+def markdown_table(table) -> str:
+    """A rich table as a Markdown table (its title in bold above it), cells as plain text."""
+    from rich.text import Text
+
+    def plain(cell) -> str:
+        text = cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    columns = table.columns
+    lines = [f"**{plain(table.title)}**", ""] if table.title else []
+    lines.append("| " + " | ".join(plain(c.header) for c in columns) + " |")
+    lines.append("|" + "".join("---:|" if c.justify == "right" else "---|" for c in columns))
+    for cells in zip(*(list(c.cells) for c in columns)):
+        lines.append("| " + " | ".join(plain(cell) for cell in cells) + " |")
+    return "\n".join(lines)
+
 
 # What bad input raises (a flag, a prompt file, an --out path, a model path): one line on stderr, exit status 2.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,

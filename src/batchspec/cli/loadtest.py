@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from .common import need, positive_float, positive_int, prepare_out, read_prompt_set, write_atomic
+from .common import (need, positive_float, positive_int, prepare_out, read_prompt_set, rich_console, show_table,
+                     write_atomic)
 
 HELP = "send a load to an OpenAI-compatible server and report throughput and latency"
 
@@ -39,8 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     need("httpx")
-    from rich.console import Console
-
     from ..serve.loadtest import LoadConfig, rich_table, run_load, write_report
 
     out = prepare_out(args.out, folder=True)
@@ -54,8 +53,8 @@ def run(args) -> int:
     except OSError as e:
         raise ValueError(f"cannot reach {args.url}: {e}") from None
     js, png = write_report(summary, out, write_atomic)
-    console = Console()
-    console.print(rich_table(summary))
+    console = rich_console()
+    show_table(console, rich_table(summary))
     c, t = summary["requests"], summary["throughput"]
     console.print(
         f"{c['sent']} sent in {summary['wall_s']:.1f} s: {c['ok']} ok, {c['rejected_429']} x 429, "
