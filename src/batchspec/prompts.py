@@ -12,16 +12,30 @@ JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 def read_prompts(path) -> list[tuple[str, str]]:
     """Return ``(prompt id, text)`` pairs. JSON records may carry ``question_id`` (or ``id``) and ``category``; a
-    file is read as JSON records when its suffix is .jsonl / .json / .ndjson or its first line starts with ``{``."""
+    file is read as JSON records when its suffix is .jsonl / .json / .ndjson or its first line starts with ``{``.
+    Ids are unique, as outputs are keyed by them: a given id repeated is refused, and a record without one gets its
+    0-based position (with a suffix where a given id took that)."""
     path = Path(path)
     text = read_text(path)
     first = next((line for line in text.splitlines() if line.strip()), "")
     if path.suffix.lower() in JSON_SUFFIXES or first.lstrip().startswith("{"):
-        out = []
-        for where, rec in json_records(path, text):
-            out.append((str(rec.get("question_id", rec.get("id", len(out)))), prompt_of(rec, where)))
-        return out
+        records = [(where, rec, rec.get("question_id", rec.get("id"))) for where, rec in json_records(path, text)]
+        given: dict[str, str] = {}
+        for where, _, pid in records:
+            if pid is not None and given.setdefault(str(pid), where) != where:
+                raise ValueError(f"{where}: id {str(pid)!r} is also the id of {given[str(pid)]}; give each prompt "
+                                 "its own id (or none, to number it)")
+        return [(str(pid) if pid is not None else _free_id(str(n), given), prompt_of(rec, where))
+                for n, (where, rec, pid) in enumerate(records)]
     return [(str(i), line) for i, line in enumerate(line for line in text.splitlines() if line.strip())]
+
+
+def _free_id(pid: str, given: dict) -> str:
+    """``pid``, or ``pid-2``, ``pid-3``... where a given id is ``pid``."""
+    n = 1
+    while (pid if n == 1 else f"{pid}-{n}") in given:
+        n += 1
+    return pid if n == 1 else f"{pid}-{n}"
 
 
 def read_text(path: Path) -> str:
