@@ -117,9 +117,12 @@ def _show(value) -> str:
 def encode(tokenizer, texts: list[str], chat_template: bool) -> list[list[int]]:
     """Token ids for each text, through the tokenizer's chat template when asked (and available)."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        return [
-            list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False))
-            for t in texts
-        ]
+        return [chat_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True, template: str | None = None):
+    """Token ids of one conversation (``{"role", "content"}`` messages) through the tokenizer's chat template, or
+    ``template`` (a Jinja chat template) in its place."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                              return_dict=False, chat_template=template))
