@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 
-from .common import (DEFAULT_TARGET, encode_prompts, int_list, model_args, positive_float, positive_int, prepare_out,
+from .common import (DEFAULT_TARGET, encode_prompts, int_list, model_args, non_negative_int, positive_float,
+                     positive_int, prepare_out,
                      read_prompt_set, resolve_draft, sampling_flags, show_table, rich_console, write_atomic)
 
 HELP = "audit engines (or a running server) against the batch-size-1 oracle"
@@ -80,7 +81,7 @@ def add_arguments(parser) -> None:
                                "unattributed (default: self when --target is not given)")
     endpoint.add_argument("--reference-model", default=None,
                           help="the reference server's model id (default: the first of its /v1/models)")
-    endpoint.add_argument("--top-logprobs", type=int, default=5,
+    endpoint.add_argument("--top-logprobs", type=non_negative_int, default=5,
                           help="log-probabilities asked of the reference server per position, as token ids, to "
                                "attribute divergences (0: none; default 5); --dtype names the servers' dtype for the "
                                "tolerance (default float32; give bfloat16 or float16 for servers that compute in them)")
@@ -91,7 +92,7 @@ def add_arguments(parser) -> None:
     sampling = parser.add_argument_group("distributional audit (temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0,
                           help="sampling temperature; > 0 runs the distributional audit (default 0: greedy audit)")
-    sampling.add_argument("--top-k", type=int, default=0, help="top-k warping (default 0: off)")
+    sampling.add_argument("--top-k", type=non_negative_int, default=0, help="top-k warping (default 0: off)")
     sampling.add_argument("--top-p", type=float, default=1.0, help="top-p warping (default 1.0: off)")
     sampling.add_argument("--samples", type=positive_int, default=2000,
                           help="seeded requests per prompt and engine (default 2000)")

@@ -75,13 +75,14 @@ def dtype(name):
     return getattr(torch, name) if name else None
 
 
-def _int_at_least(text: str, low: int) -> int:
+def _int_at_least(text: str, low: int, high: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         value = low - 1
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+    if value < low or high is not None and value > high:
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise argparse.ArgumentTypeError(f"must be an integer {span}, got {text!r}")
     return value
 
 
@@ -93,6 +94,11 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _int_at_least(text, 0)
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 1..65535."""
+    return _int_at_least(text, 1, 65535)
 
 
 def int_list(text: str, what: str) -> list[int]:

@@ -22,6 +22,7 @@ from .common import (
     dtype,
     encode_prompts,
     model_args,
+    non_negative_int,
     prefix_cache_arg,
     positive_int,
     prepare_out,
@@ -42,7 +43,7 @@ def add_arguments(p) -> None:
     p.add_argument("--layout", default="slotmask", choices=["slotmask", "eqspec"])
     p.add_argument("--scheduler", default="static", choices=["static", "continuous", "exspec"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy decoding")
-    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
     p.add_argument("--seed", type=int, default=None, help="prompt i is sampled with seed + i")
     p.add_argument("--out", default=None, help="write one JSON line per prompt here (default: to stdout, and the "
