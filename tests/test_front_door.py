@@ -200,7 +200,7 @@ def test_serve_port_in_use_is_refused_before_the_model_loads(no_model_load, caps
     (["generate", "--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got '0'"),
     (["serve", "--port", "99999"], "argument --port: must be an integer in 1..65535, got '99999'"),
     (["serve", "--max-queue", "-1"], "argument --max-queue: must be an integer >= 0, got '-1'"),
-    (["audit", "--top-logprobs", "-2"], "argument --top-logprobs: must be an integer >= 0, got '-2'"),
+    (["generate", "--top-k", "-2"], "argument --top-k: must be an integer >= 0, got '-2'"),
     (["generate", "--layout", "slotmsk"], "invalid choice 'slotmsk': did you mean 'slotmask'?"),
     (["generat"], "invalid choice 'generat': did you mean 'generate'?"),
     (["generate", "--max_tokens", "3"], "unrecognized arguments: --max_tokens 3 (did you mean --max-tokens?)"),

@@ -19,14 +19,15 @@ def read_prompts(path) -> list[tuple[str, str]]:
     text = read_text(path)
     first = next((line for line in text.splitlines() if line.strip()), "")
     if path.suffix.lower() in JSON_SUFFIXES or first.lstrip().startswith("{"):
-        records = [(where, rec, rec.get("question_id", rec.get("id"))) for where, rec in json_records(path, text)]
+        records = [(where, prompt_of(rec, where), rec.get("question_id", rec.get("id")))
+                   for where, rec in json_records(path, text)]
         given: dict[str, str] = {}
         for where, _, pid in records:
             if pid is not None and given.setdefault(str(pid), where) != where:
                 raise ValueError(f"{where}: id {str(pid)!r} is also the id of {given[str(pid)]}; give each prompt "
                                  "its own id (or none, to number it)")
-        return [(str(pid) if pid is not None else _free_id(str(n), given), prompt_of(rec, where))
-                for n, (where, rec, pid) in enumerate(records)]
+        return [(str(pid) if pid is not None else _free_id(str(n), given), prompt)
+                for n, (_, prompt, pid) in enumerate(records)]
     return [(str(i), line) for i, line in enumerate(line for line in text.splitlines() if line.strip())]
 
 

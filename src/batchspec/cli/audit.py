@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 from .common import (DEFAULT_TARGET, encode_prompts, int_list, model_args, non_negative_int, positive_float,
-                     positive_int, prepare_out,
-                     read_prompt_set, resolve_draft, sampling_flags, show_table, rich_console, write_atomic)
+                     positive_int, prepare_out, read_prompt_set, resolve_draft, rich_console, sampling_flags,
+                     show_table, write_atomic)
 
 HELP = "audit engines (or a running server) against the batch-size-1 oracle"
 
@@ -81,7 +81,7 @@ def add_arguments(parser) -> None:
                                "unattributed (default: self when --target is not given)")
     endpoint.add_argument("--reference-model", default=None,
                           help="the reference server's model id (default: the first of its /v1/models)")
-    endpoint.add_argument("--top-logprobs", type=non_negative_int, default=5,
+    endpoint.add_argument("--top-logprobs", type=int, default=5,
                           help="log-probabilities asked of the reference server per position, as token ids, to "
                                "attribute divergences (0: none; default 5); --dtype names the servers' dtype for the "
                                "tolerance (default float32; give bfloat16 or float16 for servers that compute in them)")
@@ -293,7 +293,6 @@ def _level_line(row, lv: dict) -> str:
 
 
 def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling, out) -> int:
-
     from ..audit.core import audit
 
     report = audit(

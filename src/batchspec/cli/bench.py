@@ -15,8 +15,8 @@ from .common import (
     prepare_out,
     read_prompt_set,
     resolve_draft,
-    show_markdown_table,
     rich_console,
+    show_markdown_table,
     write_atomic,
 )
 

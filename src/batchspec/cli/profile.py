@@ -5,7 +5,7 @@ count, and cached (``batchspec.speculation.costs``). Shows it, measuring it firs
 
 from __future__ import annotations
 
-from .common import DEFAULT_TARGET, dtype, positive_int, resolve_draft, show_table, rich_console, weights_arg
+from .common import DEFAULT_TARGET, dtype, positive_int, resolve_draft, rich_console, show_table, weights_arg
 
 HELP = "show (or measure again) the cost profile the speculation length is chosen from"
 
