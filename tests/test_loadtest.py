@@ -77,9 +77,9 @@ def test_overload_is_shed_and_accepted_requests_complete(tmp_path):
     assert c["ok"] + c["rejected_429"] == 12 and c["ok"] >= 1
 
 
-def test_unreachable_server_is_an_error(tmp_path):
+def test_unreachable_server_is_an_error(tmp_path, capsys):
     rc = main(["loadtest", "--url", "http://127.0.0.1:9", "--rate", "5", "--requests", "2", "--model", "m",
                "--out", str(tmp_path)])
-    assert rc == 1  # every request failed (connection refused): counted as errors, reported, status 1
-    data = json.loads((tmp_path / "loadtest.json").read_text())
-    assert data["requests"]["errors"] == 2
+    assert rc == 2  # connection refused before any load: one line with the fix, no report
+    assert "is the server running?" in capsys.readouterr().err
+    assert not (tmp_path / "loadtest.json").exists()

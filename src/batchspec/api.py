@@ -218,8 +218,11 @@ class LLM:
         after every engine step for each prompt that gained tokens, to stream them.
 
         If anything raises mid-run, the exception propagates with ``exc.outputs``: a list in prompt order holding
-        the ``RequestOutput`` of every prompt that had finished and None for the others; the ``LLM`` stays usable."""
-        prompts = list(prompts)
+        the ``RequestOutput`` of every prompt that had finished and None for the others; the ``LLM`` stays usable.
+
+        ``prompts``: a list of prompts, each a string or a list (or 1-D array) of token ids; a string, or one list of
+        token ids, alone is one prompt (as in vLLM), not a prompt per character or per token."""
+        prompts = _prompt_list(prompts)
         if not prompts:
             return []
         ids, requests = self.requests(prompts, sampling_params)
@@ -247,6 +250,40 @@ class LLM:
         finally:
             self.stats.total += time.perf_counter() - t0
         return results
+
+    def chat(self, messages, sampling_params=None, progress: bool = False, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: generate for one conversation (a list of ``{"role": ..., "content": ...}`` messages)
+        or a list of them, each rendered by the tokenizer's chat template (``chat_template``: a Jinja template to
+        use instead), as ``generate`` does; one ``RequestOutput`` per conversation, in order."""
+        from .prompts import chat_ids
+
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; pass tokenizer=")
+        if not (chat_template or getattr(self.tokenizer, "chat_template", None)):
+            raise ValueError("the tokenizer has no chat template; pass chat_template= (a Jinja template), or give "
+                             "generate() the prompt text")
+        one = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)
+        for i, conversation in enumerate(conversations):
+            ok = isinstance(conversation, (list, tuple)) and conversation and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in conversation)
+            if not ok:
+                raise ValueError(f"conversation {i} must be a non-empty list of {{'role': str, 'content': str}} "
+                                 "messages")
+        ids = [chat_ids(self.tokenizer, list(c), add_generation_prompt, chat_template) for c in conversations]
+        return self.generate(ids, sampling_params, progress=progress)
+
+
+def _prompt_list(prompts) -> list:
+    """``generate``'s prompts as a list: a string, or one list / 1-D array of token ids, is a single prompt."""
+    if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1:
+        return [prompts]
+    prompts = list(prompts)
+    one = all(getattr(t, "ndim", None) == 0 or isinstance(t, numbers.Integral) and not isinstance(t, bool)
+              for t in prompts)
+    return [prompts] if prompts and one else prompts
 
 
 def shared_draft(draft, target, weights: str = "fp32"):

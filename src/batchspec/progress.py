@@ -1,5 +1,7 @@
 """One progress bar for every long job (generation, audits, benchmarks, load tests): a rich bar with a description,
-a count and the time elapsed, removed when done; a no-op object when disabled, so callers never branch on it."""
+a count and the time elapsed, removed when done; a no-op object when disabled, so callers never branch on it. It is
+drawn on stderr, so that stdout carries only results (``batchspec generate`` without ``--out`` writes JSON lines
+there)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ class Progress:
     def __init__(self, enabled: bool, total: int, description: str = ""):
         self._p = self._task = None
         if enabled:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as Bar
 
             self._p = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          transient=True)
+                          transient=True, console=Console(stderr=True))
             self._task = self._p.add_task(description, total=total)
 
     def __enter__(self) -> "Progress":

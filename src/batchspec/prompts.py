@@ -12,16 +12,31 @@ JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 def read_prompts(path) -> list[tuple[str, str]]:
     """Return ``(prompt id, text)`` pairs. JSON records may carry ``question_id`` (or ``id``) and ``category``; a
-    file is read as JSON records when its suffix is .jsonl / .json / .ndjson or its first line starts with ``{``."""
+    file is read as JSON records when its suffix is .jsonl / .json / .ndjson or its first line starts with ``{``.
+    Ids are unique, as outputs are keyed by them: a given id repeated is refused, and a record without one gets its
+    0-based position (with a suffix where a given id took that)."""
     path = Path(path)
     text = read_text(path)
     first = next((line for line in text.splitlines() if line.strip()), "")
     if path.suffix.lower() in JSON_SUFFIXES or first.lstrip().startswith("{"):
-        out = []
-        for where, rec in json_records(path, text):
-            out.append((str(rec.get("question_id", rec.get("id", len(out)))), prompt_of(rec, where)))
-        return out
+        records = [(where, prompt_of(rec, where), rec.get("question_id", rec.get("id")))
+                   for where, rec in json_records(path, text)]
+        given: dict[str, str] = {}
+        for where, _, pid in records:
+            if pid is not None and given.setdefault(str(pid), where) != where:
+                raise ValueError(f"{where}: id {str(pid)!r} is also the id of {given[str(pid)]}; give each prompt "
+                                 "its own id (or none, to number it)")
+        return [(str(pid) if pid is not None else _free_id(str(n), given), prompt)
+                for n, (_, prompt, pid) in enumerate(records)]
     return [(str(i), line) for i, line in enumerate(line for line in text.splitlines() if line.strip())]
+
+
+def _free_id(pid: str, given: dict) -> str:
+    """``pid``, or ``pid-2``, ``pid-3``... where a given id is ``pid``."""
+    n = 1
+    while (pid if n == 1 else f"{pid}-{n}") in given:
+        n += 1
+    return pid if n == 1 else f"{pid}-{n}"
 
 
 def read_text(path: Path) -> str:
@@ -103,9 +118,12 @@ def _show(value) -> str:
 def encode(tokenizer, texts: list[str], chat_template: bool) -> list[list[int]]:
     """Token ids for each text, through the tokenizer's chat template when asked (and available)."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        return [
-            list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False))
-            for t in texts
-        ]
+        return [chat_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True, template: str | None = None):
+    """Token ids of one conversation (``{"role", "content"}`` messages) through the tokenizer's chat template, or
+    ``template`` (a Jinja chat template) in its place."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                              return_dict=False, chat_template=template))

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 
-from .common import (DEFAULT_TARGET, encode_prompts, int_list, model_args, positive_float, positive_int, prepare_out,
-                     read_prompt_set, resolve_draft, sampling_flags, write_atomic)
+from .common import (DEFAULT_TARGET, encode_prompts, int_list, model_args, non_negative_int, positive_float,
+                     positive_int, prepare_out, read_prompt_set, resolve_draft, rich_console, sampling_flags,
+                     show_table, write_atomic)
 
 HELP = "audit engines (or a running server) against the batch-size-1 oracle"
 
@@ -91,7 +92,7 @@ def add_arguments(parser) -> None:
     sampling = parser.add_argument_group("distributional audit (temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0,
                           help="sampling temperature; > 0 runs the distributional audit (default 0: greedy audit)")
-    sampling.add_argument("--top-k", type=int, default=0, help="top-k warping (default 0: off)")
+    sampling.add_argument("--top-k", type=non_negative_int, default=0, help="top-k warping (default 0: off)")
     sampling.add_argument("--top-p", type=float, default=1.0, help="top-p warping (default 1.0: off)")
     sampling.add_argument("--samples", type=positive_int, default=2000,
                           help="seeded requests per prompt and engine (default 2000)")
@@ -104,7 +105,6 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     import torch
-    from rich.console import Console
 
     from ..audit.core import audit
     from ..audit.engines import resolve
@@ -118,6 +118,7 @@ def run(args) -> int:
         if value is not None:
             raise ValueError(f"{flag} applies to the endpoint audit: give --endpoint URL as well")
     args.target = args.target or DEFAULT_TARGET
+    resolve_draft(args.target, args.draft)  # a misspelt model name fails here, before any model loads
     sampled = args.temperature > 0
     sampling = sampling_flags(args, max_tokens=args.n_tokens if sampled else args.max_tokens)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -141,10 +142,8 @@ def run(args) -> int:
     _write_reports(out, "audit", report.as_dict(), report.to_markdown())
     report.plot(out / "audit.png")
     _write_html(out / "audit.html", report)
-    console = Console()
-    if not console.is_terminal:  # a log file: keep every column readable instead of wrapping at 80
-        console.width = max(console.width, 170)
-    console.print(report.rich_table())
+    console = rich_console()
+    show_table(console, report.rich_table())
     console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}")
     status, verdict = report.verdict()
     if status:
@@ -180,7 +179,7 @@ def _run_endpoint(args) -> int:
     _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report))
     report.plot(out / "audit.png")
     _write_html(out / "audit.html", report)
-    console = _wide_console()
+    console = rich_console()
     _print_endpoint(console, report, pairs)
     console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}")
     status, verdict = endpoint_verdict(report)
@@ -218,15 +217,6 @@ def _endpoint_audit(args, prompts: list, levels: list[int], reference: str | Non
     )
 
 
-def _wide_console():
-    from rich.console import Console
-
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 170)
-    return console
-
-
 def _print_endpoint(console, report, pairs) -> None:
     """The endpoint audit on the console: its table, the reference's answers, a line per level with its first
     problems and divergences, a warning when the text was re-tokenized."""
@@ -234,7 +224,7 @@ def _print_endpoint(console, report, pairs) -> None:
 
     from ..audit.endpoint import COULD_NOT_AUDIT
 
-    console.print(report.rich_table())
+    show_table(console, report.rich_table())
     ref = report.meta.get("reference")
     if ref is not None:
         console.print(escape(f"reference: {report.meta['oracle']}; {ref['answers']} of {ref['requests']} answers "
@@ -263,7 +253,6 @@ def _run_determinism(args, levels) -> int:
     prompt gave one output, 1 when one gave more (or requests failed), 2 when every request failed."""
     import json
 
-    from rich.console import Console
     from rich.markup import escape
 
     from ..audit.determinism import DeterminismRun
@@ -287,7 +276,7 @@ def _run_determinism(args, levels) -> int:
     write_atomic(out / "determinism.md", lambda f: f.write(report.to_markdown()))
     report.plot(out / "determinism.png")
     _write_html(out / "determinism.html", report)
-    console = Console()
+    console = rich_console()
     spread = [p for p in report.prompts if p["unique"] > 1]
     for p in spread[:10]:
         counts = ", ".join(str(o["count"]) for o in p["outputs"])
@@ -330,8 +319,6 @@ def _level_line(row, lv: dict) -> str:
 
 
 def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling, out) -> int:
-    from rich.console import Console
-
     from ..audit.core import audit
 
     report = audit(
@@ -340,10 +327,8 @@ def _run_sampled(args, model, tokenizer, prompts, engines, batch_sizes, sampling
         samples=args.samples, n_tokens=args.n_tokens, alpha=args.alpha,
     )
     _write_reports(out, "distribution", report.as_dict(), report.to_markdown())
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 150)
-    console.print(report.rich_table())
+    console = rich_console()
+    show_table(console, report.rich_table())
     console.print(f"wrote {out / 'distribution.json'}, {out / 'distribution.md'}")
     failed = [e for e, ok in report.engines().items() if not ok and not e.startswith("fault:")]
     if failed:

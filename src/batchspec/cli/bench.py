@@ -15,6 +15,8 @@ from .common import (
     prepare_out,
     read_prompt_set,
     resolve_draft,
+    rich_console,
+    show_markdown_table,
     write_atomic,
 )
 
@@ -39,9 +41,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-    from rich.markdown import Markdown
-
     from ..bench import bench, parse_engine, plot, to_markdown
     from ..model.loading import load_tokenizer
 
@@ -66,6 +65,7 @@ def run(args) -> int:
     md = to_markdown(rows)
     write_atomic(out / "bench.md", lambda f: f.write(md))
     pngs = plot(rows, out)
-    Console().print(Markdown(md))
-    Console().print(f"wrote {out}/bench.json, bench.md, " + ", ".join(p.name for p in pngs))
+    console = rich_console()
+    show_markdown_table(console, md)
+    console.print(f"wrote {out}/bench.json, bench.md, " + ", ".join(p.name for p in pngs))
     return 0

@@ -4,6 +4,7 @@ user's (one line on stderr, exit status 2)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import secrets
 from pathlib import Path
@@ -49,9 +50,24 @@ def prefix_cache_arg(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_draft(target: str, draft: str | None):
+    """The ``draft`` argument of ``LLM`` for --target and --draft; a misspelt name (``prompt_lookup``) is refused
+    here, with the name meant, before any model loads."""
+    from ..model.loading import BUILTIN_MODELS
+
+    _near_name("--target", target, BUILTIN_MODELS)
     if draft is None:
         return DEFAULT_DRAFT if target == DEFAULT_TARGET else None
+    _near_name("--draft", draft, ("prompt-lookup", "none", *BUILTIN_MODELS))
     return None if draft == "none" else draft
+
+
+def _near_name(flag: str, value, names) -> None:
+    """Refuse ``value`` when it is no path but close to one of the built-in ``names``: a typo, not a model."""
+    if not isinstance(value, str) or value in names or "/" in value or os.path.exists(os.path.expanduser(value)):
+        return
+    close = difflib.get_close_matches(value, names, n=1, cutoff=0.8)
+    if close:
+        raise ValueError(f"{flag} {value!r} is no model path or name: did you mean {close[0]!r}?")
 
 
 def dtype(name):
@@ -74,13 +90,14 @@ def engine_config(args, **given):
     return EngineConfig(**{**flags, **given})
 
 
-def _int_at_least(text: str, low: int) -> int:
+def _int_at_least(text: str, low: int, high: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         value = low - 1
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+    if value < low or high is not None and value > high:
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise argparse.ArgumentTypeError(f"must be an integer {span}, got {text!r}")
     return value
 
 
@@ -92,6 +109,11 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _int_at_least(text, 0)
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 1..65535."""
+    return _int_at_least(text, 1, 65535)
 
 
 def int_list(text: str, what: str) -> list[int]:
@@ -188,6 +210,59 @@ def encode_prompts(pairs, tokenizer, chat_template: bool):
         raise ValueError("the target has no tokenizer to encode text prompts; pass a model directory with one")
     return [i for i, _ in pairs], [t for _, t in pairs], encode(tokenizer, [t for _, t in pairs], chat_template)
 
+
+def rich_console(stderr: bool = False):
+    """stdout's (or stderr's) rich console. When it is no terminal (a pipe, a log file) there is no width to fit:
+    lines are written whole, never wrapped at 80 columns."""
+    from rich.console import Console
+
+    out = Console(stderr=stderr)
+    return out if out.is_terminal else Console(stderr=stderr, soft_wrap=True)
+
+
+def show_table(out, table) -> None:
+    """A rich table on ``out``: on a terminal fitted to its width (a cell too wide is wrapped, never cut short with an
+    ellipsis); elsewhere as a plain Markdown table, each cell whole."""
+    if out.is_terminal:
+        for column in table.columns:
+            column.overflow = "fold"
+        out.print(table)
+    else:
+        print(markdown_table(table), file=out.file, flush=True)
+
+
+def show_markdown_table(out, md: str) -> None:
+    """A Markdown table (``| a | b |`` lines) on ``out``: as it is when stdout is no terminal, else as ``show_table``
+    shows it."""
+    if not out.is_terminal:
+        print(md.rstrip("\n"), file=out.file, flush=True)
+        return
+    from rich.table import Table
+
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines() if line.startswith("|")]
+    table = Table()
+    for heading, rule in zip(rows[0], rows[1]):
+        table.add_column(heading, justify="right" if rule.endswith(":") else "left")
+    for row in rows[2:]:
+        table.add_row(*row)
+    show_table(out, table)
+
+
+def markdown_table(table) -> str:
+    """A rich table as a Markdown table (its title in bold above it), cells as plain text."""
+    from rich.text import Text
+
+    def plain(cell) -> str:
+        text = cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    columns = table.columns
+    lines = [f"**{plain(table.title)}**", ""] if table.title else []
+    lines.append("| " + " | ".join(plain(c.header) for c in columns) + " |")
+    lines.append("|" + "".join("---:|" if c.justify == "right" else "---|" for c in columns))
+    for cells in zip(*(list(c.cells) for c in columns)):
+        lines.append("| " + " | ".join(plain(cell) for cell in cells) + " |")
+    return "\n".join(lines)
 
 
 # What bad input raises (a flag, a prompt file, an --out path, a model path): one line on stderr, exit status 2.

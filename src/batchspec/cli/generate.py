@@ -1,5 +1,5 @@
 """``batchspec generate``: generate for a prompt file (the built-in set by default), in this process or on Ray Data
-workers (``--ray``), and write one JSON line per prompt.
+workers (``--ray``), and write one JSON line per prompt: to ``--out``, or to stdout (the summary then on stderr).
 
 ``--out`` is written to a new file in the same folder and renamed into place, so the file there is either this run's
 whole output or, if writing fails (a full disk), the previous file unchanged. Ctrl-C during generation writes to
@@ -22,10 +22,12 @@ from .common import (
     encode_prompts,
     engine_config,
     model_args,
+    non_negative_int,
     prefix_cache_arg,
     positive_int,
     prepare_out,
     read_prompt_set,
+    rich_console,
     sampling_flags,
     write_atomic,
 )
@@ -40,10 +42,11 @@ def add_arguments(p) -> None:
     p.add_argument("--layout", default="slotmask", choices=["slotmask", "eqspec"])
     p.add_argument("--scheduler", default="static", choices=["static", "continuous", "exspec"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy decoding")
-    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
     p.add_argument("--seed", type=int, default=None, help="prompt i is sampled with seed + i")
-    p.add_argument("--out", default=None, help="write one JSON line per prompt here, in prompt order, whole or not at "
+    p.add_argument("--out", default=None, help="write one JSON line per prompt here (default: to stdout, and the "
+                   "summary to stderr), in prompt order, whole or not at "
                    "all (a failed write keeps the previous file); after Ctrl-C the finished prompts, the others "
                    'marked finish_reason "interrupted". With --ray: a folder of files')
     p.add_argument("--ray", action="store_true", help="run on Ray Data workers, each holding the models (needs the "
@@ -80,10 +83,11 @@ def run(args) -> int:
     wall = time.perf_counter() - t0
     if out:
         write_rows(out, ids, outs)
+    else:  # the outputs on stdout, as --out would have them; the summary on stderr
+        sys.stdout.writelines(_line(pid, o) for pid, o in zip(ids, outs))
+        sys.stdout.flush()
     s = llm.stats
-    from rich.console import Console
-
-    Console().print(
+    rich_console(stderr=out is None).print(
         f"{len(outs)} prompts, {s.generated} tokens in {wall:.1f} s: [bold]{s.generated / wall:.1f} tok/s[/bold], "
         f"mean accepted length {s.mean_accepted_length:.2f} (K={llm.k}, layout {args.layout}); "
         f"stage seconds prefill {s.prefill:.1f} draft {s.draft:.1f} verify {s.verify:.1f} align {s.align:.1f}"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from .common import need, positive_float, positive_int, prepare_out, read_prompt_set, write_atomic
+from .common import (need, positive_float, positive_int, prepare_out, read_prompt_set, rich_console, show_table,
+                     write_atomic)
 
 HELP = "send a load to an OpenAI-compatible server and report throughput and latency"
 
@@ -36,26 +37,67 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     p.add_argument("--out", default="out/loadtest", help="folder for loadtest.json and loadtest.png")
 
+BASE_URL_HINT = "give the server's base URL, like http://127.0.0.1:8000"
+
+
+def check_url(url: str) -> None:
+    """Refuse a --url that is no server's base URL (no http://, an endpoint's path, a bad port) before any request."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        meant = f"did you mean http://{url}? " if "://" not in url else ""
+        raise ValueError(f"--url {url!r} is no http:// or https:// URL; {meant}{BASE_URL_HINT}")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"--url {url!r} has no valid port (1-65535); {BASE_URL_HINT}") from None
+    path = parts.path.rstrip("/")
+    if path.endswith(("/completions", "/models")) or parts.query:
+        raise ValueError(f"--url {url!r} names an endpoint; {BASE_URL_HINT} (with or without /v1)")
+
+
+def reach(url: str, api_key: str | None, timeout: float) -> None:
+    """One request to ``/v1/models`` before the load: a server that is not there, or that refuses the key, is one
+    line naming the fix instead of a failed run."""
+    import httpx
+
+    from ..serve.loadtest import base_url
+
+    try:
+        r = httpx.get(base_url(url) + "/models", timeout=timeout,
+                      headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {url} ({e or type(e).__name__}); is the server running? "
+                         f"Start one with batchspec serve, or {BASE_URL_HINT}") from None
+    if r.status_code in (401, 403):
+        raise ValueError(f"{url} refused the request ({r.status_code}); give its key with --api-key or "
+                         "$BATCHSPEC_API_KEY")
+    if r.status_code == 404:
+        raise ValueError(f"{url} has no /v1/models (404); {BASE_URL_HINT} (with or without /v1)")
+
 
 def run(args) -> int:
     need("httpx")
-    from rich.console import Console
+    import httpx
 
     from ..serve.loadtest import LoadConfig, rich_table, run_load, write_report
 
+    check_url(args.url)
     out = prepare_out(args.out, folder=True)
     prompts = [t for _, t in read_prompt_set(args.prompts)]
+    reach(args.url, args.api_key, min(args.timeout, 10.0))
     cfg = LoadConfig(url=args.url, model=args.model, prompts=prompts, rate=args.rate, concurrency=args.concurrency,
                      requests=args.requests, duration=args.duration, max_tokens=args.max_tokens, api=args.api,
                      temperature=args.temperature, api_key=args.api_key, timeout=args.timeout, seed=args.seed,
                      ignore_eos=args.ignore_eos)
     try:
         summary = run_load(cfg, progress=True)
-    except OSError as e:
-        raise ValueError(f"cannot reach {args.url}: {e}") from None
+    except (OSError, httpx.HTTPError) as e:
+        raise ValueError(f"cannot reach {args.url}: {e or type(e).__name__}") from None
     js, png = write_report(summary, out, write_atomic)
-    console = Console()
-    console.print(rich_table(summary))
+    console = rich_console()
+    show_table(console, rich_table(summary))
     c, t = summary["requests"], summary["throughput"]
     console.print(
         f"{c['sent']} sent in {summary['wall_s']:.1f} s: {c['ok']} ok, {c['rejected_429']} x 429, "

@@ -5,7 +5,7 @@ count, and cached (``batchspec.speculation.costs``). Shows it, measuring it firs
 
 from __future__ import annotations
 
-from .common import DEFAULT_TARGET, engine_config, positive_int, weights_arg
+from .common import DEFAULT_TARGET, engine_config, positive_int, rich_console, show_table, weights_arg
 
 HELP = "show (or measure again) the cost profile the speculation length is chosen from"
 
@@ -24,7 +24,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     import batchspec
@@ -42,8 +41,8 @@ def run(args) -> int:
         table.add_column(col, justify="right")
     for cells in describe(CostModel(profile), k):
         table.add_row(*cells)
-    console = Console()
-    console.print(table)
+    console = rich_console()
+    show_table(console, table)
     console.print(f"verify j: a round verifying j drafts a row, in plain steps; draft step: one forward of the draft's "
                   f"own model and its bookkeeping, in plain steps. Cached in {profile_path(profile.key)}")
     return 0

@@ -9,7 +9,8 @@ import os
 
 from ..params import MAX_TEMPERATURE
 from ..serve.protocol import DEFAULT_MAX_BODY_BYTES
-from .common import DEFAULT_TARGET, engine_config, need, positive_int, prefix_cache_arg, weights_arg
+from .common import (DEFAULT_TARGET, engine_config, need, non_negative_int, port_number, positive_int,
+                     prefix_cache_arg, weights_arg)
 
 HELP = "serve the target over an OpenAI-compatible HTTP API"
 
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
     p.add_argument("--layout", default="slotmask", choices=["slotmask", "eqspec"])
     p.add_argument("--batch-size", type=positive_int, default=32, help="most rows in the running batch (default 32)")
-    p.add_argument("--max-queue", type=int, default=64,
+    p.add_argument("--max-queue", type=non_negative_int, default=64,
                    help="requests that may wait beyond the batch; more get 429 (default 64)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--device", default=None)
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prefix_cache_arg(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000,
+                   help="port to listen on; checked free before the model loads")
     p.add_argument("--api-key", default=os.environ.get("BATCHSPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $BATCHSPEC_API_KEY; "
                         "none: open; an empty key is refused). Prefer the environment variable: a key on the command "
@@ -111,10 +113,35 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def check_listen(host: str, port: int) -> None:
+    """Bind ``host``:``port`` once (as the server will, reusing a closing connection's address) and let it go: a port
+    in use or an address not of this machine is one line before the model loads, not a failure after it."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: no such address ({e.strerror}); give 127.0.0.1 (this machine only) or "
+                         "0.0.0.0 (every interface)") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            hints = {errno.EADDRINUSE: "stop what listens there, or give another --port",
+                     errno.EACCES: "ports below 1024 need privileges: give another --port, like 8000",
+                     errno.EADDRNOTAVAIL: "give --host 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"}
+            hint = hints.get(e.errno, "give another --host or --port")
+            raise ValueError(f"cannot listen on {host} port {port} ({e.strerror}); {hint}") from None
+
+
 def run(args) -> int:
     need("fastapi", "uvicorn", "prometheus_client")
     from ..serve.server import serve_forever
 
+    check_listen(args.host, args.port)
     app = build_app(args)
     serve_forever(app, args.host, args.port, args.log_level, args.shutdown_grace)
     return 0

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .common import DEFAULT_TARGET, positive_int, prepare_out
+from .common import DEFAULT_TARGET, non_negative_int, positive_int, prepare_out
 
 HELP = "train a draft (feature-reading head or small draft model) for a target"
 DESCRIPTION = """Train a draft for a target on CPU (a head also on a GPU: --device cuda): a feature-reading head
@@ -85,7 +85,8 @@ def add_arguments(p) -> None:
     t.add_argument("--init", default=None, help="head: a checkpoint (--save of an earlier run) to continue from; its "
                    "token map is kept")
     t.add_argument("--epochs", type=positive_int, default=None, help="default: head 4, model 6")
-    t.add_argument("--max-steps", type=int, default=None, help="steps in all (default: --epochs over the data)")
+    t.add_argument("--max-steps", type=non_negative_int, default=None,
+                   help="steps in all (default: --epochs over the data)")
     t.add_argument("--batch-tokens", type=positive_int, default=None, help="padded tokens per batch (head 4096, "
                    "model 2048)")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (head 1e-3, model 2e-3)")
@@ -119,8 +120,8 @@ def add_arguments(p) -> None:
     t.add_argument("--from-layers", default=None, help="model: the target layers a 'layers' draft starts from (0,1)")
     t.add_argument("--emb-lr-scale", type=float, default=None, help="model: the embedding's learning rate factor "
                    "(0.3)")
-    t.add_argument("--negatives", type=int, default=None, help="model: sampled softmax negatives per step, 0: full "
-                   "softmax (4096)")
+    t.add_argument("--negatives", type=non_negative_int, default=None,
+                   help="model: sampled softmax negatives per step, 0: full softmax (4096)")
 
 
 def settings(args) -> argparse.Namespace:
