@@ -62,11 +62,10 @@ def reach(url: str, api_key: str | None, timeout: float) -> None:
     line naming the fix instead of a failed run."""
     import httpx
 
-    from ..serve.loadtest import base_url
+    from ..serve.client import api_base, auth_headers
 
     try:
-        r = httpx.get(base_url(url) + "/models", timeout=timeout,
-                      headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        r = httpx.get(api_base(url) + "/models", timeout=timeout, headers=auth_headers(api_key))
     except httpx.HTTPError as e:
         raise ValueError(f"cannot reach {url} ({e or type(e).__name__}); is the server running? "
                          f"Start one with batchspec serve, or {BASE_URL_HINT}") from None
