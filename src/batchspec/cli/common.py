@@ -46,7 +46,7 @@ def prefix_cache_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", type=non_negative_int, default=None, metavar="MIB",
                    help="MiB of prompt blocks kept between prefills, so that a prompt computes only the tokens after "
                         "its longest cached start; 0 turns it off (default: "
-                        f"{DEFAULT_FRACTION:.0%} of the available memory, at most {DEFAULT_CAP_MIB})")
+                        f"{DEFAULT_FRACTION:.0%}% of the available memory, at most {DEFAULT_CAP_MIB})")
 
 
 def resolve_draft(target: str, draft: str | None):
