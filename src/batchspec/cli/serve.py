@@ -9,7 +9,8 @@ import os
 
 from ..params import MAX_TEMPERATURE
 from ..serve.protocol import DEFAULT_MAX_BODY_BYTES
-from .common import DEFAULT_TARGET, engine_config, need, positive_int, prefix_cache_arg, weights_arg
+from .common import (DEFAULT_TARGET, engine_config, kv_memory_arg, need, positive_int, prefix_cache_arg,
+                     weights_arg)
 
 HELP = "serve the target over an OpenAI-compatible HTTP API"
 
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     weights_arg(p)
     prefix_cache_arg(p)
+    kv_memory_arg(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
