@@ -123,3 +123,19 @@ def test_the_server_shows_the_gauges_and_refuses_a_request_too_large():
     assert 0 < values["batchspec_kv_bytes_peak"] <= budget
     for name in ("used", "held", "visible"):
         assert f"batchspec_kv_bytes_{name}" in values
+
+
+@pytest.mark.parametrize("layout", ["slotmask", "eqspec"])
+def test_the_rectangle_narrows_when_its_longest_row_leaves(layout):
+    """The layouts compact the rectangle to the rows that stay (slotmask once holes and padding pass half its
+    width), so the bytes in use follow the longest row still running, not the longest that ran."""
+    llm = tiny.fixed_llm(tiny.target("llama"), layout=layout, scheduler="continuous", batch_size=2)
+    engine = _engine(llm, None)
+    engine.add_request(_request(0, PROMPTS[1] + PROMPTS[0], max_tokens=2))  # 49 tokens, leaves after 2 rounds
+    engine.add_request(_request(1, PROMPTS[3][:5], max_tokens=12))
+    engine.step()
+    wide = engine.stats.kv_bytes_used
+    assert wide == 2 * 49 * PER_TOKEN  # both rows as wide as the long prompt (no drafter: the target's cache alone)
+    engine.step()
+    assert engine.batch.request_ids == [1]
+    assert engine.stats.kv_bytes_used == (engine.batch.lengths[0] - 1) * PER_TOKEN < wide / 4
