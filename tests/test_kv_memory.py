@@ -139,3 +139,16 @@ def test_the_rectangle_narrows_when_its_longest_row_leaves(layout):
     engine.step()
     assert engine.batch.request_ids == [1]
     assert engine.stats.kv_bytes_used == (engine.batch.lengths[0] - 1) * PER_TOKEN < wide / 4
+
+
+@pytest.mark.parametrize("name", ["static", "continuous", "exspec"])
+def test_schedulers_admit_no_more_than_fits(name):
+    from batchspec.engine.schedulers import get_scheduler
+
+    s = get_scheduler(name)
+    assert s.admit(0, [5] * 6, 4, None, fits=lambda n: n <= 2) == 2
+    assert s.admit(0, [5] * 6, 4, None, fits=lambda n: False) == 0
+    assert s.admit(0, [5] * 6, 4, None, fits=None) == min(6, s.room(0, 4))
+    if name != "static":  # rows running: the token budget and the memory bound, whichever is smaller
+        assert s.admit(1, [5] * 6, 4, 10, fits=lambda n: n <= 1) == 1
+        assert s.admit(1, [5] * 6, 4, 10, fits=lambda n: n <= 3) == 2

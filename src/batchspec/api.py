@@ -54,7 +54,7 @@ class LLM:
         (``batchspec.model.prefixes``); 0 turns it off; None sizes it from the machine (``prefixes.default_mib``).
         ``kv_memory``: MiB the running rows' keys and values may take at their widest; a request waits until it
         fits, one that never could is refused (``batchspec.engine.memory``); None sizes it from the machine
-        (``memory.default_mib``).
+        (``memory.default_mib``). ``llm.memory`` holds the measure (``per_token`` bytes, ``budget``) its engines take.
 
         The arguments are kept as ``llm.config`` (an ``EngineConfig``, which checks what it can before any model
         loads); ``LLM.from_config`` builds an ``LLM`` from one."""
@@ -153,7 +153,8 @@ class LLM:
     def _check(self, ids: list[list[int]], params: list[SamplingParams]) -> None:
         """Every limit that could fail mid-run, checked before any work: the target's and the draft's context
         (speculative blocks are clipped near the end of the target's context, so whatever fits there is served),
-        and sampling values the model's dtype cannot compute."""
+        the KV memory budget (a request that alone would not fit it could never join), and sampling values the
+        model's dtype cannot compute."""
         ctx, draft_ctx = self._contexts()
         dtype = self.target.dtype
         smallest = torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).tiny

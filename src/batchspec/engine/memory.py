@@ -102,10 +102,10 @@ class KVMemory:
 
     def admits(self, running: list[int], waiting: Sequence) -> Callable[[int], bool] | None:
         """``fits(n)``: whether the first ``n`` of the ``waiting`` requests may join the ``running`` rows (their
-        request ids) inside the budget (None: no budget)."""
-        self.ceilings = {rid: self.ceilings[rid] for rid in running if rid in self.ceilings}
-        if self.budget is None:
+        request ids) inside the budget (None: no budget, or no request waits)."""
+        if self.budget is None or not waiting:
             return None
+        self.ceilings = {rid: self.ceilings[rid] for rid in running if rid in self.ceilings}
         top = max(self.ceilings.values(), default=0)
 
         def fits(n: int) -> bool:
@@ -116,7 +116,8 @@ class KVMemory:
 
     def joined(self, requests) -> None:
         """``requests`` joined the running rows."""
-        self.ceilings.update((r.id, len(r.prompt) + r.max_tokens) for r in requests)
+        if self.budget is not None:
+            self.ceilings.update((r.id, len(r.prompt) + r.max_tokens) for r in requests)
 
     def measure(self, batch, drafter, stats) -> None:
         """Set ``stats``' KV gauges from ``batch``'s caches (None: no rows): bytes the rectangle's slots take
