@@ -152,3 +152,14 @@ def test_schedulers_admit_no_more_than_fits(name):
     if name != "static":  # rows running: the token budget and the memory bound, whichever is smaller
         assert s.admit(1, [5] * 6, 4, 10, fits=lambda n: n <= 1) == 1
         assert s.admit(1, [5] * 6, 4, 10, fits=lambda n: n <= 3) == 2
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_the_flag_and_its_help(command, capsys):
+    from batchspec.cli.commands import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):  # the help formats (a bare % in it would not)
+        parser.parse_args([command, "--help"])
+    assert "--kv-memory MIB" in capsys.readouterr().out
+    assert parser.parse_args([command, "--kv-memory", "512"]).kv_memory == 512

@@ -45,7 +45,7 @@ def prefix_cache_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", type=non_negative_int, default=None, metavar="MIB",
                    help="MiB of prompt blocks kept between prefills, so that a prompt computes only the tokens after "
                         "its longest cached start; 0 turns it off (default: "
-                        f"{DEFAULT_FRACTION:.0%} of the available memory, at most {DEFAULT_CAP_MIB})")
+                        f"{DEFAULT_FRACTION:.0%}% of the available memory, at most {DEFAULT_CAP_MIB})")
 
 
 def kv_memory_arg(p: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def kv_memory_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", type=positive_int, default=None, metavar="MIB",
                    help="MiB the running rows' keys and values may take at their widest: a request waits until it "
                         "fits, one that never could is refused (default: "
-                        f"{DEFAULT_FRACTION:.0%} of the available memory)")
+                        f"{DEFAULT_FRACTION:.0%}% of the available memory)")
 
 
 def resolve_draft(target: str, draft: str | None):
