@@ -14,6 +14,7 @@ from .drafters import EagleDrafter, ModelDrafter, NoDrafter, PromptLookup
 from .drafters.eagle import is_checkpoint as is_eagle
 from .engine.engine import Engine, Parts, Request
 from .engine.faults import apply_fault
+from .engine import memory
 from .engine.layouts import get_layout
 from .engine.schedulers import get_scheduler
 from .model import kv
@@ -43,6 +44,7 @@ class LLM:
         graphs: str = "auto",
         weights: str = "auto",
         prefix_cache: int | None = None,
+        kv_memory: int | None = None,
     ):
         """``weights``: "auto" keeps each weight of a model this LLM loads (fp32 on CPU) in the narrowest format that
         holds its values exactly (GGUF-style blocks, bf16, fp16; see ``batchspec.model.weights``): outputs keep
@@ -50,6 +52,9 @@ class LLM:
         never changed. ``llm.weights`` reports what they take. ``prefix_cache``: MiB of prompt blocks whose keys and
         values the target keeps between prefills, so a prompt computes only the tokens after its longest cached start
         (``batchspec.model.prefixes``); 0 turns it off; None sizes it from the machine (``prefixes.default_mib``).
+        ``kv_memory``: MiB the running rows' keys and values may take at their widest; a request waits until it
+        fits, one that never could is refused (``batchspec.engine.memory``); None sizes it from the machine
+        (``memory.default_mib``). ``llm.memory`` holds the measure (``per_token`` bytes, ``budget``) its engines take.
 
         The arguments are kept as ``llm.config`` (an ``EngineConfig``, which checks what it can before any model
         loads); ``LLM.from_config`` builds an ``LLM`` from one."""
@@ -74,6 +79,8 @@ class LLM:
         if self.k:  # the adaptive policy prices rounds from a profile of this machine (measured once, cached)
             self.parts.policy.bind(self.parts.target, self.drafter, batch_size)
         self.fault, self.profile = fault, profile
+        mib = kv_memory if kv_memory is not None else memory.default_mib(self.target.device)
+        self.memory = memory.KVMemory.of(self.parts, memory.budget_bytes(mib))
         self.stats = Stats()
 
     @classmethod
@@ -146,7 +153,8 @@ class LLM:
     def _check(self, ids: list[list[int]], params: list[SamplingParams]) -> None:
         """Every limit that could fail mid-run, checked before any work: the target's and the draft's context
         (speculative blocks are clipped near the end of the target's context, so whatever fits there is served),
-        and sampling values the model's dtype cannot compute."""
+        the KV memory budget (a request that alone would not fit it could never join), and sampling values the
+        model's dtype cannot compute."""
         ctx, draft_ctx = self._contexts()
         dtype = self.target.dtype
         smallest = torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).tiny
@@ -162,6 +170,9 @@ class LLM:
                     f"prompt {i}: {len(p)} prompt tokens + max_tokens {sp.max_tokens} = {need} exceeds the draft "
                     f"model's context of {draft_ctx} positions; use a draft with a longer context, or prompt-lookup"
                 )
+            refusal = self.memory.refusal(len(p), sp.max_tokens)
+            if refusal is not None:
+                raise ValueError(f"prompt {i}: {refusal}; ask for fewer tokens or raise kv_memory")
             if 0 < sp.temperature < smallest:
                 raise ValueError(
                     f"prompt {i}: temperature {sp.temperature} cannot be represented in {dtype}'s sampling arithmetic; "
@@ -198,7 +209,7 @@ class LLM:
         """A step-able engine over this LLM's models and components (``add_request`` / ``step`` / ``abort``);
         ``prefill_tokens``: see ``Engine``."""
         return Engine(self.parts, self.scheduler, self.batch_size, self.stats, self.check_invariants, self.profile,
-                      prefill_tokens)
+                      prefill_tokens, self.memory.budget)
 
     def output(self, prompt_ids: list[int], f) -> RequestOutput:
         """A ``RequestOutput`` from an engine's ``Finished``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .engine import memory
 from .model.prefixes import budget_bytes
 from .model.runner import Runner
 
@@ -32,6 +33,7 @@ class EngineConfig:
     graphs: str = "auto"
     weights: str = "auto"
     prefix_cache: int | None = None
+    kv_memory: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
@@ -39,6 +41,7 @@ class EngineConfig:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         budget_bytes(self.prefix_cache)
+        memory.budget_bytes(self.kv_memory)
         if self.graphs not in Runner.GRAPH_MODES:
             raise ValueError(f"graphs must be one of {Runner.GRAPH_MODES}, got {self.graphs!r}")
 

@@ -183,6 +183,13 @@ class Stats:
     lengths: dict = field(default_factory=dict)  # drafts of the row that drafted most -> rounds
     decisions: dict = field(default_factory=dict)  # what decided a round's budget -> rounds (``speculation.REASONS``)
     kinds: dict = field(default_factory=dict)  # kind of drafting round (the head's "copy", "head") -> rounds
+    # KV memory of the running rows after the last step (``engine.memory``): bytes the rectangle's slots take, the
+    # most they took, bytes the cache buffers hold, bytes the rows' cached tokens need, and the budget (0: none)
+    kv_bytes_used: int = 0
+    kv_bytes_peak: int = 0
+    kv_bytes_held: int = 0
+    kv_bytes_visible: int = 0
+    kv_bytes_budget: int = 0
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0

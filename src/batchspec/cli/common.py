@@ -49,6 +49,15 @@ def prefix_cache_arg(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_FRACTION:.0%}% of the available memory, at most {DEFAULT_CAP_MIB})")
 
 
+def kv_memory_arg(p: argparse.ArgumentParser) -> None:
+    from ..engine.memory import DEFAULT_FRACTION
+
+    p.add_argument("--kv-memory", type=positive_int, default=None, metavar="MIB",
+                   help="MiB the running rows' keys and values may take at their widest: a request waits until it "
+                        "fits, one that never could is refused (default: "
+                        f"{DEFAULT_FRACTION:.0%}% of the available memory)")
+
+
 def resolve_draft(target: str, draft: str | None):
     """The ``draft`` argument of ``LLM`` for --target and --draft; a misspelt name (``prompt_lookup``) is refused
     here, with the name meant, before any model loads."""
@@ -78,9 +87,9 @@ def dtype(name):
 
 def engine_config(args, **given):
     """The ``EngineConfig`` of a command's flags: every flag named as an ``LLM`` argument (--target, --draft,
-    --num-draft-tokens, --batch-size, --weights, --prefix-cache...) taken as it is, but for the draft (resolved:
-    the default target's built-in draft, 'none') and the dtype (a name made a torch dtype); ``given`` sets the others
-    or overrides a flag (the server's continuous scheduler)."""
+    --num-draft-tokens, --batch-size, --weights, --prefix-cache, --kv-memory...) taken as it is, but for the draft
+    (resolved: the default target's built-in draft, 'none') and the dtype (a name made a torch dtype); ``given`` sets
+    the others or overrides a flag (the server's continuous scheduler)."""
     from dataclasses import fields
 
     from ..config import EngineConfig

@@ -21,6 +21,7 @@ from pathlib import Path
 from .common import (
     encode_prompts,
     engine_config,
+    kv_memory_arg,
     model_args,
     non_negative_int,
     prefix_cache_arg,
@@ -38,6 +39,7 @@ HELP = "generate for a prompt file"
 def add_arguments(p) -> None:
     model_args(p)
     prefix_cache_arg(p)
+    kv_memory_arg(p)
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--layout", default="slotmask", choices=["slotmask", "eqspec"])
     p.add_argument("--scheduler", default="static", choices=["static", "continuous", "exspec"])

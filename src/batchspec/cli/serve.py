@@ -9,8 +9,8 @@ import os
 
 from ..params import MAX_TEMPERATURE
 from ..serve.protocol import DEFAULT_MAX_BODY_BYTES
-from .common import (DEFAULT_TARGET, engine_config, need, non_negative_int, port_number, positive_int,
-                     prefix_cache_arg, weights_arg)
+from .common import (DEFAULT_TARGET, engine_config, kv_memory_arg, need, non_negative_int, port_number,
+                     positive_int, prefix_cache_arg, weights_arg)
 
 HELP = "serve the target over an OpenAI-compatible HTTP API"
 
@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     weights_arg(p)
     prefix_cache_arg(p)
+    kv_memory_arg(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=port_number, default=8000,

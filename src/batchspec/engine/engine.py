@@ -24,6 +24,7 @@ from ..sampling import Stream
 from ..speculation import FixedLength
 from ..speculation.budget import DRAFT, FIXED, NO_DRAFTER, NOT_WORTH, DraftBudget, Outcome, RoundView
 from .layouts.slotmask import SlotMask
+from .memory import KVMemory
 from .protocols import Drafter, Layout, Scheduler, SpeculationPolicy
 from .readback import RoundReadback
 from .verify import emitted_block, greedy_accept, rejection_sample
@@ -225,12 +226,17 @@ class Engine:
     (running and waiting) and stays usable."""
 
     def __init__(self, parts: Parts, scheduler: Scheduler, batch_size: int, stats: Stats | None = None,
-                 check: bool = False, profile: bool = False, prefill_tokens: int | None = None):
+                 check: bool = False, profile: bool = False, prefill_tokens: int | None = None,
+                 kv_memory: int | None = None):
         """``prefill_tokens``: while rows are running, the prompt tokens a step prefills at most (the scheduler's
-        ``admit`` token budget: at least one request joins; None: every request the scheduler has room for)."""
+        ``admit`` token budget: at least one request joins; None: every request the scheduler has room for).
+        ``kv_memory``: bytes of keys and values the running rows may take at their widest (``memory.KVMemory``:
+        requests wait until they fit, one that never could is refused; None: no bound)."""
         self.parts, self.batch_size, self.check = parts, batch_size, check
         self.prefill_tokens = prefill_tokens
         self.scheduler = copy.deepcopy(scheduler)  # a scheduler may remember rows: one per engine
+        windowed = scheduler.room(0, batch_size) > batch_size  # rounds drawn from a window of rows
+        self.memory = KVMemory.of(parts, kv_memory, batch_size if windowed else None, WINDOW.max_waste)
         self.stats = stats if stats is not None else Stats()
         self.timer = Timer(self.stats, parts.target.device, profile)
         self.waiting: deque[Request] = deque()
@@ -249,6 +255,9 @@ class Engine:
         """Queue ``request`` (its id given here when None). A request the batch could not run (``check_request``)
         raises ``ValueError`` here and never joins, so it cannot fail the rows beside it."""
         check_request(request, self._vocab, self.parts.context)
+        refusal = self.memory.refusal(len(request.prompt), request.max_tokens)
+        if refusal is not None:
+            raise ValueError(f"request {request.id}: {refusal}")
         if request.id is None:
             request.id = self._next_id
         elif any(r.id == request.id for r in self.waiting) or (
@@ -293,10 +302,12 @@ class Engine:
         and waiting) and stays usable."""
         try:
             outs, plan = self._schedule()
-            if plan is None:
-                return outs
-            result = self._run(plan)
-            return outs + self._postprocess(plan, result)
+            if plan is not None:
+                result = self._run(plan)
+                self.memory.measure(self.batch, self.parts.drafter, self.stats)  # the round's block appended
+                outs += self._postprocess(plan, result)
+            self.memory.measure(self.batch, self.parts.drafter, self.stats)
+            return outs
         except BaseException:
             self.reset()
             raise
@@ -397,10 +408,12 @@ class Engine:
     def _admit(self) -> None:
         """Prefill the waiting requests the scheduler admits and merge them into the running batch."""
         running = len(self.batch) if self.batch is not None else 0
-        n = self.scheduler.admit(running, _PromptLengths(self.waiting), self.batch_size, self.prefill_tokens)
+        fits = self.memory.admits(self.batch.request_ids if self.batch is not None else [], self.waiting)
+        n = self.scheduler.admit(running, _PromptLengths(self.waiting), self.batch_size, self.prefill_tokens, fits)
         if n <= 0:
             return
         joins = [self.waiting.popleft() for _ in range(n)]
+        self.memory.joined(joins)
         prompts = [r.prompt for r in joins]
         drafter = self.parts.drafter
         kept = getattr(self.parts.target, "prefixes", None)

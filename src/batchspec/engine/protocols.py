@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     import torch
 
@@ -34,7 +34,8 @@ class Scheduler(Protocol):
 
     name: str
 
-    def admit(self, running: int, waiting: Sequence[int], batch_size: int, token_budget: int | None = None) -> int: ...
+    def admit(self, running: int, waiting: Sequence[int], batch_size: int, token_budget: int | None = None,
+              fits: Callable[[int], bool] | None = None) -> int: ...
 
     def select(self, lengths: list[int], batch_size: int) -> tuple[list[int] | None, bool | None]: ...
 

@@ -194,6 +194,16 @@ class SlotCache(Cache):
             layer._k = layer._v = None
             layer.length, layer.is_initialized = 0, False
 
+    def nbytes(self) -> tuple[int, int]:
+        """(bytes the used slots of every layer's keys and values take, bytes their buffers hold), from shapes."""
+        used = held = 0
+        for layer in self.layers:
+            for t in (layer._k, layer._v):
+                if t is not None:
+                    used += t.shape[0] * t.shape[1] * layer.length * t.shape[3] * t.element_size()
+                    held += t.untyped_storage().nbytes()
+        return used, held
+
     def tensors(self):
         """(keys, values) of every layer, for invariant checks."""
         return [(layer.keys, layer.values) for layer in self.layers if layer.length]

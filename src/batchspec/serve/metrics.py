@@ -45,6 +45,18 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
+        for name, doc, value in (
+            ("batchspec_kv_bytes_used", "Bytes the running rows' keys and values take (rows x the longest row's slots, "
+             "target and draft caches)", s.kv_bytes_used),
+            ("batchspec_kv_bytes_peak", "Most bytes the running rows' keys and values took", s.kv_bytes_peak),
+            ("batchspec_kv_bytes_held", "Bytes the KV cache buffers hold (spare room included)", s.kv_bytes_held),
+            ("batchspec_kv_bytes_visible", "Bytes the running rows' cached tokens need", s.kv_bytes_visible),
+            ("batchspec_kv_bytes_capacity", "KV memory budget that admission keeps the running rows in",
+             s.kv_bytes_budget),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
         g = GaugeMetricFamily("batchspec_mean_accepted_length",
                               "Tokens emitted per row per round, bonus token included (1.0: no speculation)")
         g.add_metric([], s.mean_accepted_length)
