@@ -153,7 +153,8 @@ def test_multi_turn_sends_the_history_and_hits_the_prefix_cache():
 
 def test_pick_prompts(tmp_path):
     path = tmp_path / "q.jsonl"
-    rows = [{"category": c, "turns": [f"{c}{i} first", f"{c}{i} second"][: 1 + (i > 0)]} for c in "ab" for i in range(3)]
+    rows = [{"category": c, "turns": [f"{c}{i} first", f"{c}{i} second"][: 1 + (i > 0)]}  # a0, b0: one turn
+            for c in "ab" for i in range(3)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert pick_prompts(path, [], 0, False) == ["a0 first", "a1 first", "a2 first", "b0 first", "b1 first", "b2 first"]
     assert pick_prompts(path, [], 2, False) == ["a2 first", "b2 first"]  # the first 2 of each category left out
