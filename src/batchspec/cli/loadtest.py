@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=positive_float, default=600.0,
                    help="seconds of sending at most (default 600); requests under way then finish")
     p.add_argument("--prompts", default=None, help="prompt file, JSONL or one prompt per line (default: built-in set)")
-    p.add_argument("--categories", default="", help="comma-separated categories of the prompt records to send "
-                   "(default: all)")
-    p.add_argument("--skip", type=non_negative_int, default=0,
+    p.add_argument("--categories", default="", metavar="A,B",
+                   help="comma-separated categories of the prompt records to send (default: all)")
+    p.add_argument("--skip", type=non_negative_int, default=0, metavar="N",
                    help="leave out the first N prompt records of each category, in file order (default 0)")
     p.add_argument("--multi-turn", action="store_true",
                    help="replay each record's turns as a conversation (chat): turn 2 goes with turn 1 and the "
