@@ -98,7 +98,7 @@ async def _one(client, cfg: LoadConfig, model: str, index: int, prompt, t0: floa
     rec = Record(index, start - t0, "error")
     answer = StreamedAnswer(strict=False)
     try:
-        usage = await _stream(client, cfg, model, prompt, rec, answer)
+        await _stream(client, cfg, model, prompt, rec, answer)
     except StreamError as e:
         rec.error = f"error event: {json.dumps(e.error)[:300]}"
     except Exception as e:  # connection refused or reset, timeout, bad JSON
@@ -114,7 +114,7 @@ async def _one(client, cfg: LoadConfig, model: str, index: int, prompt, t0: floa
     rec.status = "ok"
     rec.e2e = end - start
     streamed_ids = sum(len(ids) for ids in answer.token_chunks if ids)
-    usage = usage or {}
+    usage = answer.usage or {}
     rec.prompt_tokens = usage.get("prompt_tokens")
     usage_tokens = usage.get("completion_tokens")
     rec.output_tokens = usage_tokens if usage_tokens is not None else streamed_ids or answer.text_chunks
@@ -145,8 +145,8 @@ async def _conversation(client, cfg: LoadConfig, model: str, index: int, turns, 
 
 
 async def _stream(client, cfg: LoadConfig, model: str, prompt, rec: Record, answer: StreamedAnswer):
-    """Send one request and fold its stream into ``answer``; returns the usage it reported (None: none). An answer
-    other than 200 sets ``rec``'s status and error."""
+    """Send one request and fold its stream into ``answer``; an answer other than 200 sets ``rec``'s status and
+    error."""
     async with client.stream("POST", api_base(cfg.url) + api_path(cfg.api), json=_body(cfg, model, prompt),
                              headers=auth_headers(cfg.api_key), timeout=cfg.timeout) as r:
         rec.http_status = r.status_code
@@ -154,11 +154,10 @@ async def _stream(client, cfg: LoadConfig, model: str, prompt, rec: Record, answ
             text = (await r.aread()).decode(errors="replace")
             rec.status = str(r.status_code) if r.status_code in (429, 503) else "error"
             rec.error = f"HTTP {r.status_code}: {text[:300]}"
-            return None
+            return
         async for line in r.aiter_lines():
             if answer.feed(line):
                 break
-    return answer.usage or None
 
 
 def percentiles(values) -> dict:
