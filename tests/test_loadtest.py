@@ -1,12 +1,14 @@
-"""``batchspec loadtest`` against a real tiny server: the report (JSON + PNG), its percentiles and its counts, and
-load shedding (429) that loses no accepted request."""
+"""``batchspec loadtest`` against a real tiny server: the report (JSON + PNG), its percentiles and its counts, load
+shedding (429) that loses no accepted request, and conversations replayed turn by turn (``--multi-turn``)."""
 
 import json
 
+import httpx
 import pytest
 import servekit
 
 from batchspec.cli import main
+from batchspec.cli.loadtest import pick_prompts
 from batchspec.serve.app import create_app
 from batchspec.serve.loadtest import LoadConfig, in_flight_at_arrival, percentiles, run_load, write_report
 from batchspec.serve.server import ServerThread
@@ -83,3 +85,103 @@ def test_unreachable_server_is_an_error(tmp_path, capsys):
     assert rc == 2  # connection refused before any load: one line with the fix, no report
     assert "is the server running?" in capsys.readouterr().err
     assert not (tmp_path / "loadtest.json").exists()
+
+
+class Recording:
+    """An ASGI app around ``app`` that keeps the JSON body of every chat request it passes on."""
+
+    def __init__(self, app):
+        self.app, self.bodies = app, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await self.app(scope, receive, send)
+        chunks = []
+
+        async def recorded():
+            msg = await receive()
+            if msg["type"] == "http.request":
+                chunks.append(msg.get("body", b""))
+            if msg["type"] == "http.request" and not msg.get("more_body"):
+                self.bodies.append(json.loads(b"".join(chunks)))
+            return msg
+
+        await self.app(scope, recorded, send)
+
+
+def prefix_counters(url) -> dict:
+    text = httpx.get(url + "/metrics").text
+    return {name: float(line.split()[-1]) for line in text.splitlines()
+            for name in ("hits", "tokens") if line.startswith(f"batchspec_prefix_cache_{name}_total ")}
+
+
+def test_multi_turn_sends_the_history_and_hits_the_prefix_cache():
+    """Turn 2 goes with turn 1 and the server's own answer as history; its prompt starts with turn 1's, whose cached
+    blocks it reuses; the report splits TTFT, TPOT and throughput by turn."""
+    tok = servekit.tokenizer()
+    # 20 words: turn 1's templated prompt holds a whole 16-token block, a different one in each conversation
+    convs = [[" ".join(f"w{10 + c + i}" for i in range(20)), f"w{50 + c} w{60 + c}"] for c in range(3)]
+    app = Recording(create_app(servekit.llm(), model_name="tiny"))
+    with ServerThread(app) as s:
+        before = prefix_counters(s.url)
+        summary = run_load(LoadConfig(url=s.url, prompts=convs, concurrency=2, requests=3, max_tokens=6,
+                                      multi_turn=True))
+        after = prefix_counters(s.url)
+        answers = [httpx.post(s.url + "/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": t1}]},
+            timeout=60).json()["choices"][0]["message"]["content"] for t1, _ in convs]
+    assert summary["requests"]["sent"] == summary["requests"]["ok"] == 6
+    assert [(r["index"], r["turn"]) for r in summary["records"]] == [(i, t) for i in range(3) for t in (1, 2)]
+    sent = {b["messages"][0]["content"]: b["messages"] for b in app.bodies if len(b["messages"]) == 3}
+    for (t1, t2), answer in zip(convs, answers):
+        assert sent[t1] == [{"role": "user", "content": t1}, {"role": "assistant", "content": answer},
+                            {"role": "user", "content": t2}]
+    for rec in summary["records"]:  # the prompt the server templated: the conversation so far
+        t1 = convs[rec["index"]][0]
+        messages = sent[t1] if rec["turn"] == 2 else [{"role": "user", "content": t1}]
+        assert rec["prompt_tokens"] == len(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                                   return_dict=False))
+    assert after["hits"] - before["hits"] == 3  # each second turn, and no first one
+    assert after["tokens"] - before["tokens"] == 3 * 16
+    assert set(summary["turns"]) == {"1", "2"}
+    for turn in summary["turns"].values():
+        assert turn["sent"] == 3 and turn["throughput"]["output_tokens"] == 18
+        for key in ("ttft_s", "tpot_s", "e2e_s"):
+            assert turn[key]["n"] == 3 and 0 < turn[key]["p50"] <= turn[key]["max"]
+    assert summary["throughput"]["output_tokens"] == 36
+
+
+def test_pick_prompts(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"category": c, "turns": [f"{c}{i} first", f"{c}{i} second"][: 1 + (i > 0)]}  # a0, b0: one turn
+            for c in "ab" for i in range(3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert pick_prompts(path, [], 0, False) == ["a0 first", "a1 first", "a2 first", "b0 first", "b1 first", "b2 first"]
+    assert pick_prompts(path, [], 2, False) == ["a2 first", "b2 first"]  # the first 2 of each category left out
+    assert pick_prompts(path, ["b"], 1, False) == ["b1 first", "b2 first"]
+    assert pick_prompts(path, ["a"], 0, True) == [["a1 first", "a1 second"], ["a2 first", "a2 second"]]  # one turn: out
+    with pytest.raises(ValueError, match="no prompt record of category c"):
+        pick_prompts(path, ["a", "c"], 0, False)
+    with pytest.raises(ValueError, match="no prompt record with two turns or more left"):
+        pick_prompts(path, [], 3, True)
+    text = tmp_path / "p.txt"
+    text.write_text("one\ntwo\nthree\n")
+    assert pick_prompts(text, [], 1, False) == ["two", "three"]
+
+
+def test_multi_turn_cli(server, tmp_path, capsys):
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"category": c, "turns": [f"w{i} w{i + 1}", f"w{i + 2}"]}) + "\n"
+                            for c in ("x", "y") for i in range(4)))
+    out = tmp_path / "out"
+    rc = main(["loadtest", "--url", server.url, "--concurrency", "2", "--requests", "3", "--prompts", str(path),
+               "--categories", "y", "--skip", "2", "--multi-turn", "--max-tokens", "4", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "loadtest.json").read_text())
+    assert data["config"]["multi_turn"] and data["config"]["prompts"] == 2  # y's last two records
+    assert data["requests"]["ok"] == 6 and data["turns"]["2"]["ttft_s"]["n"] == 3
+    shown = capsys.readouterr().out
+    assert "TTFT turn 2" in shown and "output tok/s turn 2" in shown
+    rc = main(["loadtest", "--url", server.url, "--concurrency", "1", "--prompts", str(path), "--multi-turn",
+               "--api", "completions", "--out", str(out)])
+    assert rc == 2 and "--multi-turn" in capsys.readouterr().err

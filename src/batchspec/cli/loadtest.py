@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from .common import (need, positive_float, positive_int, prepare_out, read_prompt_set, rich_console, show_table,
-                     write_atomic)
+from pathlib import Path
+
+from .common import (need, non_negative_int, positive_float, positive_int, prepare_out, read_prompt_set,
+                     rich_console, show_table, write_atomic)
 
 HELP = "send a load to an OpenAI-compatible server and report throughput and latency"
 
@@ -28,6 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=positive_float, default=600.0,
                    help="seconds of sending at most (default 600); requests under way then finish")
     p.add_argument("--prompts", default=None, help="prompt file, JSONL or one prompt per line (default: built-in set)")
+    p.add_argument("--categories", default="", metavar="A,B",
+                   help="comma-separated categories of the prompt records to send (default: all)")
+    p.add_argument("--skip", type=non_negative_int, default=0, metavar="N",
+                   help="leave out the first N prompt records of each category, in file order (default 0)")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="replay each record's turns as a conversation (chat): turn 2 goes with turn 1 and the "
+                        "server's answer as history; --requests counts conversations; stats per turn")
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--api", default="chat", choices=["chat", "completions"])
     p.add_argument("--temperature", type=float, default=0.0)
@@ -83,13 +92,15 @@ def run(args) -> int:
     from ..serve.loadtest import LoadConfig, rich_table, run_load, write_report
 
     check_url(args.url)
+    if args.multi_turn and args.api != "chat":
+        raise ValueError("--multi-turn sends conversations as chat messages; leave out --api completions")
     out = prepare_out(args.out, folder=True)
-    prompts = [t for _, t in read_prompt_set(args.prompts)]
+    prompts = pick_prompts(args.prompts, [c for c in args.categories.split(",") if c], args.skip, args.multi_turn)
     reach(args.url, args.api_key, min(args.timeout, 10.0))
     cfg = LoadConfig(url=args.url, model=args.model, prompts=prompts, rate=args.rate, concurrency=args.concurrency,
                      requests=args.requests, duration=args.duration, max_tokens=args.max_tokens, api=args.api,
                      temperature=args.temperature, api_key=args.api_key, timeout=args.timeout, seed=args.seed,
-                     ignore_eos=args.ignore_eos)
+                     ignore_eos=args.ignore_eos, multi_turn=args.multi_turn)
     try:
         summary = run_load(cfg, progress=True)
     except (OSError, httpx.HTTPError) as e:
@@ -101,9 +112,58 @@ def run(args) -> int:
     console.print(
         f"{c['sent']} sent in {summary['wall_s']:.1f} s: {c['ok']} ok, {c['rejected_429']} x 429, "
         f"{c['rejected_503']} x 503, {c['errors']} errors; {t['requests_per_s']:.2f} req/s, "
-        f"{t['output_tokens_per_s']:.1f} output tok/s; wrote {js}, {png}"
+        f"{t['output_tokens_per_s']:.1f} output tok/s{_per_turn(summary)}; wrote {js}, {png}"
     )
     if c["errors"]:
         console.print(f"[red]{c['errors']} requests failed, e.g. {summary['errors_sample'][0]}[/red]")
         return 1
     return 0
+
+
+def _per_turn(summary: dict) -> str:
+    return "".join(f", turn {n} {t['throughput']['output_tokens_per_s']:.1f}"
+                   for n, t in summary.get("turns", {}).items())
+
+
+def pick_prompts(path, categories: list[str], skip: int, multi_turn: bool) -> list:
+    """The prompts to send: the records of ``path`` (the built-in set when None; a text file's lines are records of
+    one turn and no category) of ``categories`` (all when empty), less the first ``skip`` of each category, in file
+    order; each its first turn, or with ``multi_turn`` its list of turns (records of one turn left out)."""
+    texts = [text for _, text in read_prompt_set(path)]  # each record's first turn, checked
+    records = _records(path) or [{"turns": [text]} for text in texts]
+    unknown = sorted(set(categories) - {r.get("category") for r in records})
+    if unknown:
+        raise ValueError(f"no prompt record of category {', '.join(unknown)} in {path or 'the built-in prompt set'}")
+    seen: dict = {}
+    picked = []
+    for rec, text in zip(records, texts):
+        cat = rec.get("category")
+        seen[cat] = seen.get(cat, 0) + 1
+        if (not categories or cat in categories) and seen[cat] > skip:
+            picked.append((rec.get("turns"), text))
+    if not multi_turn:
+        prompts = [text for _, text in picked]
+    else:
+        prompts = [turns for turns, _ in picked if isinstance(turns, list) and len(turns) > 1]
+        bad = next((t for p in prompts for t in p if not isinstance(t, str) or not t.strip()), None)
+        if bad is not None:
+            raise ValueError(f"a turn of a prompt record is not a non-empty string: {bad!r:.40}")
+    if not prompts:
+        raise ValueError(f"no prompt {'record with two turns or more ' if multi_turn else ''}left among the "
+                         f"{len(records)} records after --categories and --skip")
+    return prompts
+
+
+def _records(path) -> list[dict]:
+    """The JSON records of a prompt file (the built-in set when None); [] for a text file."""
+    from ..prompts import JSON_SUFFIXES, json_records, read_text
+
+    if path is None:
+        from ..data import builtin_records
+
+        return builtin_records()
+    text = read_text(Path(path))
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    if Path(path).suffix.lower() in JSON_SUFFIXES or first.lstrip().startswith("{"):
+        return [rec for _, rec in json_records(path, text)]
+    return []

@@ -10,6 +10,12 @@ Every request streams (``stream: true`` with ``stream_options.include_usage``), 
 - end-to-end latency: from sending to the ``[DONE]`` event;
 - output tokens: the usage the server reports, else the token ids it streams, else one per chunk with text.
 
+With ``multi_turn`` (chat only) each prompt is a conversation, a list of user turns: ``requests`` and the arrivals
+count conversations, and each turn is sent once the answer to the turn before has come, with every earlier turn and
+the server's own answers as history (user, assistant, user, ...), as a chat client does; the prefix cache of a server
+meets its traffic there. A conversation stops at a turn that fails, and starts no turn after ``duration``. TTFT, TPOT,
+latency and throughput are also reported per turn.
+
 A request counts as ``ok`` when its stream ends with ``[DONE]`` after a chunk with a ``finish_reason``; 429 and 503
 answers are counted apart (load shed by the server); anything else (another status, a broken stream, an error event,
 a timeout) is an error. Throughput is over the wall time from the first request to the last answer.
@@ -36,7 +42,7 @@ PERCENTILES = (50, 90, 99)
 class LoadConfig:
     url: str
     model: str | None = None  # None: the first model of /v1/models
-    prompts: list[str] = field(default_factory=list)
+    prompts: list = field(default_factory=list)  # texts; with multi_turn, lists of turns
     rate: float | None = None  # requests/s (Poisson); None with concurrency
     concurrency: int | None = None
     requests: int = 100
@@ -48,6 +54,7 @@ class LoadConfig:
     timeout: float = 600.0
     seed: int = 0
     ignore_eos: bool = False  # vLLM/batchspec extension: every request generates max_tokens tokens
+    multi_turn: bool = False
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Record:
     output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    turn: int | None = None  # with multi_turn: 1 for a conversation's first turn, 2 for its second, ...
+    prompt_tokens: int | None = None  # as the server's usage reports them
 
 
 async def first_model(client, url: str, api_key: str | None) -> str:
@@ -73,46 +82,71 @@ async def first_model(client, url: str, api_key: str | None) -> str:
     return data[0]["id"]
 
 
-def _body(cfg: LoadConfig, model: str, prompt: str) -> dict:
+def _body(cfg: LoadConfig, model: str, prompt) -> dict:
+    """The request for ``prompt``: a text, or a list of chat messages (a conversation so far)."""
     body = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
-    body.update(prompt_field(cfg.api, prompt))
+    body.update({"messages": prompt} if isinstance(prompt, list) else prompt_field(cfg.api, prompt))
     return body
 
 
-async def _one(client, cfg: LoadConfig, model: str, index: int, prompt: str, t0: float) -> Record:
+async def _one(client, cfg: LoadConfig, model: str, index: int, prompt, t0: float) -> tuple[Record, str]:
+    """Send ``prompt`` (``_body``); returns its record and the text of its answer."""
     start = time.perf_counter()
     rec = Record(index, start - t0, "error")
     answer = StreamedAnswer(strict=False)
     try:
-        usage_tokens = await _stream(client, cfg, model, prompt, rec, answer)
+        await _stream(client, cfg, model, prompt, rec, answer)
     except StreamError as e:
         rec.error = f"error event: {json.dumps(e.error)[:300]}"
     except Exception as e:  # connection refused or reset, timeout, bad JSON
         rec.error = f"{type(e).__name__}: {e}"[:300]
     end = time.perf_counter()
     rec.finish_reason = answer.finish_reason
+    text = "".join(answer.texts)
     if rec.error is not None:
-        return rec
+        return rec, text
     if not answer.done or rec.finish_reason is None:
         rec.error = "the stream ended without [DONE] and a finish_reason"
-        return rec
+        return rec, text
     rec.status = "ok"
     rec.e2e = end - start
     streamed_ids = sum(len(ids) for ids in answer.token_chunks if ids)
+    usage = answer.usage or {}
+    rec.prompt_tokens = usage.get("prompt_tokens")
+    usage_tokens = usage.get("completion_tokens")
     rec.output_tokens = usage_tokens if usage_tokens is not None else streamed_ids or answer.text_chunks
     if answer.first is not None:
         rec.ttft = answer.first - start
         if rec.output_tokens > 1:
             rec.tpot = (end - answer.first) / (rec.output_tokens - 1)
-    return rec
+    return rec, text
 
 
-async def _stream(client, cfg: LoadConfig, model: str, prompt: str, rec: Record, answer: StreamedAnswer):
-    """Send one request and fold its stream into ``answer``; returns the output tokens of its usage (None: none).
-    An answer other than 200 sets ``rec``'s status and error."""
+async def _conversation(client, cfg: LoadConfig, model: str, index: int, turns, t0: float, deadline: float):
+    """The records of one conversation: each turn sent once the answer to the turn before has come, with every
+    earlier turn and the server's answers as history; it stops at a turn that fails and sends none after
+    ``deadline``."""
+    turns = [turns] if isinstance(turns, str) else turns
+    messages, records = [], []
+    for n, turn in enumerate(turns, 1):
+        if n > 1 and time.perf_counter() >= deadline:
+            break
+        messages.append({"role": "user", "content": turn})
+        rec, text = await _one(client, cfg, model, index, list(messages), t0)
+        rec.turn = n
+        records.append(rec)
+        if rec.status != "ok":
+            break
+        messages.append({"role": "assistant", "content": text})
+    return records
+
+
+async def _stream(client, cfg: LoadConfig, model: str, prompt, rec: Record, answer: StreamedAnswer):
+    """Send one request and fold its stream into ``answer``; an answer other than 200 sets ``rec``'s status and
+    error."""
     async with client.stream("POST", api_base(cfg.url) + api_path(cfg.api), json=_body(cfg, model, prompt),
                              headers=auth_headers(cfg.api_key), timeout=cfg.timeout) as r:
         rec.http_status = r.status_code
@@ -120,11 +154,10 @@ async def _stream(client, cfg: LoadConfig, model: str, prompt: str, rec: Record,
             text = (await r.aread()).decode(errors="replace")
             rec.status = str(r.status_code) if r.status_code in (429, 503) else "error"
             rec.error = f"HTTP {r.status_code}: {text[:300]}"
-            return None
+            return
         async for line in r.aiter_lines():
             if answer.feed(line):
                 break
-    return answer.usage.get("completion_tokens") if answer.usage else None
 
 
 def percentiles(values) -> dict:
@@ -150,6 +183,8 @@ async def run_load_async(cfg: LoadConfig, progress: bool = False) -> dict:
         raise ValueError("no prompts")
     if cfg.api not in ("chat", "completions"):
         raise ValueError(f"api must be 'chat' or 'completions', got {cfg.api!r}")
+    if cfg.multi_turn and cfg.api != "chat":
+        raise ValueError("multi_turn sends chat messages: it needs api 'chat'")
     rng = random.Random(cfg.seed)
     records: list[Record] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -159,12 +194,19 @@ async def run_load_async(cfg: LoadConfig, progress: bool = False) -> dict:
         t0 = time.perf_counter()
         deadline = t0 + cfg.duration
 
+        done = 0
+
         async def send(i: int):
-            rec = await _one(client, cfg, model, i, cfg.prompts[i % len(cfg.prompts)], t0)
-            records.append(rec)
+            nonlocal done
+            prompt = cfg.prompts[i % len(cfg.prompts)]
+            if cfg.multi_turn:
+                records.extend(await _conversation(client, cfg, model, i, prompt, t0, deadline))
+            else:
+                records.append((await _one(client, cfg, model, i, prompt, t0))[0])
+            done += 1
             ok = sum(r.status == "ok" for r in records)
             shed = sum(r.status in ("429", "503") for r in records)
-            bar.update(len(records), f"ok {ok} shed {shed} errors {len(records) - ok - shed}")
+            bar.update(done, f"ok {ok} shed {shed} errors {len(records) - ok - shed}")
 
         with bar:
             if cfg.rate is not None:
@@ -176,7 +218,6 @@ async def run_load_async(cfg: LoadConfig, progress: bool = False) -> dict:
                         break
                     await asyncio.sleep(max(0.0, at - time.perf_counter()))
                     tasks.append(asyncio.create_task(send(i)))
-                sent = len(tasks)
                 await asyncio.gather(*tasks)
             else:
                 counter = iter(range(cfg.requests))
@@ -188,10 +229,9 @@ async def run_load_async(cfg: LoadConfig, progress: bool = False) -> dict:
                         await send(i)
 
                 await asyncio.gather(*(client_loop() for _ in range(cfg.concurrency)))
-                sent = len(records)
         wall = time.perf_counter() - t0
-    records.sort(key=lambda r: r.index)
-    return summarize(cfg, model, records, sent, wall)
+    records.sort(key=lambda r: (r.index, r.turn or 0))
+    return summarize(cfg, model, records, len(records), wall)
 
 
 def run_load(cfg: LoadConfig, progress: bool = False) -> dict:
@@ -216,21 +256,30 @@ def summarize(cfg: LoadConfig, model: str, records: list[Record], sent: int, wal
     accepted = [r for r in records if r.http_status == 200]
     counts["accepted"] = len(accepted)
     counts["accepted_not_completed"] = sum(r.status != "ok" for r in accepted)
-    tokens = sum(r.output_tokens for r in ok)
     cfg_d = asdict(cfg)
     cfg_d["prompts"] = len(cfg.prompts)
     cfg_d.pop("api_key", None)
-    return {
+    summary = {
         "config": cfg_d, "model": model, "wall_s": wall, "requests": counts,
-        "offered_rate": cfg.rate, "achieved_rate": sent / wall if wall > 0 else 0.0,
-        "throughput": {"requests_per_s": len(ok) / wall if wall > 0 else 0.0,
-                       "output_tokens_per_s": tokens / wall if wall > 0 else 0.0, "output_tokens": tokens},
-        "ttft_s": percentiles(r.ttft for r in ok), "tpot_s": percentiles(r.tpot for r in ok),
-        "e2e_s": percentiles(r.e2e for r in ok),
+        "offered_rate": cfg.rate, "achieved_rate": sent / wall if wall > 0 else 0.0, **_latencies(ok, wall),
         "in_flight_at_arrival": percentiles(in_flight_at_arrival([asdict(r) for r in records])),
         "errors_sample": [r.error for r in records if r.status == "error"][:10],
         "records": [asdict(r) for r in records],
     }
+    if cfg.multi_turn:  # each turn's requests apart: a later turn's prompt starts with the turns before it
+        turns = sorted({r.turn for r in records})
+        summary["turns"] = {str(n): {"sent": sum(r.turn == n for r in records),
+                                     **_latencies([r for r in ok if r.turn == n], wall)} for n in turns}
+    return summary
+
+
+def _latencies(ok: list[Record], wall: float) -> dict:
+    """Throughput (over ``wall``) and the TTFT, TPOT and end-to-end percentiles of the completed requests ``ok``."""
+    tokens = sum(r.output_tokens for r in ok)
+    return {"throughput": {"requests_per_s": len(ok) / wall if wall > 0 else 0.0,
+                           "output_tokens_per_s": tokens / wall if wall > 0 else 0.0, "output_tokens": tokens},
+            "ttft_s": percentiles(r.ttft for r in ok), "tpot_s": percentiles(r.tpot for r in ok),
+            "e2e_s": percentiles(r.e2e for r in ok)}
 
 
 def write_report(summary: dict, out, write=None) -> tuple[Path, Path]:
@@ -285,9 +334,16 @@ def rich_table(summary: dict):
     t = Table(title=f"loadtest {summary['model']}")
     for col in ("metric", "P50", "P90", "P99", "mean", "n"):
         t.add_column(col, justify="left" if col == "metric" else "right")
-    for key, label, scale, unit in (("ttft_s", "TTFT", 1000, "ms"), ("tpot_s", "TPOT", 1000, "ms"),
-                                    ("e2e_s", "end-to-end", 1, "s"), ("in_flight_at_arrival", "in flight", 1, "req")):
-        s = summary[key]
+    rows = [(summary, key, label, scale, unit) for key, label, scale, unit in (
+        ("ttft_s", "TTFT", 1000, "ms"), ("tpot_s", "TPOT", 1000, "ms"), ("e2e_s", "end-to-end", 1, "s"),
+        ("in_flight_at_arrival", "in flight", 1, "req"))]
+    for n, turn in summary.get("turns", {}).items():
+        rows += [(turn, "ttft_s", f"TTFT turn {n}", 1000, "ms"), (turn, "tpot_s", f"TPOT turn {n}", 1000, "ms")]
+    for part, key, label, scale, unit in rows:
+        s = part[key]
         cells = [f"{s[k] * scale:.1f}" if s[k] is not None else "-" for k in ("p50", "p90", "p99", "mean")]
         t.add_row(f"{label} ({unit})", *cells, str(s["n"]))
+    for n, turn in summary.get("turns", {}).items():
+        t.add_row(f"output tok/s turn {n}", "-", "-", "-", f"{turn['throughput']['output_tokens_per_s']:.1f}",
+                  str(turn["ttft_s"]["n"]))
     return t
