@@ -518,7 +518,9 @@ void packed_gather(const packed_t *w, long K, const int64_t *ids, long n, float 
 
 /* The codes, scales (and offsets) of one block of 32 fp32 values in a block format such that its expansion gives
  * back every value bit for bit, trying the fp16 scales nearest to the block's estimate (the quantiser rounded its
- * own estimate to fp16). Returns 1 when found. */
+ * own estimate to fp16). q8_0 also holds a Q5_0 block's values, d * (q - 16) with q 5 bits, whose scale is the
+ * farthest value over -16 (the codes most GGUF files of rows not a multiple of 256 long use in place of Q4_K).
+ * Returns 1 when found. */
 static int find_block(long kind, const float *v, uint8_t *codes, float *d_out, float *m_out) {
     float lo = v[0], hi = v[0], far = v[0];
     for (int i = 1; i < 32; i++) {
@@ -526,21 +528,22 @@ static int find_block(long kind, const float *v, uint8_t *codes, float *d_out, f
         hi = v[i] > hi ? v[i] : hi;
         far = fabsf(v[i]) > fabsf(far) ? v[i] : far;
     }
-    float m = 0.0f, estimate, qlo, qhi;
+    float m = 0.0f, estimate, qlo, qhi, other = NAN;
     if (kind == W_Q4_1) {
         m = lo;
         if (_cvtsh_ss(_cvtss_sh(m, 0)) != m) return 0;
         estimate = (hi - lo) / 15.0f, qlo = 0.0f, qhi = 15.0f;
     } else if (kind == W_Q8_0) {
-        estimate = fmaxf(fabsf(lo), fabsf(hi)) / 127.0f, qlo = -128.0f, qhi = 127.0f;
+        estimate = fmaxf(fabsf(lo), fabsf(hi)) / 127.0f, qlo = -128.0f, qhi = 127.0f, other = far / -16.0f;
     } else {
         estimate = far / -8.0f, qlo = -8.0f, qhi = 7.0f;
     }
     /* the nearest fp16 scale, its neighbours, and the nearest of the other sign (a block of -0.0 in q4_0) */
-    static const int steps[] = {0, -1, 1, -2, 2, 0x8000};
+    static const int steps[] = {0, -1, 1, -2, 2, 0x8000, 0};
     uint16_t h0 = _cvtss_sh(estimate, 0);
-    for (int s = 0; s < 6; s++) {
-        uint16_t h = steps[s] == 0x8000 ? (uint16_t)(h0 ^ 0x8000) : (uint16_t)(h0 + steps[s]);
+    for (int s = 0; s < 7; s++) {
+        if (s == 6 && isnan(other)) break;
+        uint16_t h = s == 6 ? _cvtss_sh(other, 0) : steps[s] == 0x8000 ? (uint16_t)(h0 ^ 0x8000) : (uint16_t)(h0 + steps[s]);
         float d = _cvtsh_ss(h);
         if (!isfinite(d)) continue;
         int ok = 1;
