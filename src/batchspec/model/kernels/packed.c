@@ -181,8 +181,10 @@ static inline void kq_scales(const uint8_t *s, int g, float *dsc, float *dm) {
 #define KQ_HIGH(p, n, mask)                                                                                   \
     _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(KQ_BYTES(p), _mm_cvtsi32_si128(n)), _mm256_set1_epi32(mask)), 4)
 /* the 4-bit codes of weights 8P .. 8P + 7 of a q4_k / q5_k group: the low nibbles of its 32 bytes, then the high */
-#define KQ_NIB(c, P) (P < 4 ? _mm256_and_si256(KQ_BYTES(qs[c] + 8 * P), low) : _mm256_srli_epi32(KQ_BYTES(qs[c] + 8 * (P - 4)), 4))
-#define KQ_AFFINE(c, P, codes) _mm256_fmsub_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(dsc[c][P / 4]), _mm256_set1_ps(dm[c][P / 4]))
+#define KQ_NIB(c, P)                                                                                          \
+    (P < 4 ? _mm256_and_si256(KQ_BYTES(qs[c] + 8 * P), low) : _mm256_srli_epi32(KQ_BYTES(qs[c] + 8 * (P - 4)), 4))
+#define KQ_AFFINE(c, P, codes)                                                                                \
+    _mm256_fmsub_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(dsc[c][P / 4]), _mm256_set1_ps(dm[c][P / 4]))
 #define Q4_K_AT(c, P)
 #define Q4_K_GROUP 64
 #define Q4_K_DECL KQ_DECL
@@ -202,7 +204,8 @@ static inline void kq_scales(const uint8_t *s, int g, float *dsc, float *dm) {
         kq_scales(s, g, dsc[c], dm[c]);                                                                       \
         qh[c] = s + 16, qs[c] = s + 48 + 32 * g, shift[c] = 2 * g;                                            \
     } while (0)
-#define Q5_K_PART(c, P) KQ_AFFINE(c, P, _mm256_or_si256(KQ_NIB(c, P), KQ_HIGH(qh[c] + 8 * (P % 4), shift[c] + P / 4, 1)))
+#define Q5_K_PART(c, P)                                                                                       \
+    KQ_AFFINE(c, P, _mm256_or_si256(KQ_NIB(c, P), KQ_HIGH(qh[c] + 8 * (P % 4), shift[c] + P / 4, 1)))
 #define Q6_K_AT(c, P)
 #define Q6_K_GROUP 64
 #define Q6_K_DECL KQ_DECL
@@ -234,7 +237,8 @@ static void kq_expand(long kind, const uint8_t *s, float *out) {
         float dsc[2], dm[2];
         kq_scales(s, j / 2, dsc, dm);
         int q = kind == W_Q4_K ? (s[16 + 32 * (j / 2) + i % 32] >> (4 * (j % 2))) & 15
-                               : ((s[48 + 32 * (j / 2) + i % 32] >> (4 * (j % 2))) & 15) | (((s[16 + i % 32] >> j) & 1) << 4);
+                               : ((s[48 + 32 * (j / 2) + i % 32] >> (4 * (j % 2))) & 15) |
+                                     (((s[16 + i % 32] >> j) & 1) << 4);
         out[i] = fmaf((float)q, dsc[j % 2], -dm[j % 2]);
     }
 }
@@ -423,11 +427,11 @@ static void rows_of(const float *x, const packed_t *w, float *y, long M, long N,
 }
 
 /* y_i = x @ w[i]^T for ``count`` weights that share x [M, K] (ys[i]: [M, Ns[i]]; K a multiple of 32, of 64 for the
- * 4-bit formats, of 256 for the K-quants), with skinny_linear's bits, by the threads of the enclosing parallel region: each of them calls it,
- * and it returns when every output is written. The weights' rows go to the threads in chunks, all the weights' in one
- * loop: one barrier for them all, where a parallel region each cost a start and an end (``layer.c`` runs a layer in
- * one region: decode 1.02-1.05x as fast at 1-8 rows on 2 cores). ``xi``: a pointer shared by the team, for fp32
- * weights' interleaved x (``skinny_scratch``). */
+ * 4-bit formats, of 256 for the K-quants), with skinny_linear's bits, by the threads of the enclosing parallel region:
+ * each of them calls it, and it returns when every output is written. The weights' rows go to the threads in chunks,
+ * all the weights' in one loop: one barrier for them all, where a parallel region each cost a start and an end
+ * (``layer.c`` runs a layer in one region: decode 1.02-1.05x as fast at 1-8 rows on 2 cores). ``xi``: a pointer
+ * shared by the team, for fp32 weights' interleaved x (``skinny_scratch``). */
 void packed_linears(const float *x, const packed_t *w, float *const *ys, const long *Ns, int count, long M, long K,
                     float **xi) {
     long chunks = 0;
@@ -543,7 +547,9 @@ static int find_block(long kind, const float *v, uint8_t *codes, float *d_out, f
     uint16_t h0 = _cvtss_sh(estimate, 0);
     for (int s = 0; s < 7; s++) {
         if (s == 6 && isnan(other)) break;
-        uint16_t h = s == 6 ? _cvtss_sh(other, 0) : steps[s] == 0x8000 ? (uint16_t)(h0 ^ 0x8000) : (uint16_t)(h0 + steps[s]);
+        uint16_t h = s == 6                 ? _cvtss_sh(other, 0)
+                     : steps[s] == 0x8000 ? (uint16_t)(h0 ^ 0x8000)
+                                          : (uint16_t)(h0 + steps[s]);
         float d = _cvtsh_ss(h);
         if (!isfinite(d)) continue;
         int ok = 1;
