@@ -229,3 +229,148 @@ def test_packed_weights_are_cached_and_later_loads_never_read_the_fp32_file(tmp_
     weights.write_bytes(b"\0" * (st.st_size + 1))  # the file changed: the cache no longer applies
     with pytest.raises(Exception):
         load_model(path, torch.float32, weights="auto")
+
+
+# ------------------------------------------------------------------------------------------------- K-quants
+
+KQUANT = {"q4_k": GT.Q4_K, "q5_k": GT.Q5_K, "q6_k": GT.Q6_K}
+
+
+def kquant_blocks(kind: str, n: int, k: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """``n`` rows of ``k`` weights in ``kind``'s super-blocks, as ggml lays them out: random bytes (codes, 6-bit and
+    8-bit scales), with finite fp16 super-block scales of about ``scale`` (and mins; negative ones too)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, W.KQUANTS[kind]), dtype=np.uint8)
+    halves = (rng.standard_normal((n, k // 256, 2)) * scale).astype(np.float16).view(np.uint8)
+    if kind == "q6_k":  # ql, qh, scales, then d
+        raw[..., 208:] = halves[..., :2]
+    else:  # d, dmin, then the rest
+        raw[..., :4] = halves
+    return raw.reshape(n, -1)
+
+
+def kquant_values(raw: np.ndarray, kind: str) -> torch.Tensor:
+    """gguf's de-quantised values of ``raw``: what a model converted from the GGUF file holds."""
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(raw, KQUANT[kind]))).float()
+
+
+@pytest.mark.parametrize("kind", list(KQUANT))
+def test_kquant_blocks_expand_to_gguf_values(kind):
+    raw = kquant_blocks(kind, 40, 512)
+    v = kquant_values(raw, kind)
+    p = W.PackedWeight(kind, (40, 512), torch.from_numpy(raw))
+    assert torch.equal(bits(p.expand()), bits(v))  # the kernel's expansion
+    assert torch.equal(bits(W.expand_torch(p)), bits(v))
+    ids = torch.tensor([[0, 39], [3, 5]])
+    assert torch.equal(bits(p.rows(ids)), bits(v[ids]))
+    assert p.nbytes / (4 * v.numel()) == pytest.approx(W.BITS[kind] / 32)
+    assert W.pack(v, given=p) is p
+    assert W.pack(v) is None  # not found from the values: d * sc is no fp16 (no block format holds them)
+    off = v.clone()
+    off[7, 300] = torch.nextafter(off[7, 300], torch.tensor(1e9))
+    assert W.pack(off, given=p) is None  # blocks that do not give back every value are not used
+    assert W.pack(v[:, :256], given=p) is None  # nor blocks of another shape
+
+
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("kind", list(KQUANT))
+def test_packed_kquant_linear_gives_the_fp32_kernels_bits(kind, avx512):
+    lib = kernels.library()
+    if avx512 and not lib.skinny_avx512(1):
+        pytest.skip("this CPU has no AVX-512")
+    raw = kquant_blocks(kind, 77, 512, seed=1)
+    v = kquant_values(raw, kind)
+    lin = W.PackedLinear(W.pack(v, given=W.PackedWeight(kind, (77, 512), torch.from_numpy(raw))))
+    assert lin.packed.kind == kind
+    a = torch.randn(80, 512, generator=torch.Generator().manual_seed(3))
+    try:
+        lib.skinny_avx512(int(avx512))
+        got = {rows: lin(a[:rows]) for rows in [*range(1, 17), 33, 64]}
+        lib.skinny_avx512(0)
+        for rows, y in got.items():
+            assert torch.equal(bits(y), bits(kernels.skinny_linear(a[:rows], v))), rows
+    finally:
+        lib.skinny_avx512(1)
+    many = a.repeat(2, 1)  # past the kernel's rows: the expanded weight, as the runner's fp32 linear
+    assert torch.equal(bits(lin(many)), bits(kernels.linear(many, v)))
+
+
+def test_q5_0_blocks_are_kept_as_q8_0():
+    """Q5_0 (d * (q - 16), q 5 bits: what a Q4_K_M file holds for rows not a multiple of 256 long) is q8_0 exactly."""
+    x = torch.randn(40, 192, generator=torch.Generator().manual_seed(6)) * 0.05
+    x[3, :32] = 0.0
+    v = torch.from_numpy(quants.dequantize(quants.quantize(x.numpy(), GT.Q5_0), GT.Q5_0)).float()
+    p = W.pack(v)
+    assert p is not None and p.kind == "q8_0"
+    assert torch.equal(bits(p.expand()), bits(v))
+
+
+def kquant_gguf(tmp_path):
+    """A tiny Llama as a GGUF file whose linear and embedding weights are K-quant blocks (as llama.cpp writes them:
+    q and k rows in its rotary order), the norms float32; and the kinds by weight."""
+    import gguf
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    kinds = {"attn_q": "q4_k", "attn_k": "q5_k", "attn_v": "q6_k", "attn_output": "q4_k", "ffn_gate": "q5_k",
+             "ffn_up": "q4_k", "ffn_down": "q6_k", "token_embd": "q6_k", "output": "q4_k"}
+    shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256),
+              "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512), "token_embd": (tiny.VOCAB, 256),
+              "output": (tiny.VOCAB, 256)}
+    w = gguf.GGUFWriter(str(tmp_path / "tiny-k.gguf"), "llama")
+    for add, value in [(w.add_context_length, 256), (w.add_embedding_length, 256), (w.add_block_count, 2),
+                       (w.add_feed_forward_length, 512), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                       (w.add_rope_dimension_count, 64), (w.add_rope_freq_base, 10000.0),
+                       (w.add_layer_norm_rms_eps, 1e-6), (w.add_vocab_size, tiny.VOCAB)]:
+        add(value)
+    rng = np.random.default_rng(0)
+    seed = iter(range(100))
+    for name in ["token_embd", *(f"blk.{i}.{t}" for i in range(2) for t in list(kinds)[:7]), "output"]:
+        t = name.split(".")[-1]
+        kind, (n, k) = kinds[t], shapes[t]
+        scale = {"q4_k": 1e-4, "q5_k": 5e-5, "q6_k": 4e-5}[kind] * (20 if t in ("token_embd", "output") else 1)
+        w.add_tensor(f"{name}.weight", kquant_blocks(kind, n, k, next(seed), scale), raw_dtype=KQUANT[kind])
+        if t == "attn_output":
+            for norm in ("attn_norm", "ffn_norm"):
+                w.add_tensor(f"{name[:-len(t)]}{norm}.weight", (1 + 0.3 * rng.standard_normal(256)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tmp_path / "tiny-k.gguf", kinds
+
+
+def step_logits(model, prompts) -> torch.Tensor:
+    """The logits of a verification block of 3 tokens after the prompts, as the engine's runner computes them."""
+    from batchspec.batch import prefill
+
+    state = prefill(Runner(model), prompts)
+    with torch.inference_mode():
+        return state.append(torch.tensor([[p[-1], 5, 7] for p in prompts]), hidden=True).logits
+
+
+def test_a_kquant_gguf_loads_packed_and_generates_as_its_fp32_twin(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
+    path, kinds = kquant_gguf(tmp_path)
+    fp32 = load_model(path, torch.float32, device="cpu", weights="fp32")
+    packed = load_model(path, torch.float32, device="cpu", weights="auto")
+    report = W.report(packed)
+    assert report.unpacked == []
+    assert report.formats == {"q4_k": 2 * 3 + 1, "q5_k": 2 * 2, "q6_k": 2 * 2 + 1}
+    assert report.bytes < path.stat().st_size  # the file's blocks, nothing wider
+    q = packed.model.layers[1].self_attn.q_proj
+    assert isinstance(q, W.PackedLinear) and q.packed.kind == "q4_k"  # q's rows were reordered by the conversion
+    assert isinstance(packed.model.embed_tokens, W.PackedEmbedding)
+    assert fused.plan(packed) is not None
+    prompts = tiny.prompts(4, seed=2)
+    logits = [step_logits(model, prompts) for model in (fp32, packed)]  # the runner's fp32 path, and packed
+    assert torch.equal(bits(logits[0]), bits(logits[1]))
+    sp = SamplingParams(max_tokens=16)
+    outs = [o.token_ids for o in batchspec.LLM(fp32, batch_size=2).generate(prompts, sp)]
+    assert len(set(map(tuple, outs))) > 1  # the model's tokens depend on its prompt
+    assert [o.token_ids for o in batchspec.LLM(packed, batch_size=2).generate(prompts, sp)] == outs
+    again = load_model(path, torch.float32, device="cpu", weights="auto")  # from the packed cache
+    assert W.report(again).formats == report.formats
+    assert torch.equal(bits(logits[0]), bits(step_logits(again, prompts)))

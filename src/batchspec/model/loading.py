@@ -168,6 +168,43 @@ def convert_gguf(gguf_path, out_dir) -> Path:
     return out_dir
 
 
+def gguf_blocks(gguf_path, model) -> dict:
+    """The K-quant tensors of a GGUF file as packed weights (``model/weights.py``) of ``model``, converted from it, by
+    parameter name: the file's own blocks, which no format found from the de-quantised values holds. A tensor is
+    matched to its parameter by content, row by row (the conversion renames tensors and reorders the rows of some,
+    llama's q and k), so whatever the conversion did; ``pack`` checks each bit for bit before it is used."""
+    from gguf import GGMLQuantizationType, GGUFReader, dequantize
+
+    from .weights import KQUANTS, PackedWeight
+
+    kinds = {GGMLQuantizationType[k.upper()]: k for k in KQUANTS}
+    found = {}
+    for t in GGUFReader(str(gguf_path)).tensors:
+        if t.tensor_type in kinds and t.data.ndim == 2:
+            key, order = _row_prints(torch.from_numpy(dequantize(t.data, t.tensor_type)))
+            found[key] = (kinds[t.tensor_type], t.data, order)
+    shapes = {key[0] for key in found}
+    given = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and p.dtype == torch.float32 and tuple(p.shape) in shapes:
+            key, order = _row_prints(p.detach())
+            if key in found:
+                kind, raw, source = found[key]
+                rows = torch.empty_like(order)
+                rows[order] = source  # the file's row of each of the parameter's rows
+                given[name] = PackedWeight(kind, tuple(p.shape), torch.from_numpy(raw[rows.numpy()]))
+    return given
+
+
+def _row_prints(w: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    """A key of the fp32 ``w`` ``[N, K]`` whatever the order of its rows (its shape and the sorted prints of its rows:
+    each a sum of the row's bits times fixed numbers), and the order that sorts the rows' prints."""
+    times = torch.randint(1, 2**62, (w.shape[1],), generator=torch.Generator().manual_seed(0))
+    prints = torch.cat([(c.contiguous().view(torch.int32).to(torch.int64) * times).sum(1) for c in w.split(4096)])
+    ordered, order = prints.sort(stable=True)
+    return (tuple(w.shape), hashlib.sha256(ordered.numpy().tobytes()).hexdigest()), order
+
+
 def gguf_model_dir(path) -> Path:
     """The cached Hugging Face directory for a GGUF file, converting it on first use."""
     out = gguf_cache_dir(path)
@@ -307,6 +344,8 @@ def load_model(spec, dtype=None, device=None, role: str = "target", weights: str
             f"{role} must be a transformers PreTrainedModel, a path or a built-in name, got {type(spec).__name__}"
         )
     builtin = os.fspath(spec) in BUILTIN_MODELS
+    gguf_file = os.path.expanduser(os.fspath(spec))
+    gguf_file = gguf_file if gguf_file.lower().endswith(".gguf") and os.path.isfile(gguf_file) else None
     path = resolve(spec, role)
     kwargs = {"attn_implementation": "sdpa", "local_files_only": True}
     if dtype is not None:
@@ -330,7 +369,7 @@ def load_model(spec, dtype=None, device=None, role: str = "target", weights: str
         from .kernels import library
         from .weights import pack_model
 
-        report = pack_model(model)
+        report = pack_model(model, gguf_blocks(gguf_file, model) if gguf_file and library() is not None else None)
         if report.formats:
             _log.info("%s %s", os.fspath(spec), report.line())
             if cached is not None:

@@ -9,6 +9,10 @@ values before the usual fp32 kernel runs over them: every logit keeps its bits, 
 
 Formats (bits per weight, resident: the block scales are fp16 values kept as fp32): q4_0 5, q4_1 6, q8_0 9, bf16 16,
 f16 16 (fp32 32). A tensor no format holds exactly stays fp32. Activations stay fp32 throughout; nothing is approximated.
+
+The K-quants of GGUF files (q4_k 4.5, q5_k 5.5, q6_k 6.5625: super-blocks of 256 weights whose sub-blocks' scales are
+products ``d * sc`` that no fp16 holds, so no format above does) are not found from the values: a weight loaded from
+such a file keeps the file's own blocks (``pack``'s ``given``, ``loading.gguf_blocks``), checked like the others.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ import torch
 from . import kernels
 
 BLOCK = 32  # weights of a row sharing one scale (and offset) in the block formats, as in GGUF
-KINDS = {"f32": 0, "bf16": 1, "f16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}  # packed.c's format codes
-BITS = {"q4_0": 5.0, "q4_1": 6.0, "q8_0": 9.0, "bf16": 16.0, "f16": 16.0, "f32": 32.0}  # resident, fp32 scales
+KINDS = {"f32": 0, "bf16": 1, "f16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}  # packed.c's
+BITS = {"q4_0": 5.0, "q4_1": 6.0, "q8_0": 9.0, "bf16": 16.0, "f16": 16.0, "f32": 32.0,  # resident, fp32 scales
+        "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625}
+SUPER = 256  # weights of a row in one K-quant super-block
+KQUANTS = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # bytes of a super-block, as ggml lays it out
 ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16")  # tried narrowest first
 GREEDY_ROWS = 4  # the most rows ``PackedLinear.greedy`` takes (argmax.c's MAX_ROWS: where it measured faster)
 # per thread (engines may share a model across threads): the fast argmax's scores, one buffer reused (fresh pages
@@ -36,9 +43,10 @@ class PackedWeight:
     """One weight ``[N, K]`` in ``kind``: ``q`` the codes (int16 ``[N, K]`` bits for bf16 and f16; int32 words for
     the block formats, laid out for eight 32-bit lanes as ``packed.c`` says: ``[N, K/64, 8]``, word j of group g
     holding the 4-bit codes of weights 64g + 8p + j, p = 0..7, in bits 4p..4p+3; ``[N, K/32, 8]`` for q8_0, the 8-bit
-    codes of weights 32b + 8p + j, p = 0..3, in bits 8p..8p+7), ``d`` and ``m`` ``[N, K/32]`` the blocks' scales
-    and offsets (None where the format has none): fp16 values, kept in fp32 so that the kernel broadcasts them from
-    memory as they are."""
+    codes of weights 32b + 8p + j, p = 0..3, in bits 8p..8p+7; for the K-quants, uint8 ``[N, K/256 * bytes]``: each
+    row's super-blocks as a GGUF file stores them), ``d`` and ``m`` ``[N, K/32]`` the blocks' scales and offsets
+    (None where the format has none, or keeps them in its blocks): fp16 values, kept in fp32 so that the kernel
+    broadcasts them from memory as they are."""
 
     kind: str
     shape: tuple[int, int]
@@ -96,6 +104,11 @@ def expand_torch(p: PackedWeight, rows: torch.Tensor | None = None) -> torch.Ten
         return (q.to(torch.int32) << 16).view(torch.float32)
     if p.kind == "f16":
         return q.view(torch.float16).float()
+    if p.kind in KQUANTS:  # gguf's dequantiser: the arithmetic packed.c's expansion reproduces
+        from gguf import GGMLQuantizationType, quants
+
+        kind = GGMLQuantizationType[p.kind.upper()]
+        return torch.from_numpy(quants.dequantize(q.numpy(), kind)).view(n, k)
     if p.kind == "q8_0":
         codes = q
     else:  # nibble p of word j: weight 8p + j of the group of 64
@@ -108,11 +121,12 @@ def expand_torch(p: PackedWeight, rows: torch.Tensor | None = None) -> torch.Ten
     return w.view(n, k)
 
 
-def pack(weight: torch.Tensor, kinds=ORDER) -> PackedWeight | None:
+def pack(weight: torch.Tensor, kinds=ORDER, given: PackedWeight | None = None) -> PackedWeight | None:
     """The narrowest format in ``kinds`` that holds every value of the fp32 ``weight`` ``[N, K]`` bit for bit (its
     expansion is checked against it), or None: also where the kernels, which find the block formats' codes and
     would run the packed weight, are not built here, and for rows whose length is not a multiple of ``BLOCK`` (the
-    kernel reads every format ``BLOCK`` weights of a row at a time, so such a row stays fp32)."""
+    kernel reads every format ``BLOCK`` weights of a row at a time, so such a row stays fp32). ``given``, a packed
+    form the weight was made from (a GGUF file's K-quant blocks), comes first where its expansion is the weight."""
     lib = kernels.library()
     if (lib is None or weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu"
             or weight.shape[1] % BLOCK):
@@ -120,6 +134,9 @@ def pack(weight: torch.Tensor, kinds=ORDER) -> PackedWeight | None:
     w = weight.detach().contiguous()
     n, k = w.shape
     bits = w.view(torch.int32)
+    if (given is not None and given.shape == (n, k) and (given.kind not in KQUANTS or k % SUPER == 0)
+            and torch.equal(given.expand().view(torch.int32), bits)):
+        return given
     for kind in kinds:
         p = None
         if kind == "bf16" and not (bits & 0xFFFF).any():
@@ -275,10 +292,13 @@ def report(model) -> PackReport:
     return PackReport(formats, fp32, total, unpacked)
 
 
-def pack_model(model) -> PackReport:
+def pack_model(model, given: dict[str, PackedWeight] | None = None) -> PackReport:
     """Replace, in place, every bias-free ``nn.Linear`` and ``nn.Embedding`` of an fp32 CPU ``model`` whose weight a
     narrower format holds exactly by its packed module (a tied output head and input embedding share one packed
-    weight); other parameters (norms, biases) stay. Outputs keep their bits. Returns ``report(model)``."""
+    weight); other parameters (norms, biases) stay. Outputs keep their bits. ``given``: packed forms the weights
+    were made from, by parameter name (``pack``'s). Returns ``report(model)``."""
+    given = {id(p): given[name] for name, p in model.named_parameters(remove_duplicate=False) if name in given} \
+        if given else {}
     done: dict[int, tuple] = {}  # id(weight) -> (weight, its packed form): tied weights are packed once (the weight
     # is kept so that its id is not reused while the loop runs)
     for parent in list(model.modules()):
@@ -294,7 +314,7 @@ def pack_model(model) -> PackReport:
                 kernels.tell_off()
                 return report(model)
             if id(w) not in done:
-                done[id(w)] = (w, pack(w))
+                done[id(w)] = (w, pack(w, given=given.get(id(w))))
             p = done[id(w)][1]
             if p is not None:
                 setattr(parent, name, PackedLinear(p) if type(child) is torch.nn.Linear

@@ -11,7 +11,8 @@
  *   q4_0:  w = d * (q - 8)       q 4 bits
  *   q4_1:  w = d * q + m         q 4 bits
  * gguf's dequantiser computes d * q and then adds m, two roundings in fp32; d has 11 significant bits and |q| < 2^8,
- * so d * q is exact in fp32 and one fused multiply-add (a single rounding of d * q + m) gives the same bits.
+ * so d * q is exact in fp32 and one fused multiply-add (a single rounding of d * q + m) gives the same bits. The
+ * K-quants (q4_k, q5_k, q6_k) are read from a GGUF file's own blocks, described where their expansion is defined.
  *
  * 4-bit codes are laid out for eight 32-bit lanes, so that no byte shuffles are needed: a group of 8 words holds,
  * in word j, the codes of weights 64g + 8p + j, p = 0..7, in bits 4p..4p+3; lane j of part p is one shift and one
@@ -131,6 +132,116 @@
 #define LQ4_1_VALUES(b, io) _mm256_fmadd_ps(io, _mm256_set1_ps(dp[b]), _mm256_set1_ps(mp[b]))
 #define LQ4_1_AT(c, P) LQ4_AT(c, P, LQ4_1_VALUES)
 #define LQ4_1_PART(c, P) LQ4_PART(c, P)
+
+/* The K-quants, read from ggml's super-blocks as a GGUF file stores them: 256 weights of a row with an fp16 scale d
+ * (and min dmin) and, per sub-block of 32 (q4_k, q5_k: a 6-bit scale sc and min m, packed in 12 bytes) or 16 (q6_k:
+ * an int8 scale sc), 4-, 5- or 6-bit codes q:
+ *   q4_k, q5_k:  w = (d * sc) * q - dmin * m
+ *   q6_k:        w = (d * sc) * (q - 32)
+ * d * sc and dmin * m are exact in fp32 (11 significant bits by at most 7), and so is (d * sc) * q (at most 23 bits):
+ * gguf's dequantiser rounds once, at the subtraction, as one fused multiply-subtract does. A group is 64 weights of a
+ * super-block: two sub-blocks of q4_k / q5_k, four of q6_k; its scales are computed once, at the group's setup. */
+enum { QK = 256, Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210 };
+#define AHEAD_KQ 2048 /* bytes prefetched ahead of the group being read */
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* the scales and offsets of sub-blocks 2g and 2g + 1 of a q4_k / q5_k super-block ``s``: d * sc and dmin * m */
+static inline void kq_scales(const uint8_t *s, int g, float *dsc, float *dm) {
+    const uint8_t *b = s + 4;
+    float d = half_at(s), dmin = half_at(s + 2);
+    for (int h = 0; h < 2; h++) {
+        int j = 2 * g + h, sc, m;
+        if (j < 4)
+            sc = b[j] & 63, m = b[j + 4] & 63;
+        else
+            sc = (b[j + 4] & 0x0F) | ((b[j - 4] >> 6) << 4), m = (b[j + 4] >> 4) | ((b[j] >> 6) << 4);
+        dsc[h] = d * (float)sc, dm[h] = dmin * (float)m;
+    }
+}
+
+#define KQ_DECL                                                                                               \
+    const uint8_t *blocks = (const uint8_t *)w->q;                                                            \
+    const __m256i low = _mm256_set1_epi32(0x0F);                                                              \
+    const uint8_t *qs[C_], *qh[C_];                                                                           \
+    float dsc[C_][4], dm[C_][4];                                                                              \
+    int shift[C_];                                                                                            \
+    (void)qh, (void)dm, (void)shift;
+/* the super-block of group kb / 64 of row[c], the group's place in it (0..3), and a prefetch ahead of it */
+#define KQ_SETUP(c, BYTES)                                                                                    \
+    const uint8_t *s = blocks + ((row[c] * K + kb) / QK) * (BYTES);                                           \
+    int g = (int)(kb % QK) / 64;                                                                              \
+    _mm_prefetch((const char *)(s + 64 * g + AHEAD_KQ), _MM_HINT_T0)
+#define KQ_BYTES(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+/* bits ``n`` .. of 8 bytes at p, masked by ``mask`` and moved above a 4-bit code */
+#define KQ_HIGH(p, n, mask)                                                                                   \
+    _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(KQ_BYTES(p), _mm_cvtsi32_si128(n)), _mm256_set1_epi32(mask)), 4)
+/* the 4-bit codes of weights 8P .. 8P + 7 of a q4_k / q5_k group: the low nibbles of its 32 bytes, then the high */
+#define KQ_NIB(c, P)                                                                                          \
+    (P < 4 ? _mm256_and_si256(KQ_BYTES(qs[c] + 8 * P), low) : _mm256_srli_epi32(KQ_BYTES(qs[c] + 8 * (P - 4)), 4))
+#define KQ_AFFINE(c, P, codes)                                                                                \
+    _mm256_fmsub_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(dsc[c][P / 4]), _mm256_set1_ps(dm[c][P / 4]))
+#define Q4_K_AT(c, P)
+#define Q4_K_GROUP 64
+#define Q4_K_DECL KQ_DECL
+#define Q4_K_SETUP(c)                                                                                         \
+    do {                                                                                                      \
+        KQ_SETUP(c, Q4_K_BYTES);                                                                              \
+        kq_scales(s, g, dsc[c], dm[c]);                                                                       \
+        qs[c] = s + 16 + 32 * g;                                                                              \
+    } while (0)
+#define Q4_K_PART(c, P) KQ_AFFINE(c, P, KQ_NIB(c, P))
+#define Q5_K_AT(c, P)
+#define Q5_K_GROUP 64
+#define Q5_K_DECL KQ_DECL
+#define Q5_K_SETUP(c) /* the fifth bit of sub-block j's codes: bit j of 32 bytes */                         \
+    do {                                                                                                      \
+        KQ_SETUP(c, Q5_K_BYTES);                                                                              \
+        kq_scales(s, g, dsc[c], dm[c]);                                                                       \
+        qh[c] = s + 16, qs[c] = s + 48 + 32 * g, shift[c] = 2 * g;                                            \
+    } while (0)
+#define Q5_K_PART(c, P)                                                                                       \
+    KQ_AFFINE(c, P, _mm256_or_si256(KQ_NIB(c, P), KQ_HIGH(qh[c] + 8 * (P % 4), shift[c] + P / 4, 1)))
+#define Q6_K_AT(c, P)
+#define Q6_K_GROUP 64
+#define Q6_K_DECL KQ_DECL
+#define Q6_K_SETUP(c) /* a half of 128: 64 bytes of low nibbles (then high), 32 of 2-bit fields (bits 0, 2, 4, 6) */ \
+    do {                                                                                                      \
+        KQ_SETUP(c, Q6_K_BYTES);                                                                              \
+        float d = half_at(s + 208);                                                                           \
+        for (int k = 0; k < 4; k++) dsc[c][k] = d * (float)(int8_t)s[192 + 4 * g + k];                        \
+        qs[c] = s + 64 * (g / 2), qh[c] = s + 128 + 32 * (g / 2), shift[c] = 4 * (g % 2);                     \
+    } while (0)
+#define Q6_K_PART(c, P)                                                                                       \
+    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(                                                        \
+                      _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(KQ_BYTES(qs[c] + 8 * P),              \
+                                                                        _mm_cvtsi32_si128(shift[c])), low),   \
+                                      KQ_HIGH(qh[c] + 8 * (P % 4), shift[c] + 2 * (P / 4), 3)),               \
+                      _mm256_set1_epi32(32))),                                                                \
+                  _mm256_set1_ps(dsc[c][P / 2]))
+
+/* super-block ``s`` of a K-quant as fp32 into out[256], with the kernel's arithmetic (the expansion's reference) */
+static void kq_expand(long kind, const uint8_t *s, float *out) {
+    for (int i = 0; i < QK; i++) {
+        int g = i / 64, b = i % 64, j = i / 32;
+        if (kind == W_Q6_K) {
+            int q = ((s[64 * (g / 2) + b] >> (4 * (g % 2))) & 15) |
+                    (((s[128 + 32 * (g / 2) + b % 32] >> (4 * (g % 2) + 2 * (b / 32))) & 3) << 4);
+            out[i] = (half_at(s + 208) * (float)(int8_t)s[192 + 4 * g + b / 16]) * (float)(q - 32);
+            continue;
+        }
+        float dsc[2], dm[2];
+        kq_scales(s, j / 2, dsc, dm);
+        int q = kind == W_Q4_K ? (s[16 + 32 * (j / 2) + i % 32] >> (4 * (j % 2))) & 15
+                               : ((s[48 + 32 * (j / 2) + i % 32] >> (4 * (j % 2))) & 15) |
+                                     (((s[16 + i % 32] >> j) & 1) << 4);
+        out[i] = fmaf((float)q, dsc[j % 2], -dm[j % 2]);
+    }
+}
 
 /* weights 8P .. 8P + 7 of the group against the R rows of x (P past the group's parts: nothing) */
 #define PSTEP(F, P)                                                                                           \
@@ -286,6 +397,10 @@ PBLOCKS(F16)
 PBLOCKS(Q8_0)
 PBLOCKS4(Q4_0)
 PBLOCKS4(Q4_1)
+PBLOCKS_AVX2(Q4_K)
+PBLOCKS_AVX2(Q5_K)
+PBLOCKS_AVX2(Q6_K)
+static const kind_t KQ_wide[9]; /* the K-quants: the AVX2 blocks at every row count */
 
 /* rows n0 .. n1 - 1 of y = x @ w^T, x's rows in the fewest blocks of at most 8, of sizes that differ by at most
  * one (9 rows as 5 + 4: a block of 1 after one of 8 reads and expands the weights again for one row; a verification
@@ -298,6 +413,9 @@ static void rows_of(const float *x, const packed_t *w, float *y, long M, long N,
         case W_F16: avx2 = F16_avx2, wide = F16_wide; break;
         case W_Q8_0: avx2 = Q8_0_avx2, wide = Q8_0_wide; break;
         case W_Q4_0: avx2 = Q4_0_avx2, wide = Q4_0_wide; break;
+        case W_Q4_K: avx2 = Q4_K_avx2, wide = KQ_wide; break;
+        case W_Q5_K: avx2 = Q5_K_avx2, wide = KQ_wide; break;
+        case W_Q6_K: avx2 = Q6_K_avx2, wide = KQ_wide; break;
         default: avx2 = Q4_1_avx2, wide = Q4_1_wide; break;
     }
     long blocks = (M + 7) / 8, r;
@@ -309,11 +427,11 @@ static void rows_of(const float *x, const packed_t *w, float *y, long M, long N,
 }
 
 /* y_i = x @ w[i]^T for ``count`` weights that share x [M, K] (ys[i]: [M, Ns[i]]; K a multiple of 32, of 64 for the
- * 4-bit formats), with skinny_linear's bits, by the threads of the enclosing parallel region: each of them calls it,
- * and it returns when every output is written. The weights' rows go to the threads in chunks, all the weights' in one
- * loop: one barrier for them all, where a parallel region each cost a start and an end (``layer.c`` runs a layer in
- * one region: decode 1.02-1.05x as fast at 1-8 rows on 2 cores). ``xi``: a pointer shared by the team, for fp32
- * weights' interleaved x (``skinny_scratch``). */
+ * 4-bit formats, of 256 for the K-quants), with skinny_linear's bits, by the threads of the enclosing parallel region:
+ * each of them calls it, and it returns when every output is written. The weights' rows go to the threads in chunks,
+ * all the weights' in one loop: one barrier for them all, where a parallel region each cost a start and an end
+ * (``layer.c`` runs a layer in one region: decode 1.02-1.05x as fast at 1-8 rows on 2 cores). ``xi``: a pointer
+ * shared by the team, for fp32 weights' interleaved x (``skinny_scratch``). */
 void packed_linears(const float *x, const packed_t *w, float *const *ys, const long *Ns, int count, long M, long K,
                     float **xi) {
     long chunks = 0;
@@ -381,6 +499,12 @@ static void expand_rows(const packed_t *w, long K, long n0, long n1, float *out)
         memcpy(out, (const float *)w->q + n0 * K, count * sizeof(float));
         return;
     }
+    if (w->kind >= W_Q4_K) {
+        long bytes = w->kind == W_Q4_K ? Q4_K_BYTES : w->kind == W_Q5_K ? Q5_K_BYTES : Q6_K_BYTES;
+        for (long b = n0 * K / QK; b < n1 * K / QK; b++)
+            kq_expand(w->kind, (const uint8_t *)w->q + b * bytes, out + (b - n0 * K / QK) * QK);
+        return;
+    }
     for (long b = n0 * K / 32; b < n1 * K / 32; b++)
         for (int i = 0; i < 32; i++) out[(b - n0 * K / 32) * 32 + i] = value(w->kind, w->q, w->d, w->m, b, i);
 }
@@ -398,7 +522,9 @@ void packed_gather(const packed_t *w, long K, const int64_t *ids, long n, float 
 
 /* The codes, scales (and offsets) of one block of 32 fp32 values in a block format such that its expansion gives
  * back every value bit for bit, trying the fp16 scales nearest to the block's estimate (the quantiser rounded its
- * own estimate to fp16). Returns 1 when found. */
+ * own estimate to fp16). q8_0 also holds a Q5_0 block's values, d * (q - 16) with q 5 bits, whose scale is the
+ * farthest value over -16 (the codes most GGUF files of rows not a multiple of 256 long use in place of Q4_K).
+ * Returns 1 when found. */
 static int find_block(long kind, const float *v, uint8_t *codes, float *d_out, float *m_out) {
     float lo = v[0], hi = v[0], far = v[0];
     for (int i = 1; i < 32; i++) {
@@ -406,21 +532,24 @@ static int find_block(long kind, const float *v, uint8_t *codes, float *d_out, f
         hi = v[i] > hi ? v[i] : hi;
         far = fabsf(v[i]) > fabsf(far) ? v[i] : far;
     }
-    float m = 0.0f, estimate, qlo, qhi;
+    float m = 0.0f, estimate, qlo, qhi, other = NAN;
     if (kind == W_Q4_1) {
         m = lo;
         if (_cvtsh_ss(_cvtss_sh(m, 0)) != m) return 0;
         estimate = (hi - lo) / 15.0f, qlo = 0.0f, qhi = 15.0f;
     } else if (kind == W_Q8_0) {
-        estimate = fmaxf(fabsf(lo), fabsf(hi)) / 127.0f, qlo = -128.0f, qhi = 127.0f;
+        estimate = fmaxf(fabsf(lo), fabsf(hi)) / 127.0f, qlo = -128.0f, qhi = 127.0f, other = far / -16.0f;
     } else {
         estimate = far / -8.0f, qlo = -8.0f, qhi = 7.0f;
     }
     /* the nearest fp16 scale, its neighbours, and the nearest of the other sign (a block of -0.0 in q4_0) */
-    static const int steps[] = {0, -1, 1, -2, 2, 0x8000};
+    static const int steps[] = {0, -1, 1, -2, 2, 0x8000, 0};
     uint16_t h0 = _cvtss_sh(estimate, 0);
-    for (int s = 0; s < 6; s++) {
-        uint16_t h = steps[s] == 0x8000 ? (uint16_t)(h0 ^ 0x8000) : (uint16_t)(h0 + steps[s]);
+    for (int s = 0; s < 7; s++) {
+        if (s == 6 && isnan(other)) break;
+        uint16_t h = s == 6                 ? _cvtss_sh(other, 0)
+                     : steps[s] == 0x8000 ? (uint16_t)(h0 ^ 0x8000)
+                                          : (uint16_t)(h0 + steps[s]);
         float d = _cvtsh_ss(h);
         if (!isfinite(d)) continue;
         int ok = 1;

@@ -4,10 +4,11 @@
 #ifndef BATCHSPEC_PACKED_H
 #define BATCHSPEC_PACKED_H
 
-enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_Q8_0 = 3, W_Q4_0 = 4, W_Q4_1 = 5 };
+enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_Q8_0 = 3, W_Q4_0 = 4, W_Q4_1 = 5, W_Q4_K = 6, W_Q5_K = 7, W_Q6_K = 8 };
 
 /* one weight [N, K]: ``q`` the codes (floats for f32; int32 words as above for the block formats; uint16 bits for
- * bf16 / f16), ``d`` and ``m`` the blocks' scales and offsets [N, K/32] (fp32 holding fp16 values) */
+ * bf16 / f16; ggml's super-blocks of 256 weights, as a GGUF file stores them, for the K-quants), ``d`` and ``m`` the
+ * blocks' scales and offsets [N, K/32] (fp32 holding fp16 values; none for the K-quants, whose blocks carry them) */
 typedef struct {
     long kind;
     const void *q, *d, *m;
