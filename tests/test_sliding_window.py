@@ -20,7 +20,7 @@ MAX_TOKENS = 23
 PROMPTS = tiny.prompts(9, seed=3, hi=30) + [[7], [5, 9]]  # lengths 1..30: some inside the window, most past it
 
 
-def _build(arch: str, noise: float = 0.0):
+def _build(arch: str, noise: float = 0.0, attn: str = "sdpa"):
     """A tiny float64 model with a window of ``WINDOW`` tokens (weights scaled as ``tiny``'s); ``noise``: a perturbed
     copy (a draft that agrees often, not always)."""
     torch.manual_seed(0)
@@ -32,7 +32,7 @@ def _build(arch: str, noise: float = 0.0):
                                                    query_pre_attn_scalar=8))
     else:
         model = MistralForCausalLM(MistralConfig(**shape, num_hidden_layers=2, tie_word_embeddings=False))
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = attn
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -46,17 +46,17 @@ def _build(arch: str, noise: float = 0.0):
 
 
 @functools.lru_cache(maxsize=None)
-def target(arch):
-    return _build(arch)
+def target(arch, attn="sdpa"):
+    return _build(arch, attn=attn)
 
 
 @functools.lru_cache(maxsize=None)
-def draft(arch):
-    return _build(arch, noise=0.12)
+def draft(arch, attn="sdpa"):
+    return _build(arch, noise=0.12, attn=attn)
 
 
-def oracle(arch, prompts=PROMPTS, max_tokens=MAX_TOKENS):
-    return [tiny.oracle(target(arch), p, max_tokens) for p in prompts]
+def oracle(arch, prompts=PROMPTS, max_tokens=MAX_TOKENS, attn="sdpa"):
+    return [tiny.oracle(target(arch, attn), p, max_tokens) for p in prompts]
 
 
 @pytest.fixture
@@ -134,6 +134,16 @@ def test_greedy_matches_hf(arch, layout, bs, drafter, crossings):
         assert llm.stats.full_accepts > 0, "no row ever accepted all K drafts"
         if bs > 1:
             assert llm.stats.ragged_rounds > 0, "rows never accepted different counts in the same round"
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_eager_attention_matches_hf(arch):
+    """Eager attention takes additive masks, one per layer type (HF's eager attention of the model's own modules)."""
+    llm = tiny.fixed_llm(target(arch, "eager"), draft=draft(arch, "eager"), num_draft_tokens=3, batch_size=4,
+                         check_invariants=True)
+    outs = llm.generate(PROMPTS, batchspec.SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == oracle(arch, attn="eager")
+    assert llm.stats.ragged_rounds > 0
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "mistral"])

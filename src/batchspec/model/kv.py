@@ -366,10 +366,9 @@ def attention_mask(model, visible: torch.Tensor, q: int):
     with mixed layers take it.
     """
     masks = {t: _allowed(visible, q, w) for t, w in (windows(model) or {"full_attention": None}).items()}
-    if model.config._attn_implementation != "eager":
-        return masks.popitem()[1] if len(masks) == 1 else masks
-    dtype, zero = model.dtype, torch.zeros((), dtype=model.dtype, device=visible.device)
-    masks = {t: zero.masked_fill(~m, torch.finfo(dtype).min) for t, m in masks.items()}
+    if model.config._attn_implementation == "eager":
+        dtype, zero = model.dtype, torch.zeros((), dtype=model.dtype, device=visible.device)
+        masks = {t: zero.masked_fill(~m, torch.finfo(dtype).min) for t, m in masks.items()}
     return masks.popitem()[1] if len(masks) == 1 else masks
 
 
