@@ -260,22 +260,22 @@ class Runner:
             if out is not None:
                 return TargetOutput(*out)
         everything = visible if visible is not None else torch.ones_like(input_ids, dtype=torch.bool)
-        out = None if self.windowed else fused_llama.forward(self.model, cache, input_ids, position_ids, everything, logits_to_keep, hidden,
-                                  embeds, counts)
+        out = None if self.windowed else fused_llama.forward(  # the C layer has no windows
+            self.model, cache, input_ids, position_ids, everything, logits_to_keep, hidden, embeds, counts)
         if out is not None:  # the C layer only reads the model
             return TargetOutput(*out)
         model = self.modules
         mask = segments = None
         extra = {"input_ids": input_ids} if embeds is None else {"inputs_embeds": embeds}
-        windowed = self.windowed
-        if visible is None and windowed:  # causal attention would not stop at the window: a mask that does
+        if visible is None and self.windowed:  # causal attention would not stop at the window: a mask that does
             visible = torch.ones((input_ids.shape[0], cache.length + input_ids.shape[1]), dtype=torch.bool,
                                  device=input_ids.device)
         if visible is not None:
             q = input_ids.shape[1]
             mask = kv.attention_mask(model, visible, q)
             own = model.config._attn_implementation == SLOT_SDPA
-            if own and not windowed and cache.length == 0 and visible.shape[1] == q:  # a fresh, left-padded prefill
+            fresh = cache.length == 0 and visible.shape[1] == q and not self.windowed  # per-row causal attention
+            if own and fresh:  # a fresh, left-padded prefill: one host read
                 extra["starts"] = visible.to(torch.uint8).argmax(1).tolist()
             else:
                 segments = row_segments(visible, q) if own else None
