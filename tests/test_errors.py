@@ -76,14 +76,14 @@ def test_bad_sampling_params(kwargs, match):
         batchspec.SamplingParams(**kwargs)
 
 
-def test_sliding_window_model_refused():
-    from transformers import MistralConfig, MistralForCausalLM
+def test_mixed_window_layers_of_an_untested_family_refused():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
-    model = MistralForCausalLM(cfg)
+    cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, sliding_window=8, use_sliding_window=True, max_window_layers=1)
+    model = Qwen2ForCausalLM(cfg)
     model.config._attn_implementation = "sdpa"
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match="does not serve exactly"):
         batchspec.LLM(model)
 
 

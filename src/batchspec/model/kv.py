@@ -7,6 +7,7 @@ A transformers upgrade should only ever need changes here. The engine sees:
 - ``attention_mask``: a ready 4D mask built from a per-slot visibility mask (HF's mask builders are bypassed);
 - ``gather_slots`` / ``select_rows`` / ``stack_rows`` / ``take_rows`` / ``put_rows`` / ``place_rows``: one gather per
   cache for realignment, row removal, splicing, moving rows between a window and a batch, and assembling a prefill;
+- ``windows``: each attention layer type's sliding window, which ``attention_mask`` applies over visible tokens;
 - ``check_supported``: refuses models whose attention this engine cannot address by slot;
 - ``rebuild_buffers``: the buffers of a model built on the meta device (its rotary tables), computed by
   transformers' own initialiser (a packed model loaded from the cache, ``loading.py``).
@@ -338,29 +339,57 @@ def stack_rows(parts: list[tuple[SlotCache | None, int]], width: int, num_layers
     return out
 
 
-def attention_mask(model, visible: torch.Tensor, q: int) -> torch.Tensor:
-    """A 4D mask for a forward of ``q`` new slots over a cache whose slots (old and new) are ``visible`` ``[B, S+q]``.
+def windows(model) -> dict[str, int | None]:
+    """Each attention layer type's window (``{layer type: window or None}``, None: full attention), ``{}`` for a
+    model whose every layer attends to its whole history. A window of ``w`` lets a token see itself and the ``w - 1``
+    tokens before it (HF's ``sliding_window``); ``layer_types`` in the config names each layer's type (Gemma 3's
+    local and global layers), else ``sliding_window`` applies to every layer (Mistral's)."""
+    cfg = model.config.get_text_config()
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    types = set(getattr(cfg, "layer_types", None) or [])
+    if not types:
+        return {"sliding_attention": window} if window else {}
+    kinds = {t: window if t == "sliding_attention" else None for t in types}
+    return kinds if any(kinds.values()) or types - {"full_attention", "sliding_attention"} else {}
 
-    Query ``i`` (slot ``S+i``) sees visible slots ``<= S+i``; it always sees itself, so a query on a hidden slot (a
-    hole) still has one key and never produces NaN. Additive float for eager attention, bool otherwise (sdpa).
-    """
+
+def _allowed(visible: torch.Tensor, q: int, window: int | None) -> torch.Tensor:
+    """``[B, 1, q, S+q]``: which slots each of the ``q`` new queries may attend to (see ``attention_mask``)."""
     total = visible.shape[1]
     kv = torch.arange(total, device=visible.device)
     qs = torch.arange(total - q, total, device=visible.device)
     causal = kv[None, :] <= qs[:, None]
-    allowed = (visible[:, None, :] & causal[None]) | (kv[None, :] == qs[:, None])[None]
-    allowed = allowed[:, None]
-    if model.config._attn_implementation != "eager":
-        return allowed
-    dtype = model.dtype
-    return torch.zeros((), dtype=dtype, device=visible.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    allowed = visible[:, None, :] & causal[None]
+    if window is not None:  # a window counts a row's visible tokens (its positions), not its slots
+        seen = visible.cumsum(1)
+        allowed &= seen[:, qs, None] - seen[:, None, :] < window
+    return (allowed | (kv[None, :] == qs[:, None])[None])[:, None]
+
+
+def attention_mask(model, visible: torch.Tensor, q: int):
+    """A 4D mask for a forward of ``q`` new slots over a cache whose slots (old and new) are ``visible`` ``[B, S+q]``.
+
+    Query ``i`` (slot ``S+i``) sees visible slots ``<= S+i``; it always sees itself, so a query on a hidden slot (a
+    hole) still has one key and never produces NaN. Additive float for eager attention, bool otherwise (sdpa).
+    Layers with a window (``windows``) see only the visible slots within that many of the row's tokens (holes and
+    padding not counted); where layer types differ (Gemma 3), a dict of masks keyed by layer type, as HF's models
+    with mixed layers take it.
+    """
+    masks = {t: _allowed(visible, q, w) for t, w in (windows(model) or {"full_attention": None}).items()}
+    if model.config._attn_implementation == "eager":
+        dtype, zero = model.dtype, torch.zeros((), dtype=model.dtype, device=visible.device)
+        masks = {t: zero.masked_fill(~m, torch.finfo(dtype).min) for t, m in masks.items()}
+    return masks.popitem()[1] if len(masks) == 1 else masks
 
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+# families whose models take a dict of masks keyed by layer type, tested against HF with mixed layers
+MIXED_LAYERS = ("gemma3_text",)
 
 
 def check_supported(model, role: str) -> None:
-    """Raise ``ValueError`` for models whose attention cannot be addressed by slot and visibility mask."""
+    """Raise ``ValueError`` for models whose attention cannot be addressed by slot and visibility mask (with a
+    window per layer type, ``windows``)."""
     cfg = model.config.get_text_config()
     impl = model.config._attn_implementation
     if impl not in SUPPORTED_ATTENTION:
@@ -368,14 +397,18 @@ def check_supported(model, role: str) -> None:
             f"{role} model uses attention implementation {impl!r}; batchspec needs one of {SUPPORTED_ATTENTION} "
             "(load it with attn_implementation='sdpa')"
         )
-    layer_types = getattr(cfg, "layer_types", None) or []
-    sliding = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    if any(t != "full_attention" for t in layer_types) or (sliding and not layer_types):
+    kinds = windows(model)
+    odd = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    mixed = len(set(kinds.values())) > 1 and model.config.model_type not in MIXED_LAYERS
+    if odd or mixed or getattr(cfg, "use_bidirectional_attention", False):
         raise ValueError(
-            f"{role} model ({cfg.model_type}) uses sliding-window or non-standard attention layers {sorted(set(layer_types))}; "
-            "batchspec's layouts address the cache by slot, where a window would cover holes as well as tokens, so "
-            "such models are refused rather than silently diverging"
+            f"{role} model ({cfg.model_type}) uses attention layers {sorted(kinds)} that batchspec does not serve "
+            "exactly (a window per layer type is served for uniform windows and for the families "
+            f"{MIXED_LAYERS}); refused rather than silently diverging"
         )
+    if getattr(cfg, "attn_logit_softcapping", None) is not None and impl != "eager":
+        raise ValueError(f"{role} model ({cfg.model_type}) caps attention logits, which only eager attention "
+                         "computes (load it with attn_implementation='eager')")
 
 
 def rebuild_buffers(model) -> bool:

@@ -194,6 +194,7 @@ class Runner:
         if budget < 0:
             budget = budget_bytes(default_mib(self.device))
         self.prefixes = PrefixCache(budget) if budget else None
+        self.windowed = bool(kv.windows(model))  # sliding windows: only the masked forwards of the model's own modules
         self._static = None
         self._copy = self._key = None
         self._ends = ()
@@ -219,12 +220,13 @@ class Runner:
     def packed_rows(self) -> int:
         """How many rows (real new tokens) a forward with ``counts`` may have and still cost only those, as the C
         layer computes only them; 0 where forwards cost their whole rectangle."""
-        return fused_llama.MAX_ROWS if self.static is None and fused_llama.plan(self.model) is not None else 0
+        fused = self.static is None and not self.windowed and fused_llama.plan(self.model) is not None
+        return fused_llama.MAX_ROWS if fused else 0
 
     @property
     def static(self) -> graphs.StaticRunner | None:
         """The static-shape step runner, where this runner's mode and model call for one."""
-        if self.graphs == "off" or (self.graphs == "auto" and self.device.type != "cuda"):
+        if self.graphs == "off" or (self.graphs == "auto" and self.device.type != "cuda") or self.windowed:
             return None
         if self._static is None:
             self._static = graphs.supported(self.model) and graphs.StaticRunner(self.model, self.graphs == "auto")
@@ -237,7 +239,7 @@ class Runner:
         embeddings), or None where that path does not apply or the C layer's few-row forwards are the cheaper way
         (at most ``packed_rows`` tokens computed in all): the caller then runs grouped forwards."""
         tokens = shared - (len(base) if base is not None else 0) + sum(len(p) - shared for p in prompts)
-        if self.static is not None or tokens <= self.packed_rows:
+        if self.static is not None or self.windowed or tokens <= self.packed_rows:
             return None
         return whole_prefill.prefill(self.model, prompts, shared, width, hidden, embeds, base)
 
@@ -258,18 +260,22 @@ class Runner:
             if out is not None:
                 return TargetOutput(*out)
         everything = visible if visible is not None else torch.ones_like(input_ids, dtype=torch.bool)
-        out = fused_llama.forward(self.model, cache, input_ids, position_ids, everything, logits_to_keep, hidden,
-                                  embeds, counts)
+        out = None if self.windowed else fused_llama.forward(  # the C layer has no windows
+            self.model, cache, input_ids, position_ids, everything, logits_to_keep, hidden, embeds, counts)
         if out is not None:  # the C layer only reads the model
             return TargetOutput(*out)
         model = self.modules
         mask = segments = None
         extra = {"input_ids": input_ids} if embeds is None else {"inputs_embeds": embeds}
+        if visible is None and self.windowed:  # causal attention would not stop at the window: a mask that does
+            visible = torch.ones((input_ids.shape[0], cache.length + input_ids.shape[1]), dtype=torch.bool,
+                                 device=input_ids.device)
         if visible is not None:
             q = input_ids.shape[1]
             mask = kv.attention_mask(model, visible, q)
             own = model.config._attn_implementation == SLOT_SDPA
-            if own and cache.length == 0 and visible.shape[1] == q:  # a fresh, left-padded prefill: one host read
+            fresh = cache.length == 0 and visible.shape[1] == q and not self.windowed  # per-row causal attention
+            if own and fresh:  # a fresh, left-padded prefill: one host read
                 extra["starts"] = visible.to(torch.uint8).argmax(1).tolist()
             else:
                 segments = row_segments(visible, q) if own else None
