@@ -261,8 +261,10 @@ def test_a_bad_budget_is_refused(bad):
         batchspec.LLM(tiny.target(), prefix_cache=bad)
 
 
-def _metrics(url) -> dict:
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+def _metrics(url, key: str | None = None) -> dict:
+    r = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+    assert r.status_code == 200, r.text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in r.text.splitlines()
             if line and not line.startswith("#")}
 
 
@@ -295,7 +297,7 @@ def test_an_api_key_salts_its_requests():
             r = client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0,
                                           extra_body={"return_token_ids": True})
             assert r.choices[0].model_extra["token_ids"] == tiny.oracle(t, p, 6)
-            assert _metrics(s.url)["batchspec_prefix_cache_hits_total"] == hits
+            assert _metrics(s.url, key="k1")["batchspec_prefix_cache_hits_total"] == hits
 
 
 def test_cached_prefixes_follow_the_weights_they_were_computed_with():
