@@ -19,7 +19,7 @@ from .engine.schedulers import get_scheduler
 from .model import kv
 from .model.loading import context_length, eos_ids, load_model, load_tokenizer, resolve, vocab_size
 from .model.runner import Runner
-from .params import RequestOutput, SamplingParams, Stats
+from .params import PROCESSORS, RequestOutput, SamplingParams, Stats
 from .progress import Progress
 from .speculation import get_policy
 
@@ -190,7 +190,7 @@ class LLM:
         seeds = [sp.seed if sp.seed is not None else int(torch.randint(2**62, ())) for sp in params]
         return ids, [
             Request(p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed, id=i, logprobs=sp.logprobs,
-                    cache_salt=sp.cache_salt)
+                    cache_salt=sp.cache_salt, **{name: getattr(sp, name) for name in PROCESSORS})
             for i, (p, sp, stop, seed) in enumerate(zip(ids, params, stops, seeds))
         ]
 
