@@ -177,8 +177,7 @@ def _check_processors(max_tokens, min_p, repetition_penalty, presence_penalty, f
         if penalties[name] is None or not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
             raise ParamError(name, f"{name} must be in [-2, 2] (0 disables it), got {show(value)}")
     if min_tokens_ is None or not 0 <= min_tokens_ <= max_tokens:
-        raise ParamError("min_tokens", f"min_tokens must be an integer >= 0 and <= max_tokens ({max_tokens}), got "
-                                       f"{show(min_tokens)}")
+        raise ParamError("min_tokens", f"min_tokens must be an integer >= 0 and <= max_tokens, got {show(min_tokens)}")
     bias = {} if logit_bias is None else None
     if isinstance(logit_bias, dict):
         bias = {_integer(t): _real(b) for t, b in logit_bias.items()}
