@@ -406,8 +406,8 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         raise bad(f"cache_salt must be a non-empty string, got {show(cache_salt)}", "cache_salt")
     # the ranges of SamplingParams and the engine (check_sampling); max_tokens is checked against the context below
     checked = _check_sampling({"max_tokens": param, "logprobs": "logprobs" if kind == "completion" else "top_logprobs"},
-                              max_tokens=MAX_TOKENS if max_tokens is None else max_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed, stop_token_ids=stop_ids, logprobs=logprobs,
+                              max_tokens=MAX_TOKENS if max_tokens is None else max_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids, logprobs=logprobs,
                               vocab=info.vocab_size, **_processors(body))
     logprobs = checked["logprobs"]
     processors = {name: checked[name] for name in PROCESSORS}
