@@ -56,9 +56,10 @@ def tables(requests, device) -> dict[str, torch.Tensor]:
 
 def process(seqs, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """``logits`` ``[B, W, V]`` of a round verifying ``drafts`` ``[B, W-1]`` after each row's pending token,
-    processed for the kinds in ``seqs.processors`` (a new tensor; rows that use none keep their values bit for bit)."""
+    processed for the kinds in ``seqs.processors`` (a new tensor; rows that use none keep their values bit for bit).
+    Half-precision logits are processed in float32, as Hugging Face's ``generate`` does (counts stay exact)."""
     used = seqs.processors
-    x = logits
+    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     b, w, v = x.shape
     if BIAS in used:
         bias = torch.zeros(b, v, dtype=x.dtype, device=x.device)
