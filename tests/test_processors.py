@@ -185,3 +185,40 @@ def test_the_server_takes_the_processors_and_gives_the_offline_tokens():
                                                              temperature=0, return_token_ids=True, **body))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == offline
+
+
+def test_speculative_sampling_with_penalties_has_the_processed_distribution():
+    """The distributional audit's comparison for a repetition and a presence penalty: 2000 seeded samples of two
+    tokens through a draft model against the exact distribution of the processed target (and not the raw one)."""
+    from test_sampling_audit import ALPHA, VOCAB, small_draft, small_target
+
+    from batchspec.audit.distribution import Reference, compare
+
+    model, prompt = small_target(), [12, 8, 7, 15, 12, 8]
+
+    def dist(generated, penalised):
+        with torch.no_grad():
+            x = model(torch.tensor([prompt + generated])).logits[0, -1]
+        if penalised:
+            seen = torch.zeros(VOCAB, dtype=torch.bool)
+            seen[prompt + generated] = True
+            x = torch.where(seen, torch.where(x < 0, x * 1.5, x / 1.5), x)
+            x = x - 0.5 * (torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=VOCAB) > 0)
+        return x.softmax(-1).tolist()
+
+    def reference(penalised):
+        first = dist([], penalised)
+        cells = [{(a,): first[a] for a in range(VOCAB)}, {}]
+        for a in range(VOCAB):
+            cells[1].update({(a, b): first[a] * p for b, p in enumerate(dist([a], penalised))})
+        return Reference(prompt, 2, cells, {k: None for k in [(), *((a,) for a in range(VOCAB))]})  # all positive
+
+    llm = tiny.fixed_llm(model, draft=small_draft(), num_draft_tokens=3, batch_size=64, weights="fp32",
+                         prefix_cache=0)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=2, ignore_eos=True, repetition_penalty=1.5,
+                             presence_penalty=0.5) for i in range(2000)]
+    outs = [o.token_ids for o in llm.generate([prompt] * 2000, params)]
+    assert llm.stats.accepted > 0
+    right = compare(reference(True), outs, 2)
+    assert right.impossible == 0 and right.p_value > ALPHA, right
+    assert compare(reference(False), outs, 2).p_value < 1e-10
