@@ -222,3 +222,17 @@ def test_speculative_sampling_with_penalties_has_the_processed_distribution():
     right = compare(reference(True), outs, 2)
     assert right.impossible == 0 and right.p_value > ALPHA, right
     assert compare(reference(False), outs, 2).p_value < 1e-10
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_draft_model_drafts_from_the_processed_distribution(temperature):
+    """A bias the draft model did not see would reject nearly every draft (about 2% accepted); processed as the
+    target's logits are, its drafts stay likely."""
+    llm = _llm("draft", 8)
+    params = [SamplingParams(max_tokens=N, temperature=temperature, seed=i, logit_bias={17: 2.5},
+                             repetition_penalty=1.2) for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params)
+    assert llm.stats.accepted > 0.4 * llm.stats.drafted
+    if temperature == 0:
+        hf = [SequenceBiasLogitsProcessor([[[17], 2.5]]), RepetitionPenaltyLogitsProcessor(1.2)]
+        assert [o.token_ids for o in outs] == [_hf(p, N, hf) for p in PROMPTS]

@@ -54,10 +54,12 @@ def tables(requests, device) -> dict[str, torch.Tensor]:
     return {name: t.to(device) for name, t in out.items()}
 
 
-def process(seqs, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """``logits`` ``[B, W, V]`` of a round verifying ``drafts`` ``[B, W-1]`` after each row's pending token,
-    processed for the kinds in ``seqs.processors`` (a new tensor; rows that use none keep their values bit for bit).
-    Half-precision logits are processed in float32, as Hugging Face's ``generate`` does (counts stay exact)."""
+def process(seqs, logits: torch.Tensor, drafts: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """``logits`` ``[B, W, V]`` at positions ``start``..``start+W-1`` of a round whose drafts are ``drafts``
+    ``[B, >= start+W-1]`` (position j follows the pending token and drafts 1..j), processed for the kinds in
+    ``seqs.processors`` (a new tensor; rows that use none keep their values bit for bit). ``start`` > 0 serves a
+    drafter processing its own distribution one position at a time. Half-precision logits are processed in float32,
+    as Hugging Face's ``generate`` does (counts stay exact)."""
     used = seqs.processors
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     b, w, v = x.shape
@@ -68,16 +70,16 @@ def process(seqs, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         x = x + bias[:, None, :]
     banned = torch.zeros(b, w, v, dtype=x.dtype, device=x.device)
     if BAD_WORDS in used:
-        word_ends, hit = _bad_words(seqs, drafts)
+        word_ends, hit = _bad_words(seqs, drafts[:, : start + w - 1], start)
         banned.scatter_add_(2, word_ends.clamp(0, v - 1), hit.to(x.dtype))
     if MIN_TOKENS in used:
-        early = seqs.generated()[:, None] + torch.arange(w, device=x.device)[None, :] < seqs.min_tokens[:, None]
+        early = seqs.generated()[:, None] + torch.arange(start, start + w, device=x.device) < seqs.min_tokens[:, None]
         stop = seqs.stop[:, None, :].expand(b, w, -1)
         banned.scatter_add_(2, stop.clamp(0, v - 1), ((stop >= 0) & early[..., None]).to(x.dtype))
     if BAD_WORDS in used or MIN_TOKENS in used:
         x = x.masked_fill(banned > 0, float("-inf"))
     if REPETITION in used or PENALTIES in used:
-        x = _penalise(seqs, x, drafts)
+        x = _penalise(seqs, x, drafts, start)
     return x
 
 
@@ -92,13 +94,18 @@ def _counts(seqs, v: int, dtype, output: bool) -> torch.Tensor:
     return counts.scatter_add_(1, hist.clamp(0, v - 1), mask.to(dtype))
 
 
-def _penalise(seqs, x: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+def _penalise(seqs, x: torch.Tensor, drafts: torch.Tensor, start: int) -> torch.Tensor:
     """Repetition, frequency and presence penalties with counts that include the drafts before each position."""
     b, w, v = x.shape
-    before = torch.zeros(b, w, v, dtype=x.dtype, device=x.device)  # drafts 1..j at position j
+    output = _counts(seqs, v, x.dtype, True)
+    if start:  # drafts 1..start come before every position here
+        ids = drafts[:, :start].clamp(0, v - 1)
+        output = output.scatter_add(1, ids, torch.ones_like(ids, dtype=x.dtype))
+    before = torch.zeros(b, w, v, dtype=x.dtype, device=x.device)  # and drafts start+1..j at position j
     if w > 1:
-        before[:, 1:].scatter_add_(2, drafts.clamp(0, v - 1)[..., None], torch.ones_like(before[:, 1:, :1]))
-    output = _counts(seqs, v, x.dtype, True)[:, None, :] + before.cumsum(1)
+        ids = drafts[:, start : start + w - 1].clamp(0, v - 1)[..., None]
+        before[:, 1:].scatter_add_(2, ids, torch.ones_like(ids, dtype=x.dtype))
+    output = output[:, None, :] + before.cumsum(1)
     if REPETITION in seqs.processors:
         seen = (output + _counts(seqs, v, x.dtype, False)[:, None, :]) > 0
         p = seqs.repetition.to(x.dtype)[:, None, None]
@@ -109,20 +116,20 @@ def _penalise(seqs, x: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _bad_words(seqs, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each bad word's last token ``[B, W, N]`` and whether the tokens before position j end with the rest of the
-    word (a one-token word: always)."""
+def _bad_words(seqs, drafts: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each bad word's last token ``[B, W, N]`` and whether the tokens before position j (``start``..``start+W-1``;
+    ``drafts`` the ones before the last of them) end with the rest of the word (a one-token word: always)."""
     words = seqs.bad_words  # [B, N, L]
     b, n, length = words.shape
     size = (words >= 0).sum(-1)  # [B, N]
     last = words.gather(2, (size - 1).clamp(min=0)[..., None]).squeeze(-1)
-    w = drafts.shape[1] + 1
+    w = drafts.shape[1] + 1 - start
     if length == 1:
         return last[:, None, :].expand(b, w, n), (size > 0)[:, None, :].expand(b, w, n)
     # the L-1 tokens before each position: the history's last ones, then the drafts
     back = seqs.length[:, None] - (length - 1) + torch.arange(length - 1, device=words.device)[None, :]
     tail = seqs.history.gather(1, back.clamp(min=0)).masked_fill(back < 0, -3)
-    context = torch.cat([tail, drafts[:, : w - 1]], 1).unfold(1, length - 1, 1)  # [B, W, L-1]
+    context = torch.cat([tail, drafts], 1).unfold(1, length - 1, 1)[:, start:]  # [B, W, L-1]
     # word token i sits at column L - size + i of the context window; columns before the word match anything
     i = torch.arange(length - 1, device=words.device)[None, None, :] - (length - size)[..., None]  # [B, N, L-1]
     want = words.gather(2, i.clamp(0, length - 1))

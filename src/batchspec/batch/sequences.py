@@ -98,11 +98,11 @@ class Sequences:
         top = lsm.topk(min(max(self.lp_tops), lsm.shape[-1]), -1)
         return RoundLogprobs(self.lp_index, self.lp_tops, chosen, top.indices, top.values)
 
-    def process(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """The round's target ``logits`` [B, W, V] through each row's logits processors at each position, as batch-1
-        decoding would process them (``processors.process``; call it only when ``processors``, the kinds some row
-        uses, is not empty)."""
-        return processors.process(self, logits, drafts)
+    def process(self, logits: torch.Tensor, drafts: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The round's ``logits`` [B, W, V] (positions ``start``.., after the pending token and the drafts before
+        each) through each row's logits processors, as batch-1 decoding would process them (``processors.process``;
+        call it only when ``processors``, the kinds some row uses, is not empty)."""
+        return processors.process(self, logits, drafts, start)
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's sampling distribution from ``logits`` [B, Q, V] (one-hot argmax for greedy rows)."""
