@@ -68,15 +68,16 @@ def process(seqs, logits: torch.Tensor, drafts: torch.Tensor, start: int = 0) ->
         ids = seqs.bias_ids
         bias.scatter_add_(1, ids.clamp(0, v - 1), torch.where(ids >= 0, seqs.bias_values.to(x.dtype), 0))
         x = x + bias[:, None, :]
-    banned = torch.zeros(b, w, v, dtype=x.dtype, device=x.device)
-    if BAD_WORDS in used:
-        word_ends, hit = _bad_words(seqs, drafts[:, : start + w - 1], start)
-        banned.scatter_add_(2, word_ends.clamp(0, v - 1), hit.to(x.dtype))
-    if MIN_TOKENS in used:
-        early = seqs.generated()[:, None] + torch.arange(start, start + w, device=x.device) < seqs.min_tokens[:, None]
-        stop = seqs.stop[:, None, :].expand(b, w, -1)
-        banned.scatter_add_(2, stop.clamp(0, v - 1), ((stop >= 0) & early[..., None]).to(x.dtype))
     if BAD_WORDS in used or MIN_TOKENS in used:
+        banned = torch.zeros(b, w, v, dtype=x.dtype, device=x.device)  # > 0: masked
+        if BAD_WORDS in used:
+            word_ends, hit = _bad_words(seqs, drafts[:, : start + w - 1], start)
+            banned.scatter_add_(2, word_ends.clamp(0, v - 1), hit.to(x.dtype))
+        if MIN_TOKENS in used:
+            emitted = seqs.generated()[:, None] + torch.arange(start, start + w, device=x.device)
+            early = emitted < seqs.min_tokens[:, None]
+            stop = seqs.stop[:, None, :].expand(b, w, -1)
+            banned.scatter_add_(2, stop.clamp(0, v - 1), ((stop >= 0) & early[..., None]).to(x.dtype))
         x = x.masked_fill(banned > 0, float("-inf"))
     if REPETITION in used or PENALTIES in used:
         x = _penalise(seqs, x, drafts, start)
