@@ -59,6 +59,11 @@ BAD = [
     {"top_p": 0.0},
     {"top_p": 1.5},
     {"logprobs": 21},
+    {"min_p": 1.5},
+    {"repetition_penalty": 0.0},
+    {"presence_penalty": -2.5},
+    {"frequency_penalty": float("nan")},
+    {"min_tokens": -1},
 ]
 
 

@@ -193,7 +193,10 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": [1, 2], "n": 17}, "n"),
     ({"model": MODEL, "prompt": [1, 2], "logprobs": 21}, "logprobs"),
     ({"model": MODEL, "prompt": [1, 2], "echo": True}, "echo"),
-    ({"model": MODEL, "prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": [1, 2], "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": [1, 2], "logit_bias": {"999": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": [1, 2], "logit_bias": {"w5": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": [1, 2], "min_tokens": 17}, "min_tokens"),  # past the default 16
     ({"model": MODEL, "prompt": [1, 2], "stop": [""]}, "stop"),
     ({"model": MODEL, "prompt": [1, 2], "stop": 5}, "stop"),
     ({"model": MODEL, "prompt": [1, 2], "stop_token_ids": [999]}, "stop_token_ids"),

@@ -20,8 +20,9 @@ from .engine.schedulers import get_scheduler
 from .model import kv
 from .model.loading import context_length, eos_ids, load_model, load_tokenizer, resolve, vocab_size
 from .model.runner import Runner
-from .params import RequestOutput, SamplingParams, Stats
+from .params import PROCESSORS, RequestOutput, SamplingParams, Stats
 from .progress import Progress
+from .text import TextStream
 from .speculation import get_policy
 
 
@@ -184,8 +185,8 @@ class LLM:
         draft = context_length(self.draft) if isinstance(self.drafter, ModelDrafter) else None
         return context_length(self.target), draft
 
-    def requests(self, prompts, sampling_params=None) -> tuple[list[list[int]], list[Request]]:
-        """Validate ``prompts`` and their params; returns (token ids, engine requests numbered 0..n-1)."""
+    def _params(self, prompts, sampling_params) -> list[SamplingParams]:
+        """One validated copy of the sampling params per prompt."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
@@ -193,7 +194,13 @@ class LLM:
         for sp in params:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
-        params = [dataclasses.replace(sp) for sp in params]  # validated again: fields may have changed since
+            if sp.stop and self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer; pass tokenizer= or use stop_token_ids")
+        return [dataclasses.replace(sp) for sp in params]  # validated again: fields may have changed since
+
+    def requests(self, prompts, sampling_params=None) -> tuple[list[list[int]], list[Request]]:
+        """Validate ``prompts`` and their params; returns (token ids, engine requests numbered 0..n-1)."""
+        params = self._params(prompts, sampling_params)
         ids = self._encode(prompts)
         self._check(ids, params)
         eos = eos_ids(self.target)
@@ -201,7 +208,7 @@ class LLM:
         seeds = [sp.seed if sp.seed is not None else int(torch.randint(2**62, ())) for sp in params]
         return ids, [
             Request(p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed, id=i, logprobs=sp.logprobs,
-                    cache_salt=sp.cache_salt)
+                    cache_salt=sp.cache_salt, **{name: getattr(sp, name) for name in PROCESSORS})
             for i, (p, sp, stop, seed) in enumerate(zip(ids, params, stops, seeds))
         ]
 
@@ -211,17 +218,24 @@ class LLM:
         return Engine(self.parts, self.scheduler, self.batch_size, self.stats, self.check_invariants, self.profile,
                       prefill_tokens, self.memory.budget)
 
-    def output(self, prompt_ids: list[int], f) -> RequestOutput:
-        """A ``RequestOutput`` from an engine's ``Finished``."""
+    def output(self, prompt_ids: list[int], f, stream: TextStream | None = None) -> RequestOutput:
+        """A ``RequestOutput`` from an engine's ``Finished``; cut before its stop string when ``stream`` (its text
+        with the request's stop strings) met one."""
+        ids, text, reason, lps = f.token_ids, None, f.reason, f.logprobs
+        if stream is not None and stream.stopped is not None:
+            n = len(stream.ids)
+            ids, text, reason, lps = ids[:n], stream.text, "stop", None if lps is None else lps[:n]
+        elif self.tokenizer:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return RequestOutput(
             prompt_token_ids=prompt_ids,
-            token_ids=f.token_ids,
-            text=self.tokenizer.decode(f.token_ids, skip_special_tokens=True) if self.tokenizer else None,
-            finish_reason=f.reason,
+            token_ids=ids,
+            text=text,
+            finish_reason=reason,
             num_rounds=f.rounds,
             num_drafted=f.drafted,
             num_accepted=f.accepted,
-            logprobs=f.logprobs,
+            logprobs=lps,
         )
 
     def generate(self, prompts, sampling_params=None, progress: bool = False, on_tokens=None) -> list[RequestOutput]:
@@ -236,7 +250,10 @@ class LLM:
         prompts = _prompt_list(prompts)
         if not prompts:
             return []
-        ids, requests = self.requests(prompts, sampling_params)
+        params = self._params(prompts, sampling_params)
+        ids, requests = self.requests(prompts, params)
+        # stop strings: the output's text as the server streams it; a request whose text met one is aborted
+        streams = {i: TextStream(self.tokenizer, sp.stop) for i, sp in enumerate(params) if sp.stop}
         results: list[RequestOutput | None] = [None] * len(ids)
         engine = self.engine()
         for r in requests:
@@ -246,10 +263,15 @@ class LLM:
             with Progress(progress, len(ids), "generating") as bar:
                 while engine.has_work():
                     for o in engine.step():
-                        if on_tokens is not None and (o.new_token_ids or o.finished):
-                            on_tokens(o.request_id, o.new_token_ids, o.finished is not None)
+                        new, stream = o.new_token_ids, streams.get(o.request_id)
+                        if stream is not None:
+                            new = stream.add(new)[0]
+                            if stream.stopped is not None and o.finished is None:
+                                engine.abort(o.request_id)
+                        if on_tokens is not None and (new or o.finished):
+                            on_tokens(o.request_id, new, o.finished is not None)
                         if o.finished is not None:
-                            results[o.request_id] = self.output(ids[o.request_id], o.finished)
+                            results[o.request_id] = self.output(ids[o.request_id], o.finished, stream)
                             bar.advance()
         except BaseException as exc:
             engine.reset()

@@ -17,6 +17,11 @@ MAX_TEMPERATURE = 1e4
 # Alternatives a request may ask for at each position (``SamplingParams.logprobs``): OpenAI's and vLLM's default bound.
 # Each one is computed on the device and read back with the round, so the bound also bounds what a round reads.
 MAX_LOGPROBS = 20
+# Penalties and biases (``SamplingParams``): OpenAI's ranges for presence / frequency penalties and logit biases; a
+# repetition penalty divides or multiplies logits, so it is a positive finite factor (1: off).
+MAX_PENALTY = 2.0
+MAX_BIAS = 100.0
+MAX_REPETITION_PENALTY = 1e4
 
 
 class ParamError(ValueError):
@@ -74,6 +79,16 @@ class SamplingParams:
     ``logprobs`` None or in [0, ``MAX_LOGPROBS``]. ``cache_salt`` (None: none): a prompt starts from cached blocks
     (``LLM(prefix_cache=)``) only of prompts with the same salt, so prompts of different salts never speed up or
     inform one another.
+
+    Logits processors, applied at every verified position to the logits batch-1 decoding would have there (drafts
+    before a position count as emitted), so speculation keeps its exactness: ``logit_bias`` (token id -> bias added,
+    in [-100, 100]); ``bad_words`` (token-id sequences never completed: their last token is masked after the rest);
+    ``min_tokens`` (stop and EOS ids masked until that many tokens were generated, <= ``max_tokens``);
+    ``repetition_penalty`` (> 0, 1: off; Hugging Face's: logits of tokens of prompt or output divided by it when
+    positive, multiplied when negative); ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]; OpenAI's: minus
+    the penalty once for a token of the output, minus it per occurrence); then temperature, top-k, top-p and
+    ``min_p`` (in [0, 1]: tokens below ``min_p`` times the top probability dropped). ``stop`` strings end the
+    output before their first match in its text (needs a tokenizer), as the server does.
     """
 
     max_tokens: int = 64
@@ -85,21 +100,40 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     cache_salt: str | None = None
+    stop: list[str] = field(default_factory=list)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    bad_words: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
         checked = check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed,
-                                 self.stop_token_ids, self.logprobs)
+                                 self.stop_token_ids, self.logprobs, **{n: getattr(self, n) for n in PROCESSORS})
         for name, value in checked.items():
             setattr(self, name, value)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ParamError("cache_salt", f"cache_salt must be None or a string, got {show(self.cache_salt)}")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ParamError("stop", f"stop must be a string or a list of non-empty strings, got {show(self.stop)}")
+        self.stop = list(stop)
+
+
+# The logits processors' fields, with their values that turn each off (``SamplingParams``, the engine's ``Request``).
+PROCESSORS = dict(min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None,
+                  min_tokens=0, bad_words=None)
 
 
 def check_sampling(max_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop_token_ids=(),
-                   logprobs=None) -> dict:
-    """The sampling values as plain Python numbers (numpy's become ``int`` / ``float``, the stop ids a list), keyed
-    by ``SamplingParams``' field names; ``ParamError`` naming the first one out of its range (the bounds are
-    ``SamplingParams``'). The one set of rules ``SamplingParams``, the engine's ``check_request`` and the server's
+                   logprobs=None, *, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                   logit_bias=None, min_tokens=0, bad_words=None, vocab: int | None = None) -> dict:
+    """The sampling values as plain Python numbers (numpy's become ``int`` / ``float``, the stop ids a list, the
+    biases a dict of ``int`` -> ``float``, the bad words lists of ``int``), keyed by ``SamplingParams``' field names;
+    ``ParamError`` naming the first one out of its range (the bounds are ``SamplingParams``'; token ids below
+    ``vocab`` when given). The one set of rules ``SamplingParams``, the engine's ``check_request`` and the server's
     request validation apply."""
     max_tokens_, top_k_, temperature_, top_p_ = _integer(max_tokens), _integer(top_k), _real(temperature), _real(top_p)
     if max_tokens_ is None or not 1 <= max_tokens_ <= MAX_TOKENS:
@@ -123,7 +157,45 @@ def check_sampling(max_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None
         raise ParamError("logprobs", f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}] (the "
                                      f"alternatives returned at each position), got {show(logprobs)}")
     return dict(max_tokens=max_tokens_, temperature=temperature_, top_k=top_k_, top_p=top_p_, seed=seed_,
-                stop_token_ids=stops, logprobs=logprobs_)
+                stop_token_ids=stops, logprobs=logprobs_,
+                **_check_processors(max_tokens_, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+                                    logit_bias, min_tokens, bad_words, INT64 if vocab is None else vocab))
+
+
+def _check_processors(max_tokens, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
+                      min_tokens, bad_words, vocab) -> dict:
+    """``check_sampling``'s part for the logits processors."""
+    min_p_, rep, min_tokens_ = _real(min_p), _real(repetition_penalty), _integer(min_tokens)
+    if min_p_ is None or not 0.0 <= min_p_ <= 1.0:
+        raise ParamError("min_p", f"min_p must be in [0, 1] (0 disables it), got {show(min_p)}")
+    if rep is None or not 0.0 < rep <= MAX_REPETITION_PENALTY:
+        raise ParamError("repetition_penalty", f"repetition_penalty must be > 0 and <= {MAX_REPETITION_PENALTY:g} "
+                                               f"(1 disables it), got {show(repetition_penalty)}")
+    penalties = {}
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        penalties[name] = _real(value)
+        if penalties[name] is None or not -MAX_PENALTY <= penalties[name] <= MAX_PENALTY:
+            raise ParamError(name, f"{name} must be in [-2, 2] (0 disables it), got {show(value)}")
+    if min_tokens_ is None or not 0 <= min_tokens_ <= max_tokens:
+        raise ParamError("min_tokens", f"min_tokens must be an integer >= 0 and <= max_tokens, got {show(min_tokens)}")
+    bias = {} if logit_bias is None else None
+    if isinstance(logit_bias, dict):
+        bias = {_integer(t): _real(b) for t, b in logit_bias.items()}
+        if any(t is None or not 0 <= t < vocab or b is None or not -MAX_BIAS <= b <= MAX_BIAS for t, b in bias.items()):
+            bias = None
+    if bias is None:
+        raise ParamError("logit_bias", f"logit_bias must map token ids in [0, {vocab}) to biases in [-100, 100], got "
+                                       f"{show(logit_bias)}")
+    words = [] if bad_words is None else None
+    if isinstance(bad_words, (list, tuple)):
+        words = [None if isinstance(w, (str, bytes)) else _token_ids(w) for w in bad_words]
+        if any(not w or max(w) >= vocab for w in words):
+            words = None
+    if words is None:
+        raise ParamError("bad_words", f"bad_words must be a list of non-empty lists of token ids in [0, {vocab}), "
+                                      f"got {show(bad_words)}")
+    return dict(min_p=min_p_, repetition_penalty=rep, logit_bias=bias, min_tokens=min_tokens_, bad_words=words,
+                **penalties)
 
 
 def _token_ids(values) -> list[int] | None:

@@ -55,11 +55,13 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-         filtering: bool = True, greedy_rows: bool = True) -> torch.Tensor:
+         filtering: bool = True, greedy_rows: bool = True, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Probabilities ``[B, Q, V]`` from ``logits`` with per-row ``temperature``, ``top_k`` (0: off) and ``top_p``
     (1.0: off), each ``[B]``. Rows with temperature 0 get a one-hot on the argmax (greedy). ``filtering=False`` skips
     the top-k/top-p sort when no row uses them, ``greedy_rows=False`` the one-hot when no row is greedy. Ties at the top-k threshold are kept, and top-p keeps the smallest
-    prefix of the sorted distribution whose mass reaches ``top_p`` (at least one token), as Hugging Face does."""
+    prefix of the sorted distribution whose mass reaches ``top_p`` (at least one token), as Hugging Face does. Then
+    ``min_p`` (``[B]``, None: no row uses it) drops tokens less likely than ``min_p`` times the most likely one (Hugging
+    Face's ``MinPLogitsWarper``, after top-p as there)."""
     greedy = temperature == 0
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     # shifted so the largest logit is 0 before dividing: a small temperature cannot overflow (the rest go to -inf)
@@ -74,6 +76,9 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
         drop |= (before >= top_p.to(ps.dtype)[:, None, None]) & (top_p < 1)[:, None, None]
         x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     probs = x.softmax(-1)
+    if min_p is not None:
+        drop = probs < min_p.to(probs.dtype)[:, None, None] * probs.amax(-1, keepdim=True)
+        probs = x.masked_fill(drop, float("-inf")).softmax(-1)
     if not greedy_rows:
         return probs
     one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)

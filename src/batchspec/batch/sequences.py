@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import uniforms, warp
+from . import processors
 
 FIELDS = ("prompt_len", "limit", "history", "length", "stop", "stopped", "rounds", "drafted", "accepted", "evidence",
-          "temperature", "top_k", "top_p", "seed")
+          "temperature", "top_k", "top_p", "seed", "repetition", "presence", "frequency", "min_p", "min_tokens",
+          "bias_ids", "bias_values", "bad_words")
 
 
 @dataclass
@@ -31,7 +33,7 @@ class Sequences:
     def __init__(self, requests, k, device):
         """``requests``: objects with ``id``, ``prompt`` (token ids), ``max_tokens``, ``stop_ids``, the sampling
         parameters ``temperature``, ``top_k``, ``top_p``, ``seed`` and ``logprobs`` (alternatives asked for, None:
-        no log-probabilities)."""
+        no log-probabilities), and optionally the logits processors' fields (``processors.tables``)."""
         prompts = [r.prompt for r in requests]
         max_tokens = [r.max_tokens for r in requests]
         stop_sets = [r.stop_ids for r in requests]
@@ -60,6 +62,8 @@ class Sequences:
         self.top_p = torch.tensor([float(r.top_p) for r in requests], device=device)
         self.seed = torch.tensor([r.seed for r in requests], dtype=torch.long, device=device)
         self.top_logprobs = [getattr(r, "logprobs", None) for r in requests]  # host, per row, like request_ids
+        for name, table in processors.tables(requests, device).items():
+            setattr(self, name, table)
         self._flags(requests)
         self._logprob_rows()
 
@@ -68,6 +72,8 @@ class Sequences:
         self.sampling = any(r.temperature > 0 for r in requests)
         self.filtering = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in requests)
         self.greedy_rows = any(r.temperature == 0 for r in requests)
+        self.processors = set().union(*map(processors.kinds, requests))  # those some row uses
+        self.min_p_rows = any(r.temperature > 0 and getattr(r, "min_p", 0.0) > 0 for r in requests)
 
     def _logprob_rows(self) -> None:
         """The rows that asked for log-probabilities, as a device index (None: no row did), rebuilt when rows join
@@ -92,9 +98,16 @@ class Sequences:
         top = lsm.topk(min(max(self.lp_tops), lsm.shape[-1]), -1)
         return RoundLogprobs(self.lp_index, self.lp_tops, chosen, top.indices, top.values)
 
+    def process(self, logits: torch.Tensor, drafts: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The round's ``logits`` [B, W, V] (positions ``start``.., after the pending token and the drafts before
+        each) through each row's logits processors, as batch-1 decoding would process them (``processors.process``;
+        call it only when ``processors``, the kinds some row uses, is not empty)."""
+        return processors.process(self, logits, drafts, start)
+
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's sampling distribution from ``logits`` [B, Q, V] (one-hot argmax for greedy rows)."""
-        return warp(logits, self.temperature, self.top_k, self.top_p, self.filtering, self.greedy_rows)
+        return warp(logits, self.temperature, self.top_k, self.top_p, self.filtering, self.greedy_rows,
+                    self.min_p if self.min_p_rows else None)
 
     def uniforms(self, q: int, stream: int) -> torch.Tensor:
         """[B, q] uniforms for the next ``q`` tokens of each row (keyed by seed and generated-token index)."""
@@ -144,6 +157,7 @@ class Sequences:
         part.request_ids = [self.request_ids[i] for i in taken]
         part.top_logprobs = [self.top_logprobs[i] for i in taken]
         part.sampling, part.filtering, part.greedy_rows = self.sampling, self.filtering, self.greedy_rows
+        part.processors, part.min_p_rows = self.processors, self.min_p_rows
         part._logprob_rows()
         return part
 
@@ -155,11 +169,10 @@ class Sequences:
         """This batch's rows followed by ``other``'s (requests joining a running batch)."""
         for name in FIELDS:
             a, b = getattr(self, name), getattr(other, name)
-            if a.dim() == 2 and a.shape[1] != b.shape[1]:  # history / stop tables of different widths
+            if a.shape[1:] != b.shape[1:]:  # history / stop / processor tables of different widths
                 fill = -1 if name == "history" else -2
-                w = max(a.shape[1], b.shape[1])
-                a = torch.nn.functional.pad(a, (0, w - a.shape[1]), value=fill)
-                b = torch.nn.functional.pad(b, (0, w - b.shape[1]), value=fill)
+                size = [max(x, y) for x, y in zip(a.shape[1:], b.shape[1:])]
+                a, b = _widen(a, size, fill), _widen(b, size, fill)
             setattr(self, name, torch.cat([a, b]))
         self.request_ids = self.request_ids + other.request_ids
         self.top_logprobs = self.top_logprobs + other.top_logprobs
@@ -167,4 +180,12 @@ class Sequences:
         self.sampling |= other.sampling
         self.filtering |= other.filtering
         self.greedy_rows |= other.greedy_rows
+        self.processors = self.processors | other.processors
+        self.min_p_rows |= other.min_p_rows
         return self
+
+
+def _widen(t: torch.Tensor, size: list[int], fill: int) -> torch.Tensor:
+    """``t`` padded with ``fill`` after its entries to ``[len(t), *size]``."""
+    pad = [p for have, want in zip(reversed(t.shape[1:]), reversed(size)) for p in (0, want - have)]
+    return torch.nn.functional.pad(t, pad, value=fill)

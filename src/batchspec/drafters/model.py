@@ -73,10 +73,13 @@ class ModelDrafter(Drafter):
         for i in range(k):
             if i:
                 logits = state.slots.append(drafts[-1][:, None], logits_to_keep=1).logits
+            x = logits[:, -1:]
+            if seqs.processors:  # processed as the target's will be, so its drafts stay likely to be accepted
+                x = seqs.process(x, torch.stack(drafts, 1) if drafts else x.new_zeros(len(seqs), 0).long(), i)
             if u is None:
-                drafts.append(greedy(logits[:, -1]))
+                drafts.append(greedy(x[:, 0]))
             else:  # sample from the warped draft distribution, keep it for the rejection sampler
-                qs.append(seqs.warp(logits[:, -1:])[:, 0])
+                qs.append(seqs.warp(x)[:, 0])
                 drafts.append(draw(qs[-1], u[:, i]))
         return Proposal(torch.stack(drafts, 1), plan.drafts, torch.stack(qs, 1) if qs else None)
 

@@ -19,8 +19,8 @@ from ..batch import Batch, InvariantError, RoundLogprobs, Sequences, check_invar
 from ..drafters.base import Proposal
 from ..model.loading import vocab_size
 from ..model.runner import Runner
-from ..params import ParamError, Stats, TokenLogprob, check_sampling
-from ..sampling import Stream
+from ..params import PROCESSORS, ParamError, Stats, TokenLogprob, check_sampling
+from ..sampling import Stream, greedy
 from ..speculation import FixedLength
 from ..speculation.budget import DRAFT, FIXED, NO_DRAFTER, NOT_WORTH, DraftBudget, Outcome, RoundView
 from .layouts.slotmask import SlotMask
@@ -44,6 +44,14 @@ class Request:
     id: int | None = None  # given by ``Engine.add_request`` when None
     logprobs: int | None = None  # alternatives to return with each token's log-probability (None: none at all)
     cache_salt: str | None = None  # prompts share cached prefixes only with prompts of the same salt
+    # logits processors (``SamplingParams``; these values turn each off)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    min_tokens: int = 0
+    bad_words: list | None = None
 
 
 def _is_int(v) -> bool:
@@ -66,7 +74,8 @@ def check_request(r: Request, vocab: int | None = None, context: int | None = No
     if not all(map(_is_int, prompt)) or min(prompt) < 0 or (vocab is not None and max(prompt) >= vocab):
         raise refuse(f"the prompt must hold integer token ids in [0, {vocab})")
     try:
-        v = check_sampling(r.max_tokens, r.temperature, r.top_k, r.top_p, r.seed, r.stop_ids, r.logprobs)
+        v = check_sampling(r.max_tokens, r.temperature, r.top_k, r.top_p, r.seed, r.stop_ids, r.logprobs,
+                           vocab=vocab, **{name: getattr(r, name) for name in PROCESSORS})
     except ParamError as e:
         raise ParamError(e.param, f"request {r.id}: {e}") from None
     if v["seed"] is None:
@@ -75,6 +84,8 @@ def check_request(r: Request, vocab: int | None = None, context: int | None = No
         raise refuse(f"{len(prompt)} prompt tokens + max_tokens {v['max_tokens']} exceed the context of {context}")
     r.max_tokens, r.temperature, r.top_k, r.top_p = v["max_tokens"], v["temperature"], v["top_k"], v["top_p"]
     r.seed, r.stop_ids, r.logprobs = v["seed"], set(v["stop_token_ids"]), v["logprobs"]
+    for name in PROCESSORS:
+        setattr(r, name, v[name])
 
 
 @dataclass
@@ -171,11 +182,14 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
         # a row's slots past its own drafts are padding: hidden at once, and not computed where the runner packs
         out = target.append(torch.cat([seqs.pending()[:, None], drafts], 1), hidden=drafter.needs_hidden,
                             counts=n_drafts + 1)
+        # each position's logits through the rows' processors, as at batch 1 (None: no row of the batch uses any)
+        processed = seqs.process(out.logits, drafts) if seqs.processors else None
         if seqs.sampling:
             u_accept, u_target = seqs.uniforms(k, Stream.ACCEPT), seqs.uniforms(k + 1, Stream.TARGET)
-            accepted, bonus = parts.sample(seqs.warp(out.logits), proposal.q, drafts, n_drafts, u_accept, u_target)
+            target_p = seqs.warp(out.logits if processed is None else processed)
+            accepted, bonus = parts.sample(target_p, proposal.q, drafts, n_drafts, u_accept, u_target)
         else:
-            accepted, bonus = parts.accept(out.tokens(), drafts, n_drafts)
+            accepted, bonus = parts.accept(out.tokens() if processed is None else greedy(processed), drafts, n_drafts)
     with timer("align"):
         target.hide_tail(k + 1, accepted + 1)
         drafter.commit(batch.draft, proposal, accepted, out)

@@ -23,8 +23,10 @@ and ``return_tokens_as_token_ids``):
 - log-probabilities: completions ``logprobs`` an integer in [0, ``MAX_LOGPROBS``] (the alternatives at each
   position), chat ``logprobs: true`` with ``top_logprobs`` in [0, ``MAX_LOGPROBS``] (``top_logprobs`` needs
   ``logprobs``); ``return_tokens_as_token_ids`` renders their tokens as ``"token_id:<id>"``;
-- ``echo``, ``suffix``, ``best_of`` > 1, non-zero penalties, ``logit_bias``, tools and non-text response formats are
-  refused (400).
+- logits processors (``SamplingParams``' bounds): ``presence_penalty`` and ``frequency_penalty`` in [-2, 2],
+  ``logit_bias`` (token id, as a string -> bias in [-100, 100]), and vLLM's ``min_p``, ``repetition_penalty``,
+  ``min_tokens``;
+- ``echo``, ``suffix``, ``best_of`` > 1, tools and non-text response formats are refused (400).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..params import ParamError, SamplingParams, check_sampling, show
+from ..params import MAX_TOKENS, PROCESSORS, ParamError, SamplingParams, check_sampling, show
+from ..text import TextStream  # noqa: F401  (the server's stop strings, shared with LLM.generate)
 
 # The largest request body by default (413 beyond): a full context of 128k tokens, as ids or as escaped text, takes
 # about 1 MB.
@@ -115,6 +118,7 @@ class GenRequest:
     logprobs: int | None = None  # alternatives at each position (None: no log-probabilities)
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     cache_salt: str | None = None  # prompts share cached prefixes only with prompts of the same salt
+    processors: dict = field(default_factory=dict)  # the logits processors' checked fields (``PROCESSORS``' names)
 
 
 # ------------------------------------------------------------------------------------------------ field readers
@@ -174,13 +178,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         fmt = body.get("response_format")
         if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
             raise bad("only the text response format is supported", "response_format", "unsupported_parameter")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and (not _is_real(v) or v != 0):
-            raise bad(f"{name} is not supported by this server (give 0 or leave it out)", name,
-                      "unsupported_parameter")
-    if body.get("logit_bias"):
-        raise bad("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
 
 
 def _choices(body: dict) -> int:
@@ -409,9 +406,11 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         raise bad(f"cache_salt must be a non-empty string, got {show(cache_salt)}", "cache_salt")
     # the ranges of SamplingParams and the engine (check_sampling); max_tokens is checked against the context below
     checked = _check_sampling({"max_tokens": param, "logprobs": "logprobs" if kind == "completion" else "top_logprobs"},
-                              max_tokens=1 if max_tokens is None else max_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed, stop_token_ids=stop_ids, logprobs=logprobs)
+                              max_tokens=MAX_TOKENS if max_tokens is None else max_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids, logprobs=logprobs,
+                              vocab=info.vocab_size, **_processors(body))
     logprobs = checked["logprobs"]
+    processors = {name: checked[name] for name in PROCESSORS}
 
     ids = _prompt_ids(body, info) if kind == "completion" else _chat_ids(body, info)
     room = None if info.context is None else info.context - len(ids)
@@ -419,6 +418,9 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         max_tokens = 16 if kind == "completion" else info.default_max_tokens
         if room is not None:
             max_tokens = min(max_tokens, room)
+        if processors["min_tokens"] > max_tokens:
+            raise bad(f"min_tokens {processors['min_tokens']} exceeds the {max_tokens} tokens this request may "
+                      f"generate: give max_tokens", "min_tokens")
     elif room is not None and max_tokens > room:
         raise bad(f"{len(ids)} prompt tokens + {param} {max_tokens} = {len(ids) + max_tokens} exceeds the model's "
                   f"context of {info.context} positions", param, "context_length_exceeded")
@@ -426,8 +428,23 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, stream=stream,
         include_usage=stream and _get_bool(opts, "include_usage"), return_token_ids=return_token_ids, n=n,
-        logprobs=logprobs, tokens_as_ids=tokens_as_ids, cache_salt=cache_salt,
+        logprobs=logprobs, tokens_as_ids=tokens_as_ids, cache_salt=cache_salt, processors=processors,
     )
+
+
+def _processors(body: dict) -> dict:
+    """The logits processors' fields the request gave (OpenAI's penalties and ``logit_bias``, whose keys are token ids
+    as strings; vLLM's ``min_p``, ``repetition_penalty``, ``min_tokens``), ready for ``check_sampling``."""
+    values = {name: body[name] for name in PROCESSORS if name != "bad_words" and body.get(name) is not None}
+    bias = values.get("logit_bias")
+    if isinstance(bias, dict):
+        try:
+            values["logit_bias"] = {int(t) if isinstance(t, str) else t: b for t, b in bias.items()}
+        except ValueError:
+            raise bad(f"logit_bias keys must be token ids, got {show(bias)}", "logit_bias") from None
+    if "min_tokens" in values:
+        values["min_tokens"] = _whole(values["min_tokens"])
+    return values
 
 
 def _check_sampling(fields: dict, **values) -> dict:
@@ -446,7 +463,7 @@ def sampling_params(req: GenRequest, index: int = 0) -> SamplingParams:
     seed = None if req.seed is None else (req.seed + index) % INT64
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                           seed=seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                          logprobs=req.logprobs, cache_salt=req.cache_salt)
+                          logprobs=req.logprobs, cache_salt=req.cache_salt, **req.processors)
 
 
 def parse_completion(body, info: ModelInfo) -> GenRequest:
@@ -457,69 +474,6 @@ def parse_completion(body, info: ModelInfo) -> GenRequest:
 def parse_chat(body, info: ModelInfo) -> GenRequest:
     """A ``/v1/chat/completions`` body as a ``GenRequest``; raises ``APIError`` (400) on anything invalid."""
     return _parse(body, info, "chat")
-
-
-# ------------------------------------------------------------------------------------------------ detokenising
-
-
-class TextStream:
-    """Turns generated token ids into text as they arrive and applies stop strings.
-
-    ``add(new_ids)`` returns ``(kept_ids, text_delta)``: the ids that belong to the output (the ids after a stop
-    string's completion are dropped, as is everything once stopped) and the text that is safe to send. Text is held
-    back while it ends in an incomplete character or in a prefix of a stop string; the output text never contains the
-    stop string. ``flush()`` returns what was held back (call it when the output ends). ``ids`` and ``text`` are the
-    output so far; ``stopped`` the stop string that ended it, or None. Without a tokenizer, text stays empty."""
-
-    def __init__(self, tokenizer, stop=()):
-        self.tok, self.stop = tokenizer, list(stop)
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0
-        self.stopped: str | None = None
-
-    def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True) if self.tok is not None and ids else ""
-
-    def _find(self, text: str):
-        hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
-        return min(hits) if hits else None
-
-    def add(self, new_ids) -> tuple[list[int], str]:
-        new_ids = list(new_ids)
-        if self.stopped is not None or not new_ids:
-            return [], ""
-        kept = new_ids
-        text = self._decode(self.ids + kept)
-        if self.stop and self._find(text) is not None:
-            for n in range(1, len(new_ids) + 1):  # the first token that completes a stop string ends the output
-                text = self._decode(self.ids + new_ids[:n])
-                hit = self._find(text)
-                if hit is not None:
-                    kept, self.stopped = new_ids[:n], hit[1]
-                    text = text[: hit[0]]
-                    break
-        self.ids += kept
-        self.text = text
-        ready = len(text) if self.stopped is not None else self._safe_end(text)
-        delta = text[self.sent : ready] if ready > self.sent else ""
-        self.sent = max(self.sent, ready)
-        return kept, delta
-
-    def _safe_end(self, text: str) -> int:
-        end = len(text)
-        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
-            end -= 1
-        for k in range(min(max((len(s) for s in self.stop), default=1) - 1, end - self.sent), 0, -1):
-            tail = text[end - k : end]
-            if any(s.startswith(tail) for s in self.stop):
-                return end - k
-        return end
-
-    def flush(self) -> str:
-        rest = self.text[self.sent :]
-        self.sent = len(self.text)
-        return rest
 
 
 # ------------------------------------------------------------------------------------------------ log-probabilities
