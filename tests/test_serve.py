@@ -333,13 +333,13 @@ def test_a_cancelled_request_frees_its_place_at_once():
     once the step ends, every stream left runs exactly."""
     app = create_app(_llm(batch_size=2), model_name=MODEL, max_queue=2)
     worker = app.state.worker
-    go, step = threading.Event(), worker.engine._step
+    go, step = threading.Event(), worker.engine._schedule
 
     def held():
         go.wait(30)
         return step()
 
-    worker.engine._step = held
+    worker.engine._schedule = held
     with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=30) as http:
         try:
             streams = [_open_stream(http, PROMPTS[i], 12) for i in range(4)]
