@@ -35,9 +35,7 @@ MAX_TOKENS = 1 << 14  # tokens per forward at most (bounds the activations: ~28 
 
 def supported(model) -> bool:
     """Whether this path covers ``model`` (a query: module types, device and attention implementation)."""
-    if type(model) not in fused.FAMILIES or model.device.type != "cpu":
-        return False
-    return model.config._attn_implementation == "sdpa" and fused.covered(model)
+    return model.device.type == "cpu" and model.config._attn_implementation == "sdpa" and fused.covered(model)
 
 
 def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bool, embeds=None, base=None):

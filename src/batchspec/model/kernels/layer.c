@@ -183,9 +183,10 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
 }
 
 /* w: input norm, Wq, Wk, Wv, Wo, post-attention norm, Wgate, Wup, Wdown (the norms fp32; the linears fp32 or packed),
- * then ``hooks``' q/k/v biases and query/key head norms (fp32, or a NULL ``q`` where the family has none). x: [R, H], updated in place: R = B*q
- * rows b * q + i, or, packed, the first count[b] new tokens of each row in order (``first`` [B + 1]: row b's are rows
- * first[b] .. first[b + 1] - 1; the other new slots are padding, not computed, and their cache slots not written).
+ * then ``hooks``' q/k/v biases and query/key head norms (fp32, or a NULL ``q`` where the family has none).
+ * x: [R, H], updated in place: R = B*q rows b * q + i, or, packed, the first count[b] new tokens of each row in order
+ * (``first`` [B + 1]: row b's are rows first[b] .. first[b + 1] - 1; the other new slots are padding, not computed,
+ * and their cache slots not written).
  * cos, sin: [R, D]. kc, vc: [B, nkv, cap, D] caches; slots S..S+q-1 are written. vis: [B, S+q].
  * dims: B, q, S, cap, H, nh, nkv, D, I, R. Returns 0, or -1 when scratch memory could not be had. */
 int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin, float *kc, float *vc,
