@@ -164,3 +164,24 @@ def test_what_they_do_not_cover_falls_back(monkeypatch):
     eager = copy.deepcopy(model("qwen2"))
     eager.config._attn_implementation = "eager"
     assert not whole.supported(eager)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_weights_give_the_fp32_bits(layer_calls, arch):
+    """Weights holding bf16 values, packed (``pack_model``: Qwen2's biased q/k/v stay fp32 linears, the rest bf16):
+    the C layer's logits have the fp32 model's bits."""
+    from batchspec.model import weights as W
+
+    fp32 = copy.deepcopy(model(arch))
+    with torch.no_grad():
+        for p in fp32.parameters():
+            p.copy_(p.bfloat16().float())
+    packed = copy.deepcopy(fp32)
+    formats = W.pack_model(packed).formats
+    assert formats.get("bf16") and fused.plan(packed) is not None
+    outs = []
+    for m in (fp32, packed):
+        st = _ragged_state(m, 3)
+        outs.append(st.append(torch.tensor([[5, 6]] * 5)).logits)
+    assert layer_calls and torch.equal(outs[0], outs[1])
