@@ -79,7 +79,7 @@ def test_many_tokens_run_in_chunks_of_whole_rows(forwards, monkeypatch):
 
 
 def test_what_it_does_not_cover_runs_grouped(forwards):
-    for model in (tiny.target("qwen3"), tiny.target(attn="eager")):
+    for model in (tiny.target("gpt2"), tiny.target(attn="eager")):
         batch.prefill(Runner(model), PROMPTS, hidden=True)
     assert forwards == []
 

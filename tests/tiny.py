@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 VOCAB = 96
 
@@ -24,6 +25,12 @@ def _build(arch: str, seed: int, dtype, attn: str):
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
         )
         model = Qwen3ForCausalLM(cfg)
+    elif arch == "qwen2":  # q/k/v projections with biases
+        cfg = Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        )
+        model = Qwen2ForCausalLM(cfg)
     elif arch == "gpt2":
         cfg = GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2,
@@ -35,9 +42,11 @@ def _build(arch: str, seed: int, dtype, attn: str):
     model.config._attn_implementation = attn
     # larger weights than the default init give peaked, varied next-token choices instead of near-uniform logits
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.mul_(8.0 if p.shape[0] == VOCAB or p.shape[1] == VOCAB else 2.5)
+            elif name.endswith("_proj.bias"):  # Qwen2's q/k/v biases, made 0 by the init: random, so that they count
+                p.normal_(0.0, 0.05)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.to(dtype).eval()

@@ -15,17 +15,19 @@ applies (fp32, heads of 64, AVX-512: flash-style, 1.5-2x torch's attention on th
 change of batch size.
 
 Used for ``LlamaForCausalLM`` models with sdpa attention on CPU (the per-row attention calls cost launches a GPU
-would not want); anything else returns None and the caller runs the grouped prefill.
+would not want), and for the families the C layer covers beside it (``kernels.llama.FAMILIES``: Qwen2's q/k/v biases
+are added after the products, Qwen3's RMS norms of each query and key head run before the rotary embedding);
+anything else returns None and the caller runs the grouped prefill.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.activations import ACT2FN
-from transformers.models.llama import modeling_llama as hf
 
 from . import kernels, kv
 from . import weights as packed
+from .kernels import llama as fused
 
 MAX_TOKENS = 1 << 14  # tokens per forward at most (bounds the activations: ~28 KB a token for a 576-wide model);
 # rows longer than that run alone. At 16k tokens a forward's fixed costs (expanding packed weights) are < 1%
@@ -33,12 +35,7 @@ MAX_TOKENS = 1 << 14  # tokens per forward at most (bounds the activations: ~28 
 
 def supported(model) -> bool:
     """Whether this path covers ``model`` (a query: module types, device and attention implementation)."""
-    if type(model) is not hf.LlamaForCausalLM or model.device.type != "cpu":
-        return False
-    if model.config._attn_implementation != "sdpa" or not len(model.model.layers):
-        return False
-    return all(type(layer) is hf.LlamaDecoderLayer and type(layer.self_attn) is hf.LlamaAttention
-               and type(layer.mlp) is hf.LlamaMLP for layer in model.model.layers)
+    return model.device.type == "cpu" and model.config._attn_implementation == "sdpa" and fused.covered(model)
 
 
 def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bool, embeds=None, base=None):
@@ -140,6 +137,7 @@ def _forward(model, cache, prompts, rows, shared, width, hidden, where, x=None, 
         _rmsnorm(x, layer.input_layernorm, b.h)
         k, v = (_linear(lin, b.h, out, b.w).view(len(x), -1, a.head_dim)  # [T, heads, D]
                 for lin, out in ((a.k_proj, b.k), (a.v_proj, b.v)))
+        _head_norm(k, getattr(a, "k_norm", None), b.rot)
         _rope(k, cos, sin, b.rot)
         slots.keys.transpose(1, 2)[dr, ds] = k[src]  # [N, kv heads, D] into [B, S, kv heads, D]
         slots.values.transpose(1, 2)[dr, ds] = v[src]
@@ -150,6 +148,7 @@ def _forward(model, cache, prompts, rows, shared, width, hidden, where, x=None, 
         if cache_only:
             break
         q = _linear(a.q_proj, b.h, b.q, b.w).view(len(x), -1, a.head_dim)
+        _head_norm(q, getattr(a, "q_norm", None), b.rot)
         _rope(q, cos, sin, b.rot)
         if lead:  # the prefix's computed tokens attend (to the kept ones and) to themselves once
             _attend(q, b.att, 0, lead, slots, rows[0], starts[0], given, a.scaling)
@@ -205,6 +204,17 @@ def _rmsnorm(x, norm, out):
     variance = torch.pow(x, 2, out=out).mean(-1, keepdim=True)
     torch.mul(x, torch.rsqrt(variance + norm.variance_epsilon), out=out)
     return out.mul_(norm.weight)
+
+
+def _head_norm(t, norm, scratch):
+    """``norm`` of each head of ``t`` ``[T, heads, D]`` in place (Qwen3's, before the rotary embedding), in
+    ``_rmsnorm``'s order of operations; nothing where the family has none."""
+    if norm is None:
+        return t
+    if t.dtype != torch.float32:
+        return t.copy_(norm(t))
+    variance = torch.pow(t, 2, out=scratch[: t.numel()].view(t.shape)).mean(-1, keepdim=True)
+    return t.mul_(torch.rsqrt(variance + norm.variance_epsilon)).mul_(norm.weight)
 
 
 def _rope(t, cos, sin, scratch):

@@ -1,7 +1,7 @@
 """The model runner: owns every forward batchspec runs, and changes nothing anyone else can see.
 
 A ``Runner`` wraps one model. Its forwards go, in order of preference, through
-- the C layer (``kernels/llama.py``): fp32 Llama models on CPU, at most ``kernels.MAX_ROWS`` rows (batch x new
+- the C layer (``kernels/llama.py``): fp32 Llama, Qwen2 and Qwen3 models on CPU, at most ``kernels.MAX_ROWS`` rows (batch x new
   tokens): one call per decoder layer, between the model's own embedding, rotary tables, final norm and head;
 - the runner's *private copy* of the model's module tree, which shares every parameter and buffer with the user's
   model (no memory cost) but has its own config and its own modules. Only that copy is changed: its linear layers

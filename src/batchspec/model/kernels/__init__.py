@@ -5,7 +5,8 @@
   prefetched ahead, streams it at ~13-14 GB/s. Rows go in register blocks (AVX2, or two rows a register with
   AVX-512), each row summed in one order whatever its block, so a token's outputs have the same bits in a
   verification block as in a decode step.
-- ``layer.c``: one Llama decoder layer per call (driven by ``llama.py``), attention over visible slots only.
+- ``layer.c``: one Llama decoder layer per call (driven by ``llama.py``), attention over visible slots only; Qwen2's
+  and Qwen3's layers are the same layer with small hooks (q/k/v biases, RMS norms of each query and key head).
 - ``match.c``: prompt lookup's matching, a row at a time (``lookup_match``).
 - ``causal.c``: causal attention of a prompt over its own keys, for the whole prefill (``model/prefill.py``):
   flash-style, each key/value read once per 6 queries of a head, nothing right of the diagonal computed.

@@ -1,11 +1,12 @@
 /* One Llama decoder layer for a few new tokens per row over a slot cache (fp32, AVX2 + FMA, OpenMP):
- *   h = rmsnorm(x); q, k, v = h Wq^T, h Wk^T, h Wv^T; rope(q, k); cache[S + i] = k, v
+ *   h = rmsnorm(x); q, k, v = h Wq^T, h Wk^T, h Wv^T; [hooks(q, k, v)]; rope(q, k); cache[S + i] = k, v
  *   x += attention(q, cache, visible) Wo^T;  x += (silu(rmsnorm(x) Wg^T) * (rmsnorm(x) Wu^T)) Wd^T
  * Rows are b * q + i (row b of the batch, new token i). Query i of row b sees slot s when s <= S + i and
  * visible[b][s], and always its own slot S + i: the same rule as batchspec's attention mask. Each key/value head is
  * read once for all the query heads it serves, and the slots left of a row's first visible one are not read.
  * Elementwise steps follow Hugging Face's Llama in order of operations; sums run in another order, like any change of
- * batch size. */
+ * batch size. Qwen2 and Qwen3 layers are this layer with ``hooks``: q/k/v biases, or RMS norms of each query and key
+ * head. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -32,6 +33,21 @@ static void rope(float *v, const float *cs, const float *sn, long D) {
         v[j] = x1 * cs[j] - x2 * sn[j];
         v[j + h] = x2 * cs[j + h] + x1 * sn[j + h];
     }
+}
+
+/* The family's steps between a row's projections and its rotary embedding, each skipped where its weight is absent
+ * (a NULL ``q``): the q/k/v biases (w[0..2], Qwen2's), added after the products as a biased linear adds them; the RMS
+ * norms of each query and key head over its D dimensions (w[3], w[4], Qwen3's). A Llama layer has none of them. */
+static void hooks(float *qr, float *kr, float *vr, const packed_t *w, long nh, long nkv, long D, float eps) {
+    float *out[3] = {qr, kr, vr};
+    long n[3] = {nh * D, nkv * D, nkv * D};
+    for (int t = 0; t < 3; t++) {
+        const float *bias = w[t].q;
+        if (bias)
+            for (long j = 0; j < n[t]; j++) out[t][j] += bias[j];
+    }
+    if (w[3].q) rmsnorm(qr, w[3].q, qr, nh, D, eps);
+    if (w[4].q) rmsnorm(kr, w[4].q, kr, nkv, D, eps);
 }
 
 /* o[:64] = sum_t pn[t] V[t, :64] * inv, the sums in eight named registers */
@@ -166,9 +182,11 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
     }
 }
 
-/* w: input norm, Wq, Wk, Wv, Wo, post-attention norm, Wgate, Wup, Wdown (the norms fp32; the linears fp32 or packed). x: [R, H], updated in place: R = B*q
- * rows b * q + i, or, packed, the first count[b] new tokens of each row in order (``first`` [B + 1]: row b's are rows
- * first[b] .. first[b + 1] - 1; the other new slots are padding, not computed, and their cache slots not written).
+/* w: input norm, Wq, Wk, Wv, Wo, post-attention norm, Wgate, Wup, Wdown (the norms fp32; the linears fp32 or packed),
+ * then ``hooks``' q/k/v biases and query/key head norms (fp32, or a NULL ``q`` where the family has none).
+ * x: [R, H], updated in place: R = B*q rows b * q + i, or, packed, the first count[b] new tokens of each row in order
+ * (``first`` [B + 1]: row b's are rows first[b] .. first[b + 1] - 1; the other new slots are padding, not computed,
+ * and their cache slots not written).
  * cos, sin: [R, D]. kc, vc: [B, nkv, cap, D] caches; slots S..S+q-1 are written. vis: [B, S+q].
  * dims: B, q, S, cap, H, nh, nkv, D, I, R. Returns 0, or -1 when scratch memory could not be had. */
 int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin, float *kc, float *vc,
@@ -193,6 +211,7 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
             long i = first ? r - first[b] : r % q;
             if (!first) b = r / q;
             const float *cs = cos + r * D, *sn = sin + r * D;
+            hooks(qb + r * nh * D, kb + r * nkv * D, vb + r * nkv * D, &w[9], nh, nkv, D, eps);
             for (long n = 0; n < nh; n++) rope(qb + (r * nh + n) * D, cs, sn, D);
             for (long g = 0; g < nkv; g++) {
                 float *kr = kb + (r * nkv + g) * D;

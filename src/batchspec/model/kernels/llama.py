@@ -8,7 +8,9 @@ one call, over the cache buffers' pointers kept from one forward to the next. Th
 final norm and the output head stay the model's own modules.
 
 Used for ``LlamaForCausalLM`` models in fp32 on CPU (SiLU MLP without biases, attention without biases, one
-projection per weight) when the kernels are built; anything else returns None and the caller runs the model.
+projection per weight) when the kernels are built, and for the families whose layer is Llama's up to ``layer.c``'s
+hooks (``FAMILIES``): Qwen2 (q/k/v biases) and Qwen3 (RMS norms of each query and key head); anything else returns
+None and the caller runs the model.
 """
 
 from __future__ import annotations
@@ -18,9 +20,32 @@ import weakref
 
 import torch
 from transformers.models.llama import modeling_llama as hf
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
+from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from .. import weights as packed
 from . import MAX_ROWS, Packed, _load, skinny_linear
+
+
+# The families the C layer and the whole prefill (``model/prefill.py``) cover: model class -> its (decoder layer,
+# attention, MLP, RMS norm) classes. Each is Llama's layer up to the steps ``layer.c``'s hooks add.
+FAMILIES = {
+    hf.LlamaForCausalLM: (hf.LlamaDecoderLayer, hf.LlamaAttention, hf.LlamaMLP, hf.LlamaRMSNorm),
+    qwen2.Qwen2ForCausalLM: (qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP, qwen2.Qwen2RMSNorm),
+    qwen3.Qwen3ForCausalLM: (qwen3.Qwen3DecoderLayer, qwen3.Qwen3Attention, qwen3.Qwen3MLP, qwen3.Qwen3RMSNorm),
+}
+WEIGHTS = 14  # a layer's weights as ``llama_layer`` takes them: the 9 of a Llama layer, then the 5 of the hooks
+
+
+def covered(model) -> bool:
+    """Whether ``model`` is of one of ``FAMILIES`` with its own classes in every layer and full attention (a query:
+    module types only)."""
+    classes = FAMILIES.get(type(model))
+    if classes is None or not len(model.model.layers):
+        return False
+    layer, attention, mlp, _ = classes
+    return all(type(x) is layer and type(x.self_attn) is attention and type(x.mlp) is mlp
+               and getattr(x.self_attn, "sliding_window", None) is None for x in model.model.layers)
 
 
 class _Plan:
@@ -28,7 +53,7 @@ class _Plan:
 
     def __init__(self, model, layers):
         self.tensors = layers  # keeps the pointed-to memory alive
-        self.pointers = [(Packed * 9)(*(_descriptor(w) for w in ws)) for ws in layers]
+        self.pointers = [(Packed * WEIGHTS)(*(_descriptor(w) for w in ws)) for ws in layers]
         self.table = (ctypes.c_void_p * len(layers))(*map(ctypes.addressof, self.pointers))  # all layers' arrays
         self.key = _fingerprint(model)
         a = model.model.layers[0].self_attn
@@ -39,7 +64,9 @@ class _Plan:
 
 
 def _descriptor(w) -> Packed:
-    """``packed_t`` of an fp32 tensor or a ``PackedWeight``."""
+    """``packed_t`` of an fp32 tensor or a ``PackedWeight``; of None, an absent one (a NULL ``q``)."""
+    if w is None:
+        return Packed(0, None, None, None)
     return w.c_struct() if isinstance(w, packed.PackedWeight) else Packed(0, w.data_ptr(), None, None)
 
 
@@ -54,39 +81,49 @@ def _fingerprint(model):
     return w.data_ptr(), w.dtype, w.device, _storage(model.lm_head).data_ptr()
 
 
-def _linear_weight(lin):
-    """A bias-free linear's weight as the layer kernel takes it (fp32 tensor or ``PackedWeight``), or None."""
-    if type(lin) is torch.nn.Linear and lin.bias is None:
-        w = lin.weight
-        return w.detach() if w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() else None
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` detached where the kernel reads it as it is (fp32, CPU, contiguous), else None."""
+    ok = t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    return t.detach() if ok else None
+
+
+def _linear_weight(lin, biased: bool = False):
+    """A linear's weight as the layer kernel takes it (fp32 tensor or ``PackedWeight``), or None; a linear with a
+    bias only where ``biased`` (the hooks add it after the product)."""
+    if getattr(lin, "bias", None) is not None and not biased:
+        return None
+    if type(lin) is torch.nn.Linear:
+        return _fp32(lin.weight)
     return packed.packed_weight(lin) if isinstance(lin, packed.PackedLinear) else None
 
 
-def _layer_weights(layer) -> list[torch.Tensor] | None:
-    a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if (type(layer) is not hf.LlamaDecoderLayer or type(a) is not hf.LlamaAttention or type(m) is not hf.LlamaMLP
-            or type(layer.input_layernorm) is not hf.LlamaRMSNorm or type(layer.post_attention_layernorm) is not hf.LlamaRMSNorm):
+def _layer_weights(layer, norm) -> list | None:
+    """A layer's ``WEIGHTS`` (absent hooks None), or None where the kernel does not compute it as the model does
+    (``norm``: the family's RMS norm class)."""
+    a, m = layer.self_attn, layer.mlp
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    heads = [n for n in (getattr(a, "q_norm", None), getattr(a, "k_norm", None)) if n is not None]  # Qwen3's
+    if len(heads) == 1 or any(type(n) is not norm for n in norms + heads):
         return None
-    if layer.input_layernorm.variance_epsilon != layer.post_attention_layernorm.variance_epsilon:
+    if len({n.variance_epsilon for n in norms + heads}) != 1:  # the kernel takes one epsilon
         return None
-    q, k, v, o, gate, up, down = (_linear_weight(lin) for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
-                                                                   m.up_proj, m.down_proj))
-    norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-    ws = [norms[0], q, k, v, o, norms[1], gate, up, down]
-    if any(w is None for w in ws) or any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
-                                         for w in norms):
+    q, k, v = (_linear_weight(lin, biased=True) for lin in (a.q_proj, a.k_proj, a.v_proj))
+    o, gate, up, down = (_linear_weight(lin) for lin in (a.o_proj, m.gate_proj, m.up_proj, m.down_proj))
+    hooks = [lin.bias for lin in (a.q_proj, a.k_proj, a.v_proj)] + ([n.weight for n in heads] or [None, None])
+    ws = [norms[0].weight, q, k, v, o, norms[1].weight, gate, up, down]
+    if any(w is None for w in ws) or any(_fp32(t) is None for t in [ws[0], ws[5]] + hooks if t is not None):
         return None
     if a.head_dim % 8:  # attention works on 8 dimensions at a time
         return None
-    return ws
+    return [_fp32(w) if isinstance(w, torch.Tensor) else w for w in ws + hooks]
 
 
 def _make_plan(model) -> _Plan | None:
     cfg = model.config
-    if (type(model) is not hf.LlamaForCausalLM or cfg.hidden_act != "silu" or getattr(cfg, "pretraining_tp", 1) != 1
-            or not len(model.model.layers) or _linear_weight(model.lm_head) is None):
+    if (not covered(model) or cfg.hidden_act != "silu" or getattr(cfg, "pretraining_tp", 1) != 1
+            or _linear_weight(model.lm_head) is None):
         return None
-    layers = [_layer_weights(layer) for layer in model.model.layers]
+    layers = [_layer_weights(layer, FAMILIES[type(model)][3]) for layer in model.model.layers]
     if any(ws is None for ws in layers):
         return None
     scales = {layer.self_attn.scaling for layer in model.model.layers}
