@@ -117,11 +117,12 @@ def _torch_causal(q, keys, values, first, scale):
     return got[0, :, first:].transpose(0, 1)
 
 
-@pytest.mark.parametrize("n,first", [(1, 0), (5, 0), (7, 3), (40, 0), (70, 20), (97, 31), (300, 24)])
+@pytest.mark.parametrize("n,first", [(1, 0), (5, 0), (7, 3), (40, 0), (70, 20), (97, 31), (300, 24), (701, 100)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
 def test_the_causal_kernel_is_torchs_attention(n, first, heads, kv_heads):
     """``kernels.causal_attention`` against torch's (fp32, to its rounding): queries of positions ``first..n-1``,
-    blocks of 6 queries and 32 keys cut anywhere, grouped and plain heads, strided query and key views."""
+    blocks of 6 queries, tiles of 24 and steps of 32 keys cut anywhere, grouped and plain heads, strided query and key
+    views."""
     from batchspec.model import kernels
 
     if kernels.library() is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
@@ -135,6 +136,25 @@ def test_the_causal_kernel_is_torchs_attention(n, first, heads, kv_heads):
     torch.testing.assert_close(out, _torch_causal(q, keys, values, first, 0.125), rtol=1e-5, atol=1e-5)
     narrow = [t[..., :32].contiguous() for t in (q, keys, values, out)]  # head dimension 32: not this kernel's
     assert not kernels.causal_attention(*narrow, first, 0.1)
+
+
+def test_the_causal_kernel_gives_a_query_the_same_bits_in_any_tile():
+    """A query's output has the same bits computed among many (tiles of queries and heads shared out between
+    threads, steps of keys shared by a tile) as alone: its sums run in one order whatever runs beside it."""
+    from batchspec.model import kernels
+
+    if kernels.library() is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the kernel needs the built kernels and AVX-512")
+    g = torch.Generator().manual_seed(5)
+    n, first = 400, 37
+    q, keys, values = torch.randn(n - first, 9, 64, generator=g) * 3, *torch.randn(2, 3, n, 64, generator=g) * 3
+    out = torch.empty_like(q)
+    assert kernels.causal_attention(q, keys, values, out, first, 0.125)
+    for i in (first, first + 5, first + 6, first + 23, first + 24, 200, n - 1):
+        alone = torch.empty_like(q[:1])
+        assert kernels.causal_attention(q[i - first : i - first + 1], keys[:, : i + 1], values[:, : i + 1], alone, i,
+                                        0.125)
+        assert torch.equal(alone, out[i - first : i - first + 1]), i
 
 
 def test_fp32_generation_with_the_causal_kernel_is_the_oracles(forwards, monkeypatch):

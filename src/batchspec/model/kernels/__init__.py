@@ -9,7 +9,8 @@
   and Qwen3's layers are the same layer with small hooks (q/k/v biases, RMS norms of each query and key head).
 - ``match.c``: prompt lookup's matching, a row at a time (``lookup_match``).
 - ``causal.c``: causal attention of a prompt over its own keys, for the whole prefill (``model/prefill.py``):
-  flash-style, each key/value read once per 6 queries of a head, nothing right of the diagonal computed.
+  flash-style, each step of 32 keys and values read from the first-level cache by a tile of 24 queries of every head
+  that shares them, nothing right of the diagonal computed.
 - ``packed.c``: linear layers over weights kept in a narrower exact format (``model/weights.py``), each weight
   expanded in a register to its fp32 value as it is read (AVX2, or two weight rows a register with AVX-512 for
   blocks of 1 and 4 rows) and summed in ``skinny.c``'s order: the same bits, fewer bytes read.
