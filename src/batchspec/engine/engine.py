@@ -466,8 +466,10 @@ class Engine:
         salts = [r.cache_salt for r in joins]
         if drafter.needs_hidden or scored:  # a drafter that reads the target's features starts from the prompt's
             target, states = self.parts.prefill(self.parts.target, prompts, hidden=True, salts=salts, fresh=scored)
-            draft = drafter.prefill(prompts, states, joining=joining) if drafter.needs_hidden else drafter.prefill(
-                prompts)
+            if drafter.needs_hidden:
+                draft = drafter.prefill(prompts, states, joining=joining)
+            else:
+                draft = drafter.prefill(prompts)
             if scored:
                 self._score_prompts(joins, states)
         else:
@@ -476,11 +478,12 @@ class Engine:
                      [len(p) for p in prompts])
 
     def _score_prompts(self, joins: list[Request], states) -> None:
-        """Each request's prompt log-probabilities (``prompt_scores``, one host read), kept until its outputs."""
-        k = max(r.prompt_logprobs for r in joins)
-        scores = prompt_scores(self.parts.target, [r.prompt for r in joins], states, k) if any(
-            len(r.prompt) > 1 for r in joins) else ((),) * 4
-        chosen, rank, ids, values = (t.tolist() if isinstance(t, torch.Tensor) else t for t in scores)
+        """Each request's prompt log-probabilities (``prompt_scores``, read back at admission), kept for its outputs."""
+        chosen = rank = ids = values = []
+        if any(len(r.prompt) > 1 for r in joins):  # else every prompt is one token: nothing to score
+            k = max(r.prompt_logprobs for r in joins)
+            scores = prompt_scores(self.parts.target, [r.prompt for r in joins], states, k)
+            chosen, rank, ids, values = (t.tolist() for t in scores)
         at = 0
         for r in joins:
             n, keep = len(r.prompt) - 1, r.prompt_logprobs
