@@ -35,13 +35,14 @@ def check(model, prompt, entries, k):
         assert all(abs(v - w) < TOL for (_, v), w in zip(e.top, top.values.tolist()))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
-def test_offline_equal_hf_and_tokens_unchanged(arch):
-    """Rows that ask and rows that do not, of many lengths (one token included), in one batch with a draft model and
-    the prefix cache (warmed first, so the rows that ask would start from cached blocks): every value equals HF's and
-    every row's tokens are those it gets without prompt log-probabilities."""
+@pytest.mark.parametrize("arch, eagle", [("llama", False), ("gpt2", False), ("qwen3", False), ("llama", True)])
+def test_offline_equal_hf_and_tokens_unchanged(arch, eagle):
+    """Rows that ask and rows that do not, of many lengths (one token included), in one batch with a draft model (or
+    a head that reads the target's hidden states) and the prefix cache (warmed first, so the rows that ask would start
+    from cached blocks): every value equals HF's and every row's tokens are those it gets without them."""
     target = tiny.target(arch)
-    llm = batchspec.LLM(target, draft=tiny.draft(arch), num_draft_tokens=3, batch_size=4, prefix_cache=4)
+    draft = tiny.eagle() if eagle else tiny.draft(arch)
+    llm = batchspec.LLM(target, draft=draft, num_draft_tokens=3, batch_size=4, prefix_cache=4)
     prompts = tiny.prompts(7, seed=5, lo=1, hi=50) + [[7]]
     prompts[1] = prompts[0][:40] + [3, 4, 5] if len(prompts[0]) >= 40 else prompts[0] + [3, 4, 5]  # a shared start
     plain = llm.generate(prompts, SamplingParams(max_tokens=6))
