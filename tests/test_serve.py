@@ -192,7 +192,7 @@ BAD_COMPLETIONS = [
     ({"model": "gpt-4", "prompt": [1, 2]}, "model"),
     ({"model": MODEL, "prompt": [1, 2], "n": 17}, "n"),
     ({"model": MODEL, "prompt": [1, 2], "logprobs": 21}, "logprobs"),
-    ({"model": MODEL, "prompt": [1, 2], "echo": True}, "echo"),
+    ({"model": MODEL, "prompt": [1, 2], "echo": True, "stream": True}, "echo"),
     ({"model": MODEL, "prompt": [1, 2], "presence_penalty": 2.5}, "presence_penalty"),
     ({"model": MODEL, "prompt": [1, 2], "logit_bias": {"999": 1}}, "logit_bias"),
     ({"model": MODEL, "prompt": [1, 2], "logit_bias": {"w5": 1}}, "logit_bias"),

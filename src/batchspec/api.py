@@ -208,7 +208,8 @@ class LLM:
         seeds = [sp.seed if sp.seed is not None else int(torch.randint(2**62, ())) for sp in params]
         return ids, [
             Request(p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed, id=i, logprobs=sp.logprobs,
-                    cache_salt=sp.cache_salt, **{name: getattr(sp, name) for name in PROCESSORS})
+                    cache_salt=sp.cache_salt, prompt_logprobs=sp.prompt_logprobs,
+                    **{name: getattr(sp, name) for name in PROCESSORS})
             for i, (p, sp, stop, seed) in enumerate(zip(ids, params, stops, seeds))
         ]
 
@@ -236,6 +237,7 @@ class LLM:
             num_drafted=f.drafted,
             num_accepted=f.accepted,
             logprobs=lps,
+            prompt_logprobs=f.prompt_logprobs,
         )
 
     def generate(self, prompts, sampling_params=None, progress: bool = False, on_tokens=None) -> list[RequestOutput]:

@@ -80,6 +80,11 @@ class SamplingParams:
     (``LLM(prefix_cache=)``) only of prompts with the same salt, so prompts of different salts never speed up or
     inform one another.
 
+    ``prompt_logprobs`` (None: off; vLLM's): for every prompt token after the first, its log-probability under the
+    target given the tokens before it, with its rank and the ``prompt_logprobs`` most likely tokens there
+    (``RequestOutput.prompt_logprobs``, None for the first token); computed from the prefill's positions, which for
+    such a prompt never start from cached blocks. Bounds: those of ``logprobs``.
+
     Logits processors, applied at every verified position to the logits batch-1 decoding would have there (drafts
     before a position count as emitted), so speculation keeps its exactness: ``logit_bias`` (token id -> bias added,
     in [-100, 100]); ``bad_words`` (token-id sequences never completed: their last token is masked after the rest);
@@ -108,12 +113,14 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     bad_words: list[list[int]] = field(default_factory=list)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         checked = check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed,
                                  self.stop_token_ids, self.logprobs, **{n: getattr(self, n) for n in PROCESSORS})
         for name, value in checked.items():
             setattr(self, name, value)
+        self.prompt_logprobs = check_prompt_logprobs(self.prompt_logprobs)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ParamError("cache_salt", f"cache_salt must be None or a string, got {show(self.cache_salt)}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -160,6 +167,15 @@ def check_sampling(max_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=None
                 stop_token_ids=stops, logprobs=logprobs_,
                 **_check_processors(max_tokens_, min_p, repetition_penalty, presence_penalty, frequency_penalty,
                                     logit_bias, min_tokens, bad_words, INT64 if vocab is None else vocab))
+
+
+def check_prompt_logprobs(value) -> int | None:
+    """``prompt_logprobs`` as an ``int`` (None: off), or ``ParamError``: the bounds of ``logprobs``."""
+    n = None if value is None else _integer(value)
+    if value is not None and (n is None or not 0 <= n <= MAX_LOGPROBS):
+        raise ParamError("prompt_logprobs", f"prompt_logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}] "
+                                            f"(the alternatives returned at each prompt position), got {show(value)}")
+    return n
 
 
 def _check_processors(max_tokens, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
@@ -210,11 +226,13 @@ def _token_ids(values) -> list[int] | None:
 @dataclass
 class TokenLogprob:
     """One generated token's log-probability under the target (log-softmax of its raw logits at that position), and
-    the most likely tokens there, most likely first, as ``(token_id, logprob)`` (as many as the request asked for)."""
+    the most likely tokens there, most likely first, as ``(token_id, logprob)`` (as many as the request asked for).
+    ``rank``: 1 + the tokens more likely than it (given for prompt tokens; None for generated ones)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -227,6 +245,8 @@ class RequestOutput:
     num_drafted: int = 0
     num_accepted: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids`` when asked for (``SamplingParams``)
+    # one per prompt token when asked for (``SamplingParams.prompt_logprobs``): None for the first, as vLLM
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def acceptance_rate(self) -> float:

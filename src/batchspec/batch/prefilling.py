@@ -209,7 +209,7 @@ def _keep(store, cache, states, cached, chains, width) -> None:
 
 
 def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None,
-            hidden: bool = False, embeds=None, salts: list | None = None):
+            hidden: bool = False, embeds=None, salts: list | None = None, fresh: bool = False):
     """Cache every prompt but its last token as one left-padded ``SlotState``; with ``hidden``, returns
     ``(state, states)``, ``states`` ``[B, W, H]`` the model's final hidden states at those tokens, laid out like the
     state's slots (zeros on padding).
@@ -228,6 +228,7 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     The runner's prefix cache (``Runner.prefixes``, not with ``embeds``): each row starts from its own longest run of
     cached blocks (``salts``: each row's isolation salt, None: none); rows with different starts are prefilled in
     groups, one per start, and copied into one rectangle (``_by_start``); afterwards every row's blocks are cached.
+    ``fresh``: the prefix cache is neither read nor written, so every position is computed (``prompt_scores``).
     """
     runner = runner if isinstance(runner, Runner) else Runner(runner)  # a model: a runner of its own
     dev = runner.device
@@ -235,7 +236,7 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     width = max(lengths, default=0)
     if overhead is None:
         overhead = PREFILL_OVERHEAD.get(dev.type, 1)
-    store = runner.prefixes if embeds is None and prompts else None
+    store = runner.prefixes if embeds is None and prompts and not fresh else None
     starts = [None] * len(prompts)
     if store is not None:
         cached = [p[:n] for p, n in zip(prompts, lengths)]
@@ -264,3 +265,24 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         size = runner.model.config.get_text_config().hidden_size
         states = torch.zeros((len(prompts), width, size), dtype=runner.model.dtype, device=dev)
     return state, states
+
+
+SCORED_POSITIONS = 1024  # prompt positions whose logits ``prompt_scores`` computes at once (bounds an [n, V] block)
+
+
+def prompt_scores(runner, prompts: list[list[int]], states: torch.Tensor, k: int):
+    """The target's log-softmax at each prompt token after the first, given the tokens before it, from the final
+    hidden states ``prefill(..., hidden=True)`` returned for ``prompts`` (``[B, W, H]``, right-aligned): ``(chosen,
+    rank, top_ids, top_values)`` over every row's tokens 1.. end to end, ``[N]``, ``[N]``, ``[N, k]``, ``[N, k]``
+    (``rank``: 1 + the tokens more likely). Computed on the device, a block of positions at a time."""
+    width, parts = states.shape[1], []
+    for r, p in enumerate(prompts):
+        n = len(p) - 1
+        targets = torch.tensor(p[1:], device=states.device)
+        for a in range(0, n, SCORED_POSITIONS):
+            x = runner.logits(states[r, width - n + a : width - n + a + SCORED_POSITIONS])
+            lsm = (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x).log_softmax(-1)
+            chosen = lsm.gather(-1, targets[a : a + SCORED_POSITIONS, None])
+            top = lsm.topk(min(k, lsm.shape[-1]), -1)
+            parts.append((chosen[:, 0], (lsm > chosen).sum(-1) + 1, top.indices, top.values))
+    return tuple(torch.cat(t) for t in zip(*parts))

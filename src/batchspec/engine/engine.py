@@ -16,10 +16,11 @@ from typing import Callable
 import torch
 
 from ..batch import Batch, InvariantError, RoundLogprobs, Sequences, check_invariants, prefill
+from ..batch.prefilling import prompt_scores
 from ..drafters.base import Proposal
 from ..model.loading import vocab_size
 from ..model.runner import Runner
-from ..params import PROCESSORS, ParamError, Stats, TokenLogprob, check_sampling
+from ..params import PROCESSORS, ParamError, Stats, TokenLogprob, check_prompt_logprobs, check_sampling
 from ..sampling import Stream, greedy
 from ..speculation import FixedLength
 from ..speculation.budget import DRAFT, FIXED, NO_DRAFTER, NOT_WORTH, DraftBudget, Outcome, RoundView
@@ -52,6 +53,7 @@ class Request:
     logit_bias: dict | None = None
     min_tokens: int = 0
     bad_words: list | None = None
+    prompt_logprobs: int | None = None  # alternatives with each prompt token's log-probability (None: none at all)
 
 
 def _is_int(v) -> bool:
@@ -76,6 +78,7 @@ def check_request(r: Request, vocab: int | None = None, context: int | None = No
     try:
         v = check_sampling(r.max_tokens, r.temperature, r.top_k, r.top_p, r.seed, r.stop_ids, r.logprobs,
                            vocab=vocab, **{name: getattr(r, name) for name in PROCESSORS})
+        v["prompt_logprobs"] = check_prompt_logprobs(r.prompt_logprobs)
     except ParamError as e:
         raise ParamError(e.param, f"request {r.id}: {e}") from None
     if v["seed"] is None:
@@ -84,6 +87,7 @@ def check_request(r: Request, vocab: int | None = None, context: int | None = No
         raise refuse(f"{len(prompt)} prompt tokens + max_tokens {v['max_tokens']} exceed the context of {context}")
     r.max_tokens, r.temperature, r.top_k, r.top_p = v["max_tokens"], v["temperature"], v["top_k"], v["top_p"]
     r.seed, r.stop_ids, r.logprobs = v["seed"], set(v["stop_token_ids"]), v["logprobs"]
+    r.prompt_logprobs = v["prompt_logprobs"]
     for name in PROCESSORS:
         setattr(r, name, v[name])
 
@@ -97,17 +101,20 @@ class Finished:
     drafted: int = 0
     accepted: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids``, for requests that asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None first), for those that asked
 
 
 @dataclass
 class StepOutput:
     """What a step did for one request: the tokens it gained (with their ``TokenLogprob``, one each, when the request
-    asked for log-probabilities), and its result when it finished in this step."""
+    asked for log-probabilities), and its result when it finished in this step. ``prompt_logprobs``: on the
+    request's first output, when it asked for them (``Request.prompt_logprobs``)."""
 
     request_id: int
     new_token_ids: list[int]
     finished: Finished | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -260,6 +267,8 @@ class Engine:
         self._aborted: set[int] = set()
         self._done: list[StepOutput] = []  # results to hand out at the next step (requests aborted while waiting)
         self._logprobs: dict[int, list[TokenLogprob]] = {}  # per running request that asked: its tokens' so far
+        self._prompt_lps: dict[int, list] = {}  # per running request that asked: its prompt tokens' (for ``Finished``)
+        self._prompt_unsent: dict[int, list] = {}  # ... until its first ``StepOutput`` carries them
         model = getattr(parts.target, "model", None)
         self._vocab = vocab_size(model) if model is not None else None
         scheduler.forget([])
@@ -304,7 +313,7 @@ class Engine:
         self.batch = None
         self._aborted.clear()
         self._done = []
-        self._logprobs = {}
+        self._logprobs, self._prompt_lps, self._prompt_unsent = {}, {}, {}
         self.scheduler.forget([])
 
     # ---------------------------------------------------------------------------------------------- the loop
@@ -398,7 +407,8 @@ class Engine:
         """A ``StepOutput`` per row of the round's batch (``rows`` of the window, or every running row) with its new
         tokens and, for rows that asked, their log-probabilities (also kept for the request's ``Finished``)."""
         ids = self.batch.request_ids if rows is None else [self.batch.request_ids[i] for i in rows]
-        new = [StepOutput(rid, read.block[i][: read.emitted[i]]) for i, rid in enumerate(ids)]
+        new = [StepOutput(rid, read.block[i][: read.emitted[i]], prompt_logprobs=self._prompt_unsent.pop(rid, None))
+               for i, rid in enumerate(ids)]
         if lp is not None:
             for i, (row, keep) in enumerate(zip(lp.rows, lp.tops)):
                 out = new[row]
@@ -428,21 +438,16 @@ class Engine:
             return
         joins = [self.waiting.popleft() for _ in range(n)]
         self.memory.joined(joins)
-        prompts = [r.prompt for r in joins]
-        drafter = self.parts.drafter
         kept = getattr(self.parts.target, "prefixes", None)
         before = (kept.hits, kept.reused, kept.evictions) if kept is not None else None
-        salts = [r.cache_salt for r in joins]
+        # joining a running batch: cached now, unless the drafter is dry (then caught up when it next runs)
+        joining = self.batch is not None and not self.parts.policy.dry()
         with self.timer("prefill"):
-            if drafter.needs_hidden:  # a drafter that reads the target's features starts from the prompt's
-                target, states = self.parts.prefill(self.parts.target, prompts, hidden=True, salts=salts)
-                # joining a running batch: cached now, unless the drafter is dry (then caught up when it next runs)
-                joining = self.batch is not None and not self.parts.policy.dry()
-                draft = drafter.prefill(prompts, states, joining=joining)
-            else:
-                target, draft = self.parts.prefill(self.parts.target, prompts, salts=salts), drafter.prefill(prompts)
-            new = Batch(Sequences(joins, self.parts.k, self.parts.target.device), target, draft,
-                        [len(p) for p in prompts])
+            # requests that asked for prompt log-probabilities are prefilled apart (every position computed, with its
+            # hidden states), so the others' prefill is what it would be without them
+            groups = [[r for r in joins if (r.prompt_logprobs is not None) == scored] for scored in (False, True)]
+            parts = [self._prefilled(rows, bool(scored), joining) for scored, rows in enumerate(groups) if rows]
+            new = parts[0] if len(parts) == 1 else parts[0].merge(parts[1])
             if self.batch is None:
                 self.batch = new
             else:
@@ -452,6 +457,40 @@ class Engine:
             self.stats.prefix_hits += kept.hits - before[0]
             self.stats.prefix_tokens += kept.reused - before[1]
             self.stats.prefix_evictions += kept.evictions - before[2]
+
+    def _prefilled(self, joins: list[Request], scored: bool, joining: bool) -> Batch:
+        """The rows of ``joins`` prefilled (target and drafter). ``scored``: they asked for prompt log-probabilities,
+        computed from the prefill's hidden states at every prompt position (no cached start: ``prefill``'s
+        ``fresh``) and kept for their outputs."""
+        prompts, drafter = [r.prompt for r in joins], self.parts.drafter
+        salts = [r.cache_salt for r in joins]
+        if drafter.needs_hidden or scored:  # a drafter that reads the target's features starts from the prompt's
+            target, states = self.parts.prefill(self.parts.target, prompts, hidden=True, salts=salts, fresh=scored)
+            if drafter.needs_hidden:
+                draft = drafter.prefill(prompts, states, joining=joining)
+            else:
+                draft = drafter.prefill(prompts)
+            if scored:
+                self._score_prompts(joins, states)
+        else:
+            target, draft = self.parts.prefill(self.parts.target, prompts, salts=salts), drafter.prefill(prompts)
+        return Batch(Sequences(joins, self.parts.k, self.parts.target.device), target, draft,
+                     [len(p) for p in prompts])
+
+    def _score_prompts(self, joins: list[Request], states) -> None:
+        """Each request's prompt log-probabilities (``prompt_scores``, read back at admission), kept for its outputs."""
+        chosen = rank = ids = values = []
+        if any(len(r.prompt) > 1 for r in joins):  # else every prompt is one token: nothing to score
+            k = max(r.prompt_logprobs for r in joins)
+            scores = prompt_scores(self.parts.target, [r.prompt for r in joins], states, k)
+            chosen, rank, ids, values = (t.tolist() for t in scores)
+        at = 0
+        for r in joins:
+            n, keep = len(r.prompt) - 1, r.prompt_logprobs
+            entries = [None] + [TokenLogprob(t, chosen[i], list(zip(ids[i][:keep], values[i][:keep])), rank[i])
+                                for t, i in zip(r.prompt[1:], range(at, at + n))]
+            self._prompt_lps[r.id] = self._prompt_unsent[r.id] = entries
+            at += n
 
     def _round_from_window(self, rows: list[int], budget: DraftBudget) -> RoundResult:
         """A round on ``rows`` of the window: copy them out (aligned by the layout), run the round, write them back.
@@ -477,6 +516,8 @@ class Engine:
         for f in done:
             if f.logprobs is not None:
                 f.logprobs = self._logprobs.pop(f.request_id, [])
+            f.prompt_logprobs = self._prompt_lps.pop(f.request_id, None)
+            self._prompt_unsent.pop(f.request_id, None)
         keep = _refill_from_tail(gone)
         self.scheduler.forget(keep)
         if keep:

@@ -243,6 +243,13 @@ class Runner:
             return None
         return whole_prefill.prefill(self.model, prompts, shared, width, hidden, embeds, base)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits from its final hidden states ``[..., H]`` (a forward's ``hidden``): what its forward
+        computes after them, the output head and, where the config has one, the final soft-capping."""
+        out = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        return out if not cap else torch.tanh(out / cap) * cap
+
     def forward(self, cache: kv.SlotCache, input_ids, position_ids, visible=None, logits_to_keep=0,
                 hidden=False, embeds=None, counts=None) -> TargetOutput:
         """One forward of ``input_ids`` ``[B, q]`` appended to ``cache``.

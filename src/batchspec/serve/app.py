@@ -362,6 +362,7 @@ class _Choice:
         self.index, self.job = index, job
         self.text = P.TextStream(tokenizer, stop)
         self.logprobs: list = []
+        self.prompt: list | None = None  # its prompt log-probabilities, when asked for (with its first tokens)
         self.first: float | None = None
         self.opened = False  # its stream's opening chunk went out
         self.closed = False  # the engine is done with it (or was told to drop it)
@@ -376,7 +377,8 @@ class _Run:
                  tokenizer, texts: P.TokenTexts, arrival: float):
         self.req, self.events, self.worker, self.metrics = req, events, worker, metrics
         self.choices = [_Choice(i, job, tokenizer, req.stop) for i, job in enumerate(jobs)]
-        self.logprobs = P.Logprobs(texts, req.tokens_as_ids) if req.logprobs is not None else None
+        self.shapes = P.Logprobs(texts, req.tokens_as_ids)
+        self.logprobs = self.shapes if req.logprobs is not None else None
         self.rid, self.created, self.arrival = rid, P.now(), arrival
         self.done: Callable[[_Run], None] = lambda run: None  # called once its answer is out (or abandoned)
 
@@ -395,6 +397,8 @@ class _Run:
         """Feed a choice its new tokens: (the ids kept, the text to send, their log-probabilities)."""
         if c.first is None:
             c.first = time.perf_counter()
+        if self.req.max_tokens == 0:  # echo alone: the one token generated is left out
+            ids, logprobs = [], None
         kept, delta = c.text.add(ids)
         if c.text.stopped is not None and not c.closed:
             c.closed = True
@@ -405,6 +409,23 @@ class _Run:
     def _render(self, c: _Choice, entries) -> dict | None:
         """The ``logprobs`` field for ``entries``, the last of the choice's kept tokens (None when not asked for)."""
         return None if self.logprobs is None else self.logprobs.render(self.req.kind, entries, c.text.ids)
+
+    def _choice(self, c: _Choice) -> P.Choice:
+        """A finished choice's answer: with ``echo`` the prompt's text (and log-probabilities) before the output's,
+        with ``prompt_logprobs`` vLLM's list of them."""
+        req, text, logprobs, prompt = self.req, c.text.text, self._render(c, c.logprobs), None
+        if req.prompt_alternatives is not None and c.prompt is None:
+            raise RuntimeError(f"choice {c.index} finished without its prompt log-probabilities")
+        if req.echo:
+            tok = self.shapes.texts.tok
+            head = req.prompt_text if req.prompt_text is not None or tok is None else tok.decode(
+                req.prompt_ids, skip_special_tokens=True)
+            text = (head or "") + text
+            if logprobs is not None:
+                logprobs = self.shapes.echoed(req.prompt_ids, c.prompt, req.logprobs, head or "", logprobs)
+        if req.prompt_logprobs is not None:
+            prompt = self.shapes.prompt(c.prompt, req.prompt_logprobs)
+        return P.Choice(c.index, text, c.text.ids, c.reason, logprobs, prompt)
 
     def _observe(self, c: _Choice) -> None:
         end = time.perf_counter()
@@ -422,6 +443,8 @@ class _Run:
         c.text.flush()
         self._observe(c)
         c.reason = "stop" if c.text.stopped is not None else P.FINISH_REASONS.get(reason, reason)
+        if self.req.max_tokens == 0 and reason != "abort":
+            c.reason = "length"
 
     def _abort_open(self) -> None:
         for c in self.choices:
@@ -457,14 +480,13 @@ class _Run:
                 if c.reason is not None:  # events after a stop string ended the choice
                     continue
                 if ev[0] == "tokens":
+                    c.prompt = ev[3] if ev[3] is not None else c.prompt
                     c.logprobs += self._tokens(c, ev[1], ev[2])[2]
                     if c.text.stopped is not None:
                         self._finish(c, "stop")
                 else:
                     self._finish(c, ev[1])
-            return P.response(self.req, self.rid, self.created, [
-                P.Choice(c.index, c.text.text, c.text.ids, c.reason, self._render(c, c.logprobs))
-                for c in self.choices])
+            return P.response(self.req, self.rid, self.created, [self._choice(c) for c in self.choices])
         finally:
             gone.cancel()
             self._abort_open()

@@ -26,18 +26,23 @@ and ``return_tokens_as_token_ids``):
 - logits processors (``SamplingParams``' bounds): ``presence_penalty`` and ``frequency_penalty`` in [-2, 2],
   ``logit_bias`` (token id, as a string -> bias in [-100, 100]), and vLLM's ``min_p``, ``repetition_penalty``,
   ``min_tokens``;
-- ``echo``, ``suffix``, ``best_of`` > 1, tools and non-text response formats are refused (400).
+- ``echo`` (completions): the prompt's text before the output and, with ``logprobs``, the prompt tokens' entries first
+  (None for the first token); ``max_tokens: 0`` then returns the prompt alone. ``prompt_logprobs`` (vLLM's, both
+  endpoints, in [0, ``MAX_LOGPROBS``]): per prompt token None first, then ``{id: {logprob, rank, decoded_token}}``.
+  Neither with ``stream``;
+- ``suffix``, ``best_of`` > 1, tools and non-text response formats are refused (400).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import numbers
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..params import MAX_TOKENS, PROCESSORS, ParamError, SamplingParams, check_sampling, show
+from ..params import MAX_TOKENS, PROCESSORS, ParamError, SamplingParams, check_prompt_logprobs, check_sampling, show
 from ..text import TextStream  # noqa: F401  (the server's stop strings, shared with LLM.generate)
 
 # The largest request body by default (413 beyond): a full context of 128k tokens, as ids or as escaped text, takes
@@ -119,6 +124,15 @@ class GenRequest:
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     cache_salt: str | None = None  # prompts share cached prefixes only with prompts of the same salt
     processors: dict = field(default_factory=dict)  # the logits processors' checked fields (``PROCESSORS``' names)
+    echo: bool = False  # completions: the prompt (text, and log-probabilities with ``logprobs``) before the output
+    prompt_text: str | None = None  # the prompt as sent when it was text (echoed as it is)
+    prompt_logprobs: int | None = None  # vLLM's: alternatives at each prompt position (None: not asked for)
+
+    @property
+    def prompt_alternatives(self) -> int | None:
+        """The alternatives the engine computes at each prompt position (``echo`` with ``logprobs`` asks too)."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
 
 # ------------------------------------------------------------------------------------------------ field readers
@@ -165,9 +179,11 @@ def _get_bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
+    if body.get("stream") is True:
+        for name in ("echo", "prompt_logprobs"):
+            if body.get(name) not in (None, False):
+                raise bad(f"{name} is not supported with stream", name, "unsupported_parameter")
     if kind == "completion":
-        if body.get("echo"):
-            raise bad("echo is not supported by this server", "echo", "unsupported_parameter")
         if body.get("suffix"):
             raise bad("suffix is not supported by this server", "suffix", "unsupported_parameter")
         if body.get("best_of") not in (None, 1):
@@ -383,6 +399,11 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         if v is not None:
             max_tokens, param = v, name
             break
+    echo = kind == "completion" and _get_bool(body, "echo")
+    try:
+        prompt_logprobs = check_prompt_logprobs(_whole(body.get("prompt_logprobs")))
+    except ParamError as e:
+        raise bad(str(e), "prompt_logprobs") from None
     temperature = _get_real(body, "temperature")
     temperature = info.default_temperature if temperature is None else temperature
     top_p = _get_real(body, "top_p")
@@ -406,7 +427,8 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         raise bad(f"cache_salt must be a non-empty string, got {show(cache_salt)}", "cache_salt")
     # the ranges of SamplingParams and the engine (check_sampling); max_tokens is checked against the context below
     checked = _check_sampling({"max_tokens": param, "logprobs": "logprobs" if kind == "completion" else "top_logprobs"},
-                              max_tokens=MAX_TOKENS if max_tokens is None else max_tokens, temperature=temperature,
+                              max_tokens=MAX_TOKENS if max_tokens is None else max(max_tokens, int(echo)),
+                              temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop_ids, logprobs=logprobs,
                               vocab=info.vocab_size, **_processors(body))
     logprobs = checked["logprobs"]
@@ -428,8 +450,16 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, stream=stream,
         include_usage=stream and _get_bool(opts, "include_usage"), return_token_ids=return_token_ids, n=n,
-        logprobs=logprobs, tokens_as_ids=tokens_as_ids, cache_salt=cache_salt, processors=processors,
+        logprobs=logprobs, tokens_as_ids=tokens_as_ids, cache_salt=cache_salt, processors=processors, echo=echo,
+        prompt_text=_prompt_text(body) if echo else None, prompt_logprobs=prompt_logprobs,
     )
+
+
+def _prompt_text(body: dict) -> str | None:
+    """A completions prompt sent as text (alone or as a one-element list), else None."""
+    p = body.get("prompt")
+    p = p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str) else p
+    return p if isinstance(p, str) else None
 
 
 def _processors(body: dict) -> dict:
@@ -459,9 +489,10 @@ def _check_sampling(fields: dict, **values) -> dict:
 
 def sampling_params(req: GenRequest, index: int = 0) -> SamplingParams:
     """The engine's settings for choice ``index`` of a validated request: its seed is ``seed + index`` (modulo
-    2**63), so choice i of a request equals a request of one choice with that seed."""
+    2**63), so choice i of a request equals a request of one choice with that seed. ``max_tokens: 0`` (``echo``)
+    generates one token, which the answer leaves out."""
     seed = None if req.seed is None else (req.seed + index) % INT64
-    return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+    return SamplingParams(max_tokens=max(req.max_tokens, 1), prompt_logprobs=req.prompt_alternatives, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                           seed=seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                           logprobs=req.logprobs, cache_salt=req.cache_salt, **req.processors)
 
@@ -556,6 +587,33 @@ class Logprobs:
                                              for a, (_, lp) in zip(alts, e.top)]})
         return {"content": content}
 
+    def echoed(self, prompt_ids: list[int], entries, k: int, prompt_text: str, generated: dict | None) -> dict:
+        """``completion``'s shape for an echoed prompt (``entries``: its prompt log-probabilities, None first; ``k``
+        alternatives each) followed by ``generated`` (the output's, its offsets moved past ``prompt_text``): the first
+        token's log-probability and alternatives are None, as OpenAI and vLLM send them."""
+        body = self.completion([dataclasses.replace(e, top=e.top[:k]) for e in entries[1:]], prompt_ids)
+        out = {"tokens": self._names(prompt_ids[:1]) + body["tokens"],
+               "token_logprobs": [None] + body["token_logprobs"], "top_logprobs": [None] + body["top_logprobs"],
+               "text_offset": [0] + body["text_offset"]}
+        if generated:
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                out[key] += generated[key]
+            out["text_offset"] += [len(prompt_text) + o for o in generated["text_offset"]]
+        return out
+
+    def prompt(self, entries, k: int) -> list:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each ``{token id: {"logprob",
+        "rank", "decoded_token"}}`` of the token itself and its ``k`` most likely alternatives (ranks 1..k)."""
+        out: list = [None]
+        for e in entries[1:]:
+            alts = e.top[:k]
+            names = self._names([e.token_id] + [t for t, _ in alts])
+            item = {e.token_id: {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": names[0]}}
+            for rank, ((t, lp), name) in enumerate(zip(alts, names[1:]), 1):
+                item.setdefault(t, {"logprob": _lp(lp), "rank": rank, "decoded_token": name})
+            out.append(item)
+        return out
+
     def render(self, kind: str, entries, output_ids: list[int]) -> dict:
         return self.completion(entries, output_ids) if kind == "completion" else self.chat(entries)
 
@@ -589,6 +647,7 @@ class Choice:
     token_ids: list[int]
     finish_reason: str
     logprobs: dict | None = None
+    prompt_logprobs: list | None = None  # vLLM's (``Logprobs.prompt``), when asked for
 
 
 def response(req: GenRequest, rid: str, created: int, choices: list[Choice]) -> dict:
@@ -599,6 +658,8 @@ def response(req: GenRequest, rid: str, created: int, choices: list[Choice]) -> 
         choice: dict = {"index": c.index}
         if req.kind == "completion":
             choice.update(text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason)
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = c.prompt_logprobs
         else:
             choice.update(message={"role": "assistant", "content": c.text}, logprobs=c.logprobs,
                           finish_reason=c.finish_reason)
@@ -606,8 +667,11 @@ def response(req: GenRequest, rid: str, created: int, choices: list[Choice]) -> 
             choice.update(prompt_token_ids=req.prompt_ids, token_ids=c.token_ids)
         out.append(choice)
     obj = "text_completion" if req.kind == "completion" else "chat.completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "system_fingerprint": None,
+    body = {"id": rid, "object": obj, "created": created, "model": req.model, "system_fingerprint": None,
             "choices": out, "usage": usage(len(req.prompt_ids), sum(len(c.token_ids) for c in choices))}
+    if req.kind == "chat" and req.prompt_logprobs is not None:  # vLLM: once, beside the choices
+        body["prompt_logprobs"] = choices[0].prompt_logprobs if choices else None
+    return body
 
 
 def chunk(req: GenRequest, rid: str, created: int, text: str | None, token_ids: list[int] | None,

@@ -2,7 +2,8 @@
 
 HTTP handlers call ``submit`` (a request joins at the next round boundary), ``abort`` (its row leaves at the next
 round boundary) and read their tokens from the ``deliver`` callback they gave, which the engine thread calls with
-``("tokens", ids, logprobs)`` (``logprobs``: a ``TokenLogprob`` per id, or None when the request asked for none), then
+``("tokens", ids, logprobs, prompt_logprobs)`` (``logprobs``: a ``TokenLogprob`` per id, or None when the request asked
+for none; ``prompt_logprobs``: the engine's, with a request's first tokens when it asked for them, else None), then
 ``("done", reason, Finished)`` or ``("error", message)``. Only the engine thread touches the engine. A request of n
 choices is n engine requests, submitted together (``submit_all``).
 
@@ -221,9 +222,9 @@ class EngineWorker:
                 n = min(job.skip, len(new))
                 new, job.skip = new[n:], job.skip - n
                 lps = None if lps is None else lps[n:]
-            if new:
+            if new or o.prompt_logprobs is not None:
                 job.delivered += len(new)
-                self._send(job, ("tokens", list(new), lps))
+                self._send(job, ("tokens", list(new), lps, o.prompt_logprobs))
             if o.finished is not None:
                 self._finish(job, o.finished.reason, o.finished)
 
