@@ -164,7 +164,7 @@ def test_a_restart_that_changed_one_token_is_named_with_a_reproducer(prompts, tm
 @pytest.mark.parametrize("fault,message", [
     ("zeros", "constant log-probabilities (all 0)"),
     ("swap", "token 2 is"),
-    ("drift", f"at concurrency 8: log-probabilities differ by 0.01 at token 0"),
+    ("drift", "at concurrency 8: log-probabilities differ by 0.01 at token 0"),
     ("missing", "log-probabilities missing for 1 of 8 tokens (first: token 1)"),
 ])
 def test_planted_logprob_faults_are_named(prompts, tmp_path, fault, message):

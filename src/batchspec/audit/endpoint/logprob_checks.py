@@ -69,7 +69,7 @@ def answer_faults(pos: list, rel_tol: float) -> tuple[list[str], list[int]]:
     missing = [k for k, (_, v, _) in enumerate(pos) if v is None]
     if missing:
         faults.append(f"log-probabilities missing for {len(missing)} of {len(pos)} tokens (first: token {missing[0]})")
-    values = [v for _, v, top in pos for v in [v, *top.values()] if v is not None]
+    values = [x for t, v, top in pos for x in ({t: v, **top} if v is not None else top).values()]
     if len(values) > 1 and len(set(values)) == 1:
         faults.append(f"constant log-probabilities (all {values[0]:g})")
         return faults, ties
