@@ -198,3 +198,18 @@ def test_logprob_checks():
     assert level_drift(good, good) is None
     shifted = [[t, v - 2 * CONCURRENCY_TOLERANCE, top] for t, v, top in good]
     assert "differ by 0.002 at token 0" in level_drift(shifted, good)
+
+
+def test_junit_of_the_audit_against_the_server_itself(padding_bug, prompts, tmp_path):
+    """Without a baseline too: a padding bug fails the cases of its divergent prompts under concurrency only."""
+    junit = tmp_path / "junit.xml"
+    rc = main(["audit", "--endpoint", padding_bug.url, "--prompts", str(prompts), "--concurrency", "1,4",
+               "--max-tokens", "10", "--out", str(tmp_path / "out"), "--junit", str(junit)])
+    data = json.loads((tmp_path / "out" / "audit.json").read_text())
+    divergent = {(r["batch_size"], d["prompt"]) for r in data["rows"] for d in r["divergences"]
+                 if d["class"] != "numerical"}
+    suite = ET.parse(junit).getroot().find("testsuite")
+    failed = {(int(c.get("classname").split("concurrency ")[1].split(",")[0]), NAMES.index(c.get("name").split()[1]))
+              for c in suite.findall("testcase") if c.find("failure") is not None}
+    assert rc == 1 and divergent and failed == divergent and {c for c, _ in failed} == {4}
+    assert (suite.get("tests"), suite.get("failures")) == (str(2 * len(PROMPTS)), str(len(divergent)))

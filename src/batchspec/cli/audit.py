@@ -96,7 +96,8 @@ def add_arguments(parser) -> None:
                           help="send a baseline's requests again (its prompts, levels and settings) and report each "
                                "drift, with a reproducer in --out/repro")
     endpoint.add_argument("--junit", default=None, metavar="FILE",
-                          help="with --save or --against: a JUnit XML report, one test case per prompt and level")
+                          help="also write a JUnit XML report for CI: one test case per prompt and level, failing "
+                               "with its first divergence or problem")
     sampling = parser.add_argument_group("distributional audit (temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0,
                           help="sampling temperature; > 0 runs the distributional audit (default 0: greedy audit)")
@@ -177,8 +178,6 @@ def _run_endpoint(args) -> int:
     levels = int_list(args.concurrency, "--concurrency")
     if args.save is not None or args.against is not None:
         return _run_baseline(args, levels)
-    if args.junit is not None:
-        raise ValueError("--junit applies to --save and --against")
     if args.repeat is not None:
         return _run_determinism(args, levels)
     reference = _endpoint_reference(args)
@@ -189,6 +188,10 @@ def _run_endpoint(args) -> int:
     except ConnectionError as e:  # connection refused, unknown host, no answer from /v1/models
         raise ValueError(str(e)) from None
     _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report))
+    if args.junit is not None:
+        from ..audit.endpoint.junit import junit_xml, report_cases
+
+        write_atomic(args.junit, lambda f: f.write(junit_xml(report_cases(report, [i for i, _ in pairs]))))
     report.plot(out / "audit.png")
     _write_html(out / "audit.html", report)
     console = rich_console()

@@ -21,3 +21,26 @@ def junit_xml(cases: list[dict], suite: str = "batchspec audit") -> str:
             tag = "error" if c["status"] == "failed" else "failure"
             ET.SubElement(case, tag, message=c["summary"] or c["status"], type=c["status"]).text = c["summary"]
     return ET.tostring(root, encoding="unicode") + "\n"
+
+
+def report_cases(report, names) -> list[dict]:
+    """The cases of an endpoint audit's ``AuditReport``: per level and prompt, ``failed`` when its request failed,
+    a failure for its first divergence that is not numerical or its first problem, else ``clean``."""
+    ep = report.meta["endpoint"]
+    out = []
+    for row, lv in zip(report.rows, ep["levels"]):
+        for i, name in enumerate(names):
+            case = {"name": name, "concurrency": row.batch_size, "api": ep["api"], "stream": ep["stream"],
+                    "status": "clean", "summary": None}
+            divs = [d for d in row.divergences if d.prompt == i and d.cls != "numerical"]
+            problems = [p for p in lv["problems"] if p["prompt"] == i]
+            if any(p["kind"] == "failed" for p in problems):
+                case.update(status="failed", summary=f"could not audit: {problems[0]['detail']}")
+            elif divs:
+                d = divs[0]
+                case.update(status=d.cls, summary=f"token {d.index} is {d.engine_token} where the reference has "
+                                                  f"{d.oracle_token} ({d.cls})")
+            elif problems:
+                case.update(status=problems[0]["kind"], summary=f"{problems[0]['kind']}: {problems[0]['detail']}")
+            out.append(case)
+    return out
