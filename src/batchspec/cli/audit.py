@@ -227,7 +227,7 @@ def _run_baseline(args, levels) -> int:
         names, prompts = saved["names"], saved["prompts"]
         audit = _endpoint_audit(args, prompts, s["concurrency"], None)
         audit.model, audit.api, audit.stream, audit.max_tokens = s["model"], s["api"], s["stream"], s["max_tokens"]
-        audit.top_logprobs, audit.stop_token_ids, audit.target = s["top_logprobs"], s["stop_token_ids"], None
+        audit.top_logprobs, audit.stop_token_ids = s["top_logprobs"], s["stop_token_ids"]
     out = prepare_out(args.out, folder=True)
     try:
         new = baseline.record(audit, names, saved)

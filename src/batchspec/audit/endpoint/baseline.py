@@ -68,12 +68,11 @@ def record(audit: EndpointAudit, names=None, saved: dict | None = None) -> dict:
     it. ``saved``: a baseline whose requests are sent again, exactly (its prompts, levels and bodies)."""
     audit = audit.checked()
     model = model_name(audit.url, audit.model, audit.api_key, audit.timeout)
-    bodies = None
+    tok, bodies = reference_tokenizer(audit.target, audit.tokenizer), None
     if saved is not None:
-        items, texts, tok = saved["prompts"], {}, None
+        items, texts = saved["prompts"], {}
         bodies = {_key(a["prompt"]): a["request"] for run in saved["runs"] for a in run["answers"]}
     else:
-        tok = reference_tokenizer(audit.target, audit.tokenizer)
         items, texts = prompt_items(audit.prompts, tok, audit.api, audit.chat_template)
     client = audit.client(audit.url, model, tokenizer=tok, stop_token_ids=[int(s) for s in audit.stop_token_ids],
                           texts=texts, logprobs=audit.top_logprobs, bodies=bodies, kind=ReplayClient)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import re
 
-SCRIPT = '''"""Replays one divergence that batchspec audit --against found: sends the request together with those that ran
-concurrently with it and says whether its tokens still differ from the baseline's. Usage: python {name} [URL]
+SCRIPT = '''"""Replays one divergence that batchspec audit --against found: sends the request together with those
+that ran concurrently with it and says whether its tokens still differ from the baseline's. Usage: python {name} [URL]
 (default: the server audited; $BATCHSPEC_API_KEY is sent as the bearer key when set). Exit status 1: the divergence
 shows; 0: it does not; 2: the request failed."""
 import json
