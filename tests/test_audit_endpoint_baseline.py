@@ -34,7 +34,7 @@ class Fake(servekit.FakeServer):
     token ids. ``changed``: prompt 3's token 4 is its first alternative, listed as the most likely (a restart that
     changed one token); ``tie``: that alternative is listed 1e-6 below the returned token; ``fault``: ``"zeros"``
     (every value 0.0), ``"swap"`` (token 2's alternative listed as more likely than the token), ``"drift"`` (values
-    1e-2 lower while another request is under way), ``"missing"`` (token 1 has none)."""
+    1e-2 lower while another request is under way), ``"missing"`` (token 1 has none), ``"down"`` (HTTP 500)."""
 
     def __init__(self, changed=False, tie=False, fault=None):
         self.changed, self.tie, self.fault = changed, tie, fault
@@ -75,6 +75,8 @@ class _Handler(servekit.JsonHandler):
     def do_POST(self):
         fake = self.server.fake
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if fake.fault == "down":
+            return self.send_json(500, {"error": {"message": "the engine fell over", "type": "server_error"}})
         p = body["prompt"]
         prompt = [int(w[1:]) for w in p.split()] if isinstance(p, str) else p
         with fake.lock:
@@ -213,3 +215,12 @@ def test_junit_of_the_audit_against_the_server_itself(padding_bug, prompts, tmp_
               for c in suite.findall("testcase") if c.find("failure") is not None}
     assert rc == 1 and divergent and failed == divergent and {c for c, _ in failed} == {4}
     assert (suite.get("tests"), suite.get("failures")) == (str(2 * len(PROMPTS)), str(len(divergent)))
+
+
+def test_a_baseline_that_cannot_be_audited_exits_2(prompts, tmp_path, capsys):
+    with Fake(fault="down") as server:
+        rc, cases = audit(server.url, prompts, tmp_path / "out", "--save", str(tmp_path / "b.json"))
+        assert rc == 2 and all(c["status"] == "failed" and "HTTP 500" in c["summary"] for c in cases)
+        (tmp_path / "other.json").write_text("{}")
+        assert main(["audit", "--endpoint", server.url, "--against", str(tmp_path / "other.json")]) == 2
+    assert "is not a baseline written by batchspec audit --save" in capsys.readouterr().err

@@ -208,7 +208,6 @@ def _run_baseline(args, levels) -> int:
     (``batchspec.audit.endpoint.baseline``); exit status 0 clean, 1 a case not clean, 2 none could be audited."""
 
     import torch
-
     from rich.markup import escape
 
     from ..audit import attribution as attr
