@@ -89,6 +89,15 @@ def add_arguments(parser) -> None:
                           help="the determinism run instead: send each prompt N >= 2 times, greedy, at the "
                                "--concurrency levels in turn, and count each prompt's unique outputs (no reference, "
                                "no model); exit status 1 when a prompt has more than one")
+    endpoint.add_argument("--save", default=None, metavar="FILE",
+                          help="record a baseline instead: each prompt's tokens, finish_reason and top logprobs at "
+                               "every level, with the server's fingerprint; the logprobs are checked")
+    endpoint.add_argument("--against", default=None, metavar="FILE",
+                          help="send a baseline's requests again (its prompts, levels and settings) and report each "
+                               "drift, with a reproducer in --out/repro")
+    endpoint.add_argument("--junit", default=None, metavar="FILE",
+                          help="also write a JUnit XML report for CI: one test case per prompt and level, failing "
+                               "with its first divergence or problem")
     sampling = parser.add_argument_group("distributional audit (temperature > 0)")
     sampling.add_argument("--temperature", type=float, default=0.0,
                           help="sampling temperature; > 0 runs the distributional audit (default 0: greedy audit)")
@@ -167,6 +176,8 @@ def _run_endpoint(args) -> int:
     if args.top_logprobs < 0:
         raise ValueError(f"--top-logprobs must be an integer >= 0, got {args.top_logprobs}")
     levels = int_list(args.concurrency, "--concurrency")
+    if args.save is not None or args.against is not None:
+        return _run_baseline(args, levels)
     if args.repeat is not None:
         return _run_determinism(args, levels)
     reference = _endpoint_reference(args)
@@ -177,6 +188,10 @@ def _run_endpoint(args) -> int:
     except ConnectionError as e:  # connection refused, unknown host, no answer from /v1/models
         raise ValueError(str(e)) from None
     _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report))
+    if args.junit is not None:
+        from ..audit.endpoint.junit import junit_xml, report_cases
+
+        write_atomic(args.junit, lambda f: f.write(junit_xml(report_cases(report, [i for i, _ in pairs]))))
     report.plot(out / "audit.png")
     _write_html(out / "audit.html", report)
     console = rich_console()
@@ -185,6 +200,52 @@ def _run_endpoint(args) -> int:
     status, verdict = endpoint_verdict(report)
     if status:
         console.print(f"[red]{escape(verdict)}[/red]")
+    return status
+
+
+def _run_baseline(args, levels) -> int:
+    """``--save`` / ``--against``: record a baseline, or send a baseline's requests again and compare
+    (``batchspec.audit.endpoint.baseline``); exit status 0 clean, 1 a case not clean, 2 none could be audited."""
+
+    import torch
+    from rich.markup import escape
+
+    from ..audit import attribution as attr
+    from ..audit.endpoint import baseline, junit, repro
+
+    if args.repeat is not None or args.reference is not None:
+        raise ValueError("--save and --against record and compare the server alone: leave out --repeat and "
+                         "--reference")
+    saved = baseline.load(args.against) if args.against is not None else None
+    if saved is None:
+        pairs = read_prompt_set(args.prompts)[: args.limit]
+        names, prompts = [i for i, _ in pairs], [t for _, t in pairs]
+        audit = _endpoint_audit(args, prompts, levels, None)
+    else:
+        s = saved["fingerprint"]["settings"]
+        names, prompts = saved["names"], saved["prompts"]
+        audit = _endpoint_audit(args, prompts, s["concurrency"], None)
+        audit.model, audit.api, audit.stream, audit.max_tokens = s["model"], s["api"], s["stream"], s["max_tokens"]
+        audit.top_logprobs, audit.stop_token_ids = s["top_logprobs"], s["stop_token_ids"]
+    out = prepare_out(args.out, folder=True)
+    try:
+        new = baseline.record(audit, names, saved)
+    except ConnectionError as e:
+        raise ValueError(str(e)) from None
+    if args.save is not None:
+        baseline.save(args.save, new)
+    rel_tol = attr.relative_tolerance(getattr(torch, args.dtype) if args.dtype else torch.float32, args.tolerance)
+    cases = baseline.cases(new, saved, rel_tol)
+    made = repro.write_repros(out, cases, new, saved) if saved is not None else {}
+    md = baseline.baseline_markdown(cases, new, saved, made)
+    _write_reports(out, "audit", {"cases": cases, "fingerprint": new["fingerprint"]}, md)
+    if args.junit is not None:
+        write_atomic(args.junit, lambda f: f.write(junit.junit_xml(cases)))
+    console = rich_console()
+    for c in [c for c in cases if c["status"] != baseline.CLEAN][:10]:
+        console.print(escape(f"prompt {c['name']} at concurrency {c['concurrency']}: {c['status']}: {c['summary']}"))
+    status, verdict = baseline.status(cases)
+    console.print(escape(f"{verdict}; wrote {out / 'audit.md'}" + (f", {args.save}" if args.save else "")))
     return status
 
 

@@ -72,7 +72,10 @@ reference's token at ``j``, it is ``unattributed``.
 The package: ``client`` sends the requests and reads the answers back (HTTP and Server-Sent Events through
 ``batchspec.serve.client``, shared with the load generator), ``answer`` checks each answer, ``judges`` compares a
 level's answers with the reference's and classes their divergences, ``flows`` runs the audit against either reference
-(``EndpointAudit``: its settings), ``markdown`` writes the verdict and the report.
+(``EndpointAudit``: its settings), ``markdown`` writes the verdict and the report. ``baseline`` records a server's
+answers with its fingerprint and compares them with a later run of the same requests (``batchspec audit --save``,
+``--against``), ``logprob_checks`` checks the log-probabilities a server returns, ``repro`` writes a replay script per
+drift, ``junit`` the report for CI.
 """
 
 from __future__ import annotations

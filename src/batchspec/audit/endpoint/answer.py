@@ -23,7 +23,8 @@ class Answer:
     request failed), ``protocol_error`` (the answer's ids are not token ids), ``finish_problem`` (its finish_reason
     disagrees with its tokens), ``prompt_mismatch`` (its prompt_token_ids are not the ids sent). ``logprobs``: per
     generated token, ``{token id: log-probability}`` of the tokens the answer listed there (None: none, or not one
-    per token)."""
+    per token); ``raw_logprobs``: when they were asked for, each ``(token ids, logprobs field)`` as the server sent
+    them (one pair, or one per stream chunk), for the log-probability checks."""
 
     ids: list[int]
     source: str | None
@@ -34,6 +35,7 @@ class Answer:
     finish_problem: str | None = None
     prompt_mismatch: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    raw_logprobs: list | None = None
 
     def problems(self) -> list[tuple[str, str]]:
         """(kind, reason) of each thing wrong with the answer beyond its tokens."""

@@ -89,7 +89,8 @@ class EndpointClient:
         path = api_path(self.api)
         for _ in range(2):
             try:
-                token_ids, text, prompt_ids, reason, lps = (self._streamed if self.stream else self._plain)(path, ids)
+                send = self._streamed if self.stream else self._plain
+                token_ids, text, prompt_ids, reason, lps, raw = send(path, ids)
             except LogprobsRefused as e:
                 if not self.logprobs:  # another request already turned them off: ask again
                     continue
@@ -97,7 +98,9 @@ class EndpointClient:
                 continue
             except Exception as e:  # the request failed: the transport, the HTTP status, the answer's form
                 return Answer([], None, error=self._why(e))
-            return self._answer(ids, token_ids, text, prompt_ids, reason, lps)
+            answer = self._answer(ids, token_ids, text, prompt_ids, reason, lps)
+            answer.raw_logprobs = raw if self.logprobs else None
+            return answer
         return Answer([], None, error=self.logprobs_refused or "the server refused the request")
 
     def _why(self, e: Exception) -> str:
@@ -125,7 +128,8 @@ class EndpointClient:
         choice = choices(r.json())[0]
         token_ids = choice.get("token_ids")
         return (token_ids, choice_text(choice), choice.get("prompt_token_ids"), choice.get("finish_reason"),
-                aligned(logprob_entries(choice.get("logprobs")), token_ids) if "logprobs" in body else None)
+                aligned(logprob_entries(choice.get("logprobs")), token_ids) if "logprobs" in body else None,
+                [(token_ids, choice.get("logprobs"))])
 
     def _streamed(self, path: str, ids):
         deadline = time.monotonic() + self.timeout
@@ -144,7 +148,8 @@ class EndpointClient:
         bad = [c for c in chunks if not isinstance(c, list)]
         token_ids = (bad[0] if bad else [t for c in chunks for t in c]) if chunks else None
         lps = streamed_logprobs(answer) if "logprobs" in body and token_ids is not None else None
-        return token_ids, "".join(answer.texts), answer.prompt_ids, answer.finish_reason, lps
+        raw = list(zip(answer.token_chunks, answer.logprob_chunks))
+        return token_ids, "".join(answer.texts), answer.prompt_ids, answer.finish_reason, lps, raw
 
     def _answer(self, sent, token_ids, text, prompt_ids, reason, logprobs=None) -> Answer:
         bad = bad_ids(prompt_ids, self.vocab_size, "prompt_token_ids") if prompt_ids is not None else None

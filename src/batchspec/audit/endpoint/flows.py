@@ -75,9 +75,10 @@ class EndpointAudit:
             return audit_with_oracle(audit, model)
         return audit_with_reference(audit, model)
 
-    def client(self, url: str, model: str, **more) -> EndpointClient:
-        """A client of the server at ``url`` that sends what this audit sends; ``more``: the rest of its fields."""
-        return EndpointClient(url, model, max_tokens=self.max_tokens, api=self.api, stream=self.stream,
+    def client(self, url: str, model: str, kind=EndpointClient, **more) -> EndpointClient:
+        """A client (of class ``kind``) of the server at ``url`` that sends what this audit sends; ``more``: the rest
+        of its fields."""
+        return kind(url, model, max_tokens=self.max_tokens, api=self.api, stream=self.stream,
                               api_key=self.api_key, timeout=self.timeout, **more)
 
 
