@@ -70,10 +70,10 @@ def run_within(seconds: float, fn, *args):
     return box["value"]
 
 
-def _chunks(response, deadline: float, limit: int):
+def _chunks(response, deadline: float, limit: int | None):
     """The response's body in chunks, ``TimeoutError`` past ``deadline`` (``time.monotonic()``), ``TooLarge`` past
     ``limit`` bytes in all."""
-    total = 0
+    total, limit = 0, MAX_ANSWER_BYTES if limit is None else limit
     for chunk in response.iter_bytes():
         total += len(chunk)
         if total > limit:
@@ -83,12 +83,13 @@ def _chunks(response, deadline: float, limit: int):
         yield chunk
 
 
-def read_body(response, deadline: float, limit: int = MAX_ANSWER_BYTES) -> bytes:
-    """A streamed response's whole body, read by ``deadline`` and at most ``limit`` bytes (see ``_chunks``)."""
+def read_body(response, deadline: float, limit: int | None = None) -> bytes:
+    """A streamed response's whole body, read by ``deadline`` and at most ``limit`` bytes (default
+    ``MAX_ANSWER_BYTES``; see ``_chunks``)."""
     return b"".join(_chunks(response, deadline, limit))
 
 
-def sse_lines(response, deadline: float, limit: int = MAX_ANSWER_BYTES):
+def sse_lines(response, deadline: float, limit: int | None = None):
     """A streamed response's lines (as ``iter_lines``), read by ``deadline`` and at most ``limit`` bytes in all."""
     rest = b""
     for chunk in _chunks(response, deadline, limit):

@@ -84,12 +84,12 @@ from .answer import PROMPT_MISMATCH, PROTOCOL_ERROR, RETOKENIZED, TOKEN_IDS, Ans
 from .client import ConcurrentRun, EndpointClient, model_name, served_models
 from .flows import (SELF, TOP_LOGPROBS, EndpointAudit, audit_endpoint, check_levels, check_request, prompt_items,
                     reference_tokenizer)
-from .judges import (COULD_NOT_AUDIT, ENDPOINT_SIGNATURES, INCOMPLETE, UNATTRIBUTED, LogprobDivergence,
-                     black_box_records, logprob_divergence)
+from .judges import (COULD_NOT_AUDIT, ENDPOINT_SIGNATURES, INCOMPLETE, MAX_LOGIT_SCALE, UNATTRIBUTED,
+                     LogprobDivergence, black_box_records, logprob_divergence)
 from .markdown import endpoint_markdown, endpoint_verdict
 
 __all__ = ["audit_endpoint", "EndpointAudit", "endpoint_markdown", "endpoint_verdict", "EndpointClient",
            "ConcurrentRun", "Answer", "LogprobDivergence", "logprob_divergence", "logprob_entries",
            "black_box_records", "api_base", "served_models", "model_name", "check_levels", "check_request",
            "prompt_items", "reference_tokenizer", "TOKEN_IDS", "RETOKENIZED", "SELF", "TOP_LOGPROBS", "COULD_NOT_AUDIT",
-           "PROMPT_MISMATCH", "PROTOCOL_ERROR", "INCOMPLETE", "UNATTRIBUTED", "ENDPOINT_SIGNATURES"]
+           "MAX_LOGIT_SCALE", "PROMPT_MISMATCH", "PROTOCOL_ERROR", "INCOMPLETE", "UNATTRIBUTED", "ENDPOINT_SIGNATURES"]
