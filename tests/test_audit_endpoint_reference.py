@@ -19,8 +19,8 @@ import torch
 
 import batchspec.model.loading as loading
 from batchspec.audit import attribution as attr
-from batchspec.audit.endpoint import (MAX_LOGIT_SCALE, SELF, TOKEN_IDS, UNATTRIBUTED, audit_endpoint, endpoint_markdown,
-                                      endpoint_verdict, logprob_divergence, logprob_entries)
+from batchspec.audit.endpoint import (MAX_LOGIT_SCALE, SELF, TOKEN_IDS, UNATTRIBUTED, audit_endpoint,
+                                      endpoint_markdown, endpoint_verdict, logprob_divergence, logprob_entries)
 from batchspec.cli import main
 
 MAX_TOKENS = 10
@@ -348,12 +348,14 @@ def _cli(url, files, tmp_path, capsys, *flags):
 
 
 def test_the_command_audits_without_a_target_against_the_server_itself(good, padding_bug, files, tmp_path, capsys):
-    """No --target: the reference is the server at concurrency 1 and the prompts go as text (no tokenizer)."""
+    """No --target: the reference is the server at concurrency 1 and the prompts go as chat messages (no tokenizer
+    here: the server's chat template is the one they get)."""
     rc, out, _, data, folder = _cli(good.url, files, tmp_path, capsys)
     assert rc == 0, out
     ref = data["meta"]["reference"]
     assert ref["kind"] == "self" and ref["tokenizer"] is False and ref["answers"] == len(FEW)
-    assert data["oracle"] == [oracle(p) for p in FEW]  # the server encoded the text prompts as the words say
+    assert data["meta"]["endpoint"]["api"] == "chat"
+    assert data["oracle"] == [oracle([1, *p, 2, 3]) for p in FEW]  # the server templated the words as they say
     assert [r["signature"] for r in data["rows"]] == ["clean", "clean"]
     assert all((folder / f"audit.{ext}").stat().st_size > 500 for ext in ("json", "md", "png", "html"))
     assert "reference: the same server at concurrency 1" in out

@@ -67,8 +67,8 @@ def add_arguments(parser) -> None:
                           help="comma list of how many requests are under way at once (default 1,8,32)")
     endpoint.add_argument("--api", default=None, choices=["completions", "chat"],
                           help="completions: prompts go as token ids (exact); chat: as user messages, templated by "
-                               "the server (default: completions with --target, whose tokenizer applies the template; "
-                               "else chat, so that the prompts are templated, unless --no-chat-template)")
+                               "the server (default: completions with --target, whose tokenizer applies the template, "
+                               "or with --repeat or --no-chat-template; else chat, so that the prompts are templated)")
     endpoint.add_argument("--stream", action="store_true", help="read the answers as Server-Sent Events")
     endpoint.add_argument("--api-key", default=os.environ.get("BATCHSPEC_API_KEY"),
                           help="sent as 'Authorization: Bearer KEY' (default: $BATCHSPEC_API_KEY)")
@@ -169,10 +169,11 @@ def _run_endpoint(args) -> int:
     if args.top_logprobs < 0:
         raise ValueError(f"--top-logprobs must be an integer >= 0, got {args.top_logprobs}")
     levels = int_list(args.concurrency, "--concurrency")
+    if args.repeat is not None:
+        args.api = args.api or "completions"
+        return _run_determinism(args, levels)
     if args.api is None:  # without a tokenizer here, the server's chat template is the only one the prompts can get
         args.api = "chat" if args.target is None and args.chat_template else "completions"
-    if args.repeat is not None:
-        return _run_determinism(args, levels)
     reference = _endpoint_reference(args)
     pairs = read_prompt_set(args.prompts)[: args.limit]
     out = prepare_out(args.out, folder=True)

@@ -308,7 +308,8 @@ def plot(summary: dict, path) -> Path:
     cfg = summary["config"]
     load = f"rate {cfg['rate']}/s" if cfg.get("rate") is not None else f"concurrency {cfg['concurrency']}"
     c = summary["requests"]
-    fig.suptitle(f"loadtest {display(summary['model'])}: {load}, {c['ok']} ok, {c['rejected_429'] + c['rejected_503']} shed, "
+    shed = c["rejected_429"] + c["rejected_503"]
+    fig.suptitle(f"loadtest {display(summary['model'])}: {load}, {c['ok']} ok, {shed} shed, "
                  f"{c['errors']} errors; {summary['throughput']['output_tokens_per_s']:.1f} output tok/s",
                  parse_math=False, usetex=False)  # a server's model id, as it is
     for ax, key, label in zip(fig.subplots(1, 3), ("ttft", "tpot", "e2e"),
