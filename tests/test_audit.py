@@ -9,6 +9,7 @@ import tiny
 import torch
 
 import batchspec
+from batchspec.audit import attribution as attr
 from batchspec.audit import audit
 from batchspec.audit.oracle import Oracle, default_cache_dir, fingerprint
 from batchspec.engine.faults import FAULTS, SAMPLING_FAULTS
@@ -143,6 +144,19 @@ def test_bfloat16_engine_diverges_but_only_numerically(prompts, cache):
     strict = audit(tiny.target(), None, prompts, engines=[("strict", engine, torch.float64)], batch_sizes=[8],
                    max_tokens=MAX_TOKENS, cache_dir=cache)
     assert strict.rows[0].synchronization == row.numerical and strict.rows[0].signature != "clean"
+
+
+def test_a_float32_fault_is_never_a_near_tie(prompts):
+    """In float32 a correct engine's near ties lie within a few units in the last place of the logit scale: a fault
+    whose margin is a thousandth of it (here under 1e-3 of the scale, which the tolerance once allowed) is a
+    synchronization divergence, and a correct engine stays clean."""
+    target, draft = copy.deepcopy(tiny.target()).float(), copy.deepcopy(tiny.draft()).float()
+    rep = audit(target, draft, prompts[:2], engines=["slotmask", "fault:kv-realign-off-by-one"], batch_sizes=[2],
+                max_tokens=MAX_TOKENS, cache_dir=False)
+    clean, fault = rep.rows
+    assert clean.signature == "clean" and clean.exact_match == 1.0
+    assert fault.divergences and all(d.cls == "synchronization" for d in fault.divergences)
+    assert any(d.margin < 1e-3 * d.tolerance / attr.relative_tolerance(torch.float32) for d in fault.divergences)
 
 
 def test_black_box_engine_with_padding_fault(prompts, cache):

@@ -19,8 +19,8 @@ import torch
 
 import batchspec.model.loading as loading
 from batchspec.audit import attribution as attr
-from batchspec.audit.endpoint import (SELF, TOKEN_IDS, UNATTRIBUTED, audit_endpoint, endpoint_markdown,
-                                      endpoint_verdict, logprob_divergence, logprob_entries)
+from batchspec.audit.endpoint import (MAX_LOGIT_SCALE, SELF, TOKEN_IDS, UNATTRIBUTED, audit_endpoint,
+                                      endpoint_markdown, endpoint_verdict, logprob_divergence, logprob_entries)
 from batchspec.cli import main
 
 MAX_TOKENS = 10
@@ -101,6 +101,26 @@ def test_logprob_rule():
     assert logprob_divergence(0, out, ref, {9: -0.1, 5: -0.1000001}, 2, 1e-9).cls == "synchronization"
 
 
+def test_far_tail_log_probabilities_do_not_widen_the_tolerance():
+    """A listed -9999 (or -1e308) stands in for no logit scale: the tolerance stays under its ceiling, so a margin of
+    0.5 between the top two is a synchronization divergence, not a near tie."""
+    ref, out = [7, 8, 9], [7, 8, 5]
+    for tail in (-9999.0, -1e308):
+        d = logprob_divergence(0, out, ref, {9: -0.2, 5: -0.7, 1: tail}, 2, F32)
+        assert d.cls == "synchronization" and d.tolerance == pytest.approx(F32 * MAX_LOGIT_SCALE), tail
+
+
+@pytest.mark.parametrize("bad", [1e308, 0.5, float("inf"), float("-inf"), float("nan")])
+def test_numbers_that_are_no_log_probabilities_leave_the_divergence_unattributed(bad):
+    """Positive, infinite or NaN: the reference's numbers cannot be trusted, so nothing is called numerical."""
+    ref, out = [7, 8, 9], [7, 8, 5]
+    d = logprob_divergence(0, out, ref, {9: -0.69, 5: -0.70, 1: bad}, 2, BF16)
+    assert d.cls == UNATTRIBUTED and d.margin is None
+    raw = {"tokens": ["token_id:9"], "token_logprobs": [-0.69],
+           "top_logprobs": [{"token_id:9": -0.69, "token_id:5": -0.70, "token_id:1": bad}]}
+    assert logprob_divergence(0, out, ref, logprob_entries(raw)[0], 2, BF16).cls == UNATTRIBUTED
+
+
 def test_logprob_entries_read_both_forms_and_only_token_ids():
     completions = {"tokens": ["token_id:5", "token_id:9", "w7"], "token_logprobs": [-0.1, -0.2, -0.3],
                    "top_logprobs": [{"token_id:5": -0.1, "token_id:6": -2.5}, {"token_id:9": -0.2, "oops": -1.0},
@@ -110,7 +130,8 @@ def test_logprob_entries_read_both_forms_and_only_token_ids():
                          "top_logprobs": [{"token": "token_id:5", "logprob": -0.1},
                                           {"token": "token_id:6", "logprob": float("nan")},
                                           {"token": "token_id:7", "logprob": True}]}]}
-    assert logprob_entries(chat) == [{5: -0.1}]
+    (entry,) = logprob_entries(chat)  # a NaN is kept, for the rule to refuse the entry; a bool is no number
+    assert entry.keys() == {5, 6} and entry[5] == -0.1 and math.isnan(entry[6])
     assert logprob_entries(None) is None and logprob_entries({"tokens": "x"}) is None
 
 
@@ -327,12 +348,14 @@ def _cli(url, files, tmp_path, capsys, *flags):
 
 
 def test_the_command_audits_without_a_target_against_the_server_itself(good, padding_bug, files, tmp_path, capsys):
-    """No --target: the reference is the server at concurrency 1 and the prompts go as text (no tokenizer)."""
+    """No --target: the reference is the server at concurrency 1 and the prompts go as chat messages (no tokenizer
+    here: the server's chat template is the one they get)."""
     rc, out, _, data, folder = _cli(good.url, files, tmp_path, capsys)
     assert rc == 0, out
     ref = data["meta"]["reference"]
     assert ref["kind"] == "self" and ref["tokenizer"] is False and ref["answers"] == len(FEW)
-    assert data["oracle"] == [oracle(p) for p in FEW]  # the server encoded the text prompts as the words say
+    assert data["meta"]["endpoint"]["api"] == "chat"
+    assert data["oracle"] == [oracle([1, *p, 2, 3]) for p in FEW]  # the server templated the words as they say
     assert [r["signature"] for r in data["rows"]] == ["clean", "clean"]
     assert all((folder / f"audit.{ext}").stat().st_size > 500 for ext in ("json", "md", "png", "html"))
     assert "reference: the same server at concurrency 1" in out

@@ -112,7 +112,7 @@ def test_classify_margin():
 
 def test_tolerance_per_dtype_and_overrides():
     assert attr.relative_tolerance(torch.float64) == 1e-6
-    assert attr.relative_tolerance(torch.float32) == 1e-3
+    assert attr.relative_tolerance(torch.float32) == 1e-5
     assert attr.relative_tolerance(torch.bfloat16) > attr.relative_tolerance(torch.float16) > 1e-3
     assert attr.relative_tolerance("float32", 0.5) == 0.5
     assert attr.relative_tolerance(torch.float32, {"float32": 1e-4}) == 1e-4

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .endpoint import (ConcurrentRun, EndpointClient, check_levels, check_request, model_name, prompt_items,
                        reference_tokenizer)
+from ..serve.client import display
 from .report import save_png
 
 DETERMINISTIC = "deterministic"
@@ -117,7 +118,8 @@ class DeterminismReport:
         ax.set_xlabel("prompt")
         ax.set_ylabel("unique greedy outputs")
         if n <= 40:
-            ax.set_xticks(range(n), [str(p["name"]) for p in self.prompts], rotation=45, ha="right", fontsize=7)
+            ax.set_xticks(range(n), [display(p["name"]) for p in self.prompts], rotation=45, ha="right", fontsize=7,
+                          parse_math=False, usetex=False)
         m = self.meta
         ax.set_title(f"determinism: {m['repeat']} requests per prompt at concurrency "
                      f"{', '.join(map(str, m['levels']))}\n(1 unique output = deterministic)", fontsize=9)
@@ -174,7 +176,8 @@ class DeterminismRun:
         if getattr(tok, "eos_token_id", None) is not None:
             stops.add(int(tok.eos_token_id))
         client = EndpointClient(run.url, model, tok, run.max_tokens, run.api, run.stream, run.api_key, run.timeout,
-                                [int(s) for s in run.stop_token_ids], texts, sorted(stops))
+                                [int(s) for s in run.stop_token_ids], texts, sorted(stops),
+                                vocab_size=len(tok) if tok is not None else None)
         t = time.perf_counter()
         try:
             got, rounds = run._rounds(client, items)
@@ -183,7 +186,7 @@ class DeterminismRun:
         seconds = time.perf_counter() - t
         summaries = [_summary(name, answers) for name, answers in zip(run.names, got)]
         sources = sorted({a.source for answers in got for _, a in answers if a.source})
-        meta = {"url": run.url, "model": model, "api": run.api, "stream": run.stream, "repeat": run.repeat,
+        meta = {"url": run.url, "model": display(model), "api": run.api, "stream": run.stream, "repeat": run.repeat,
                 "levels": run.concurrency, "rounds": rounds, "seed": run.seed, "n_prompts": len(items),
                 "requests": run.repeat * len(items), "seconds": seconds, "max_tokens": run.max_tokens,
                 "token_source": ", ".join(sources) or None}

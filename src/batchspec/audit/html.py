@@ -130,7 +130,8 @@ def audit_html(report) -> str:
             ["concurrency", "requests", "compared", "failed", "protocol errors", "finish_reason mismatches",
              "prompt mismatches", "overruns", "no reference", "token source", "seconds"], levels, text_columns=(9,))
             + f"<p class=\"meta\">{escape(ep['url'])}, model {escape(str(ep['model']))}, {path}"
-              f"{', streamed' if ep['stream'] else ''}; concurrency: the number of requests under way at once.</p>"))
+              f"{', streamed' if ep['stream'] else ''}; concurrency: the number of requests under way at once"
+              f"{' (' + escape(ep['capped']) + ')' if ep.get('capped') else ''}.</p>"))
         problems = [[lv["concurrency"], p["prompt"], p["kind"], p["detail"]] for lv in ep["levels"]
                     for p in lv["problems"]]
         if problems:

@@ -156,14 +156,14 @@ class AuditReport:
 
     def rich_table(self):
         from rich.table import Table
+        from rich.text import Text
 
         t = Table(title="batchspec audit")
         for c in COLUMNS:
             t.add_column(c, justify="left" if c in ("engine", "signature", "first violated") else "right")
         for r in self.rows:
-            cells = self._cells(r)
-            style = "green" if r.signature == "clean" else "red"
-            cells[7] = f"[{style}]{cells[7]}[/{style}]"
+            cells = [Text(c) for c in self._cells(r)]  # inert text: an engine may be named by a server
+            cells[7].stylize("green" if r.signature == "clean" else "red")
             t.add_row(*cells)
         return t
 
@@ -175,6 +175,8 @@ class AuditReport:
         """The figure of ``plot`` (a matplotlib ``Figure``)."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+
+        from ..serve.client import display
 
         n = len(self.rows)
         fig = Figure(figsize=(max(6.0, 0.9 * n + 2), 5.6), layout="constrained")
@@ -189,8 +191,8 @@ class AuditReport:
         for i, r in enumerate(self.rows):
             ax.text(i, 1.04, r.signature, rotation=90, ha="center", va="bottom", fontsize=7,
                     color="#2f855a" if r.signature == "clean" else "#c53030")
-        ax.set_xticks(range(n), [f"{r.engine}\nB={r.batch_size}" for r in self.rows], rotation=45, ha="right",
-                      fontsize=7)
+        ax.set_xticks(range(n), [f"{display(r.engine)}\nB={r.batch_size}" for r in self.rows], rotation=45, ha="right",
+                      fontsize=7, parse_math=False, usetex=False)  # a server's model id, as it is
         ax.set_xlim(-0.6, n - 0.4)
         ax.set_ylim(0, 1.9)
         ax.set_yticks([0, 0.25, 0.5, 0.75, 1.0])

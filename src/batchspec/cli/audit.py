@@ -45,7 +45,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--tolerance", type=float, default=None,
         help="relative logit-margin tolerance for calling a divergence numerical (default per dtype: float64 1e-6, "
-             "float32 1e-3, float16 2e-2, bfloat16 5e-2; times max(1, max |logit|))",
+             "float32 1e-5, float16 2e-2, bfloat16 5e-2; times max(1, max |logit|))",
     )
     parser.add_argument("--limit", type=positive_int, default=None, help="audit only the first N prompts")
     endpoint = parser.add_argument_group(
@@ -57,16 +57,18 @@ def add_arguments(parser) -> None:
         "integers of the vocabulary, a finish_reason that disagrees with the tokens and prompt ids other than those "
         "sent are reported; requests that fail are not compared. Exit status: 1 when a level is not clean (a "
         "synchronization divergence, an overrun, a protocol error, a prompt mismatch, or some requests failed: "
-        "incomplete), else 2 when a level could not be audited (every request failed), else 0 (every level clean); "
-        "2 also when the server cannot be reached and for usage errors")
+        "incomplete), else 2 when a level could not be audited (every request failed) or the outputs are too short "
+        "to prove anything (proved little), else 0 (every level clean); 2 also when the server cannot be reached "
+        "and for usage errors")
     endpoint.add_argument("--endpoint", default=None, metavar="URL",
                           help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)")
     endpoint.add_argument("--model", default=None, help="the server's model id (default: the first of /v1/models)")
     endpoint.add_argument("--concurrency", default="1,8,32",
                           help="comma list of how many requests are under way at once (default 1,8,32)")
-    endpoint.add_argument("--api", default="completions", choices=["completions", "chat"],
+    endpoint.add_argument("--api", default=None, choices=["completions", "chat"],
                           help="completions: prompts go as token ids (exact); chat: as user messages, templated by "
-                               "the server (default completions)")
+                               "the server (default: completions with --target, whose tokenizer applies the template, "
+                               "or with --repeat or --no-chat-template; else chat, so that the prompts are templated)")
     endpoint.add_argument("--stream", action="store_true", help="read the answers as Server-Sent Events")
     endpoint.add_argument("--api-key", default=os.environ.get("BATCHSPEC_API_KEY"),
                           help="sent as 'Authorization: Bearer KEY' (default: $BATCHSPEC_API_KEY)")
@@ -179,7 +181,10 @@ def _run_endpoint(args) -> int:
     if args.save is not None or args.against is not None:
         return _run_baseline(args, levels)
     if args.repeat is not None:
+        args.api = args.api or "completions"
         return _run_determinism(args, levels)
+    if args.api is None:  # without a tokenizer here, the server's chat template is the only one the prompts can get
+        args.api = "chat" if args.target is None and args.chat_template else "completions"
     reference = _endpoint_reference(args)
     pairs = read_prompt_set(args.prompts)[: args.limit]
     out = prepare_out(args.out, folder=True)
@@ -294,6 +299,8 @@ def _print_endpoint(console, report, pairs) -> None:
             console.print(escape(f"  prompt {p['prompt']} ({pairs[p['prompt']][0]}): reference {p['kind']}: "
                                  f"{p['detail']}"))
     ep = report.meta["endpoint"]
+    if ep.get("capped"):
+        console.print(escape(ep["capped"]))
     for row, lv in zip(report.rows, ep["levels"]):
         console.print(escape(_level_line(row, lv)))
         shown = [] if row.signature == COULD_NOT_AUDIT else lv["problems"][:3]  # the level's line has the first error

@@ -88,6 +88,7 @@ def reach(url: str, api_key: str | None, timeout: float) -> None:
 def run(args) -> int:
     need("httpx")
     import httpx
+    from rich.markup import escape
 
     from ..serve.loadtest import LoadConfig, rich_table, run_load, write_report
 
@@ -115,7 +116,7 @@ def run(args) -> int:
         f"{t['output_tokens_per_s']:.1f} output tok/s{_per_turn(summary)}; wrote {js}, {png}"
     )
     if c["errors"]:
-        console.print(f"[red]{c['errors']} requests failed, e.g. {summary['errors_sample'][0]}[/red]")
+        console.print(f"[red]{c['errors']} requests failed, e.g. {escape(str(summary['errors_sample'][0]))}[/red]")
         return 1
     return 0
 

@@ -6,6 +6,7 @@ Plain HTTP: no model, no engine."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -24,9 +25,79 @@ class StreamError(AnswerError):
         self.error = error
 
 
+MAX_ANSWER_BYTES = 8 << 20  # an answer (or a stream, or one of its lines) larger is refused unread: a greedy answer of
+# thousands of tokens with their log-probabilities is well under it, and one hostile answer must not take the memory
+DISPLAY_CHARS = 80  # a server's string (its model id) shown in a table, a plot or a title is clipped to this
+
+
+class TooLarge(AnswerError):
+    """An answer over ``MAX_ANSWER_BYTES``."""
+
+    def __init__(self, limit: int = MAX_ANSWER_BYTES):
+        super().__init__(f"the answer is larger than {limit} bytes (the limit): not read")
+
+
+def display(text, limit: int = DISPLAY_CHARS) -> str:
+    """A server's string for display: one line, at most ``limit`` characters (an ellipsis says it was clipped)."""
+    text = " ".join(str(text)[: 4 * limit].split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def one_line(text, limit: int = 300) -> str:
     """``text`` with its whitespace collapsed, at most ``limit`` characters."""
     return " ".join(str(text).split())[:limit]
+
+
+def run_within(seconds: float, fn, *args):
+    """``fn(*args)`` with a wall-clock limit: its result, or ``TimeoutError`` once ``seconds`` have passed. httpx's
+    timeouts bound each read, not the exchange: a server that trickles a byte a second never trips them. ``fn`` goes
+    on in a daemon thread until its own deadline check (``read_body``, ``sse_lines``) or a read timeout stops it."""
+    box: dict = {}
+
+    def go():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    worker = threading.Thread(target=go, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _chunks(response, deadline: float, limit: int | None):
+    """The response's body in chunks, ``TimeoutError`` past ``deadline`` (``time.monotonic()``), ``TooLarge`` past
+    ``limit`` bytes in all."""
+    total, limit = 0, MAX_ANSWER_BYTES if limit is None else limit
+    for chunk in response.iter_bytes():
+        total += len(chunk)
+        if total > limit:
+            raise TooLarge(limit)
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        yield chunk
+
+
+def read_body(response, deadline: float, limit: int | None = None) -> bytes:
+    """A streamed response's whole body, read by ``deadline`` and at most ``limit`` bytes (default
+    ``MAX_ANSWER_BYTES``; see ``_chunks``)."""
+    return b"".join(_chunks(response, deadline, limit))
+
+
+def sse_lines(response, deadline: float, limit: int | None = None):
+    """A streamed response's lines (as ``iter_lines``), read by ``deadline`` and at most ``limit`` bytes in all."""
+    rest = b""
+    for chunk in _chunks(response, deadline, limit):
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode(errors="replace")
+    if rest:
+        yield rest.rstrip(b"\r").decode(errors="replace")
 
 
 def api_base(url: str) -> str:

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..progress import Progress
-from .client import StreamError, StreamedAnswer, api_base, api_path, auth_headers, prompt_field
+from .client import StreamError, StreamedAnswer, api_base, api_path, auth_headers, display, prompt_field
 
 PERCENTILES = (50, 90, 99)
 
@@ -308,8 +308,10 @@ def plot(summary: dict, path) -> Path:
     cfg = summary["config"]
     load = f"rate {cfg['rate']}/s" if cfg.get("rate") is not None else f"concurrency {cfg['concurrency']}"
     c = summary["requests"]
-    fig.suptitle(f"loadtest {summary['model']}: {load}, {c['ok']} ok, {c['rejected_429'] + c['rejected_503']} shed, "
-                 f"{c['errors']} errors; {summary['throughput']['output_tokens_per_s']:.1f} output tok/s")
+    shed = c["rejected_429"] + c["rejected_503"]
+    fig.suptitle(f"loadtest {display(summary['model'])}: {load}, {c['ok']} ok, {shed} shed, "
+                 f"{c['errors']} errors; {summary['throughput']['output_tokens_per_s']:.1f} output tok/s",
+                 parse_math=False, usetex=False)  # a server's model id, as it is
     for ax, key, label in zip(fig.subplots(1, 3), ("ttft", "tpot", "e2e"),
                               ("time to first token (s)", "time per output token (s)", "end-to-end latency (s)")):
         xs = sorted(r[key] for r in recs if r[key] is not None)
@@ -330,8 +332,9 @@ def plot(summary: dict, path) -> Path:
 
 def rich_table(summary: dict):
     from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title=f"loadtest {summary['model']}")
+    t = Table(title=Text(f"loadtest {display(summary['model'])}"))  # inert text: the model id is the server's
     for col in ("metric", "P50", "P90", "P99", "mean", "n"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     rows = [(summary, key, label, scale, unit) for key, label, scale, unit in (

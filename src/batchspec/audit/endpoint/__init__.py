@@ -60,8 +60,10 @@ has under way, in an order of its own), not by its place in a fixed batch (``bla
 Logprob rule (``logprob_divergence``). At the first divergent index ``j`` the reference's answer lists the
 log-probabilities of its most likely tokens there, on the same prefix (the outputs agree before ``j``). The margin
 is the reference token's log-probability minus the endpoint token's (the same difference as of their logits), and
-the tolerance is ``relative_tolerance(dtype, tolerance)`` times ``max(1, largest |log-probability| listed at j)``:
-the listed spread stands in for the logits' scale, which log-probabilities do not carry. ``dtype`` is the servers'
+the tolerance is ``relative_tolerance(dtype, tolerance)`` times ``max(1, largest |log-probability| listed at j)``,
+that scale capped at ``MAX_LOGIT_SCALE``: the listed spread stands in for the logits' scale, which log-probabilities do
+not carry. A listed number that is no log-probability (positive, infinite, NaN) makes the entry unusable:
+``unattributed``. ``dtype`` is the servers'
 (default float32: a server does not say what it computes in, and a coarser default would excuse real bugs as rounding;
 give bfloat16 or float16 for a server that computes in them). Then
 ``attribution.classify`` decides: numerical, synchronization, or reference (the reference's own numbers prefer the
@@ -85,12 +87,12 @@ from .answer import PROMPT_MISMATCH, PROTOCOL_ERROR, RETOKENIZED, TOKEN_IDS, Ans
 from .client import ConcurrentRun, EndpointClient, model_name, served_models
 from .flows import (SELF, TOP_LOGPROBS, EndpointAudit, audit_endpoint, check_levels, check_request, prompt_items,
                     reference_tokenizer)
-from .judges import (COULD_NOT_AUDIT, ENDPOINT_SIGNATURES, INCOMPLETE, UNATTRIBUTED, LogprobDivergence,
-                     black_box_records, logprob_divergence)
+from .judges import (COULD_NOT_AUDIT, ENDPOINT_SIGNATURES, INCOMPLETE, MAX_LOGIT_SCALE, UNATTRIBUTED,
+                     LogprobDivergence, black_box_records, logprob_divergence)
 from .markdown import endpoint_markdown, endpoint_verdict
 
 __all__ = ["audit_endpoint", "EndpointAudit", "endpoint_markdown", "endpoint_verdict", "EndpointClient",
            "ConcurrentRun", "Answer", "LogprobDivergence", "logprob_divergence", "logprob_entries",
            "black_box_records", "api_base", "served_models", "model_name", "check_levels", "check_request",
            "prompt_items", "reference_tokenizer", "TOKEN_IDS", "RETOKENIZED", "SELF", "TOP_LOGPROBS", "COULD_NOT_AUDIT",
-           "PROMPT_MISMATCH", "PROTOCOL_ERROR", "INCOMPLETE", "UNATTRIBUTED", "ENDPOINT_SIGNATURES"]
+           "MAX_LOGIT_SCALE", "PROMPT_MISMATCH", "PROTOCOL_ERROR", "INCOMPLETE", "UNATTRIBUTED", "ENDPOINT_SIGNATURES"]

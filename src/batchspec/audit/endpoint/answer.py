@@ -13,7 +13,7 @@ RETOKENIZED = "retokenized text"
 PROMPT_MISMATCH = "prompt mismatch"
 PROTOCOL_ERROR = "protocol error"
 
-_TOKEN_ID = re.compile(r"token_id:(\d+)")
+_TOKEN_ID = re.compile(r"token_id:(\d{1,18})")  # a longer number is no token id (and too long to parse cheaply)
 
 
 @dataclass
@@ -85,16 +85,22 @@ def _token_id(token) -> int | None:
 
 
 def _put(entry: dict, token, logprob) -> None:
+    """Put a listed number in ``entry`` as it is, even one that is no log-probability (positive, infinite, NaN): the
+    logprob rule then refuses the whole entry rather than weigh what is left of it."""
     t = _token_id(token)
-    if t is not None and isinstance(logprob, (int, float)) and not isinstance(logprob, bool) and math.isfinite(logprob):
-        entry[t] = float(logprob)
+    if t is not None and isinstance(logprob, (int, float)) and not isinstance(logprob, bool):
+        try:
+            entry[t] = float(logprob)
+        except OverflowError:  # an integer beyond any float
+            entry[t] = math.inf if logprob > 0 else -math.inf
 
 
 def logprob_entries(raw) -> list[dict[int, float]] | None:
     """One answer's (or stream chunk's) ``logprobs`` as one ``{token id: log-probability}`` per generated token: the
     completions form (``tokens``, ``token_logprobs``, ``top_logprobs``) or the chat form (``content``: ``token``,
-    ``logprob``, ``top_logprobs``). Tokens not written as ``"token_id:N"`` and values that are not finite numbers are
-    left out; None when ``raw`` is neither form."""
+    ``logprob``, ``top_logprobs``). Tokens not written as ``"token_id:N"`` and values that are not numbers are left
+    out (numbers that are no log-probabilities are kept, for ``usable_entry`` to refuse); None when ``raw`` is
+    neither form."""
     if not isinstance(raw, dict):
         return None
     if "content" in raw:
@@ -128,6 +134,11 @@ def _chat_entries(content) -> list[dict[int, float]] | None:
             _put(entry, item.get("token"), item.get("logprob"))
         out.append(entry)
     return out
+
+
+def usable_entry(entry: dict[int, float]) -> bool:
+    """Whether every number listed is a log-probability: in (-inf, 0], finite."""
+    return all(-math.inf < v <= 0 for v in entry.values())
 
 
 def aligned(entries, token_ids):

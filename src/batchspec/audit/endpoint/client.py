@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ...serve.client import (AnswerError, StreamedAnswer, api_base, api_path, auth_headers, choice_text, choices,
-                             one_line, prompt_field)
+                             one_line, prompt_field, read_body, run_within, sse_lines)
 from .answer import (RETOKENIZED, TOKEN_IDS, Answer, aligned, bad_ids, finish_problem, first_difference,
                      logprob_entries, short, streamed_logprobs)
 
@@ -31,7 +31,8 @@ class EndpointClient:
     message); ``texts`` maps the ids of a chat prompt to its text. ``stop_token_ids`` are sent with each request;
     ``stops``: every id that ends an output (the target's EOS ids; ``stop_token_ids`` are added), for the
     finish_reason check and for the EOS that a text-only answer ends with; ``vocab_size``: token ids must be below it.
-    ``timeout``: seconds to wait for the server at most, to connect and for each answer (a stream: for all of it).
+    ``timeout``: seconds to wait for the server at most, for each whole answer (a wall-clock limit, however slowly it
+    trickles in); an answer (or a stream) over ``MAX_ANSWER_BYTES`` is a failed request.
     ``logprobs``: ask for that many most likely tokens at each position, as token ids (0: none); a server that
     refuses (HTTP 400 about logprobs) is asked again without them, and ``logprobs_refused`` keeps its reason."""
 
@@ -89,8 +90,9 @@ class EndpointClient:
         path = api_path(self.api)
         for _ in range(2):
             try:
-                send = self._streamed if self.stream else self._plain
-                token_ids, text, prompt_ids, reason, lps, raw = send(path, ids)
+                exchange = self._streamed if self.stream else self._plain
+                token_ids, text, prompt_ids, reason, lps, raw = run_within(self.timeout, exchange, path, ids,
+                                                                           time.monotonic() + self.timeout)
             except LogprobsRefused as e:
                 if not self.logprobs:  # another request already turned them off: ask again
                     continue
@@ -111,7 +113,7 @@ class EndpointClient:
         if isinstance(e, (httpx.TimeoutException, TimeoutError)):
             return f"no answer within {self.timeout:g} s (the timeout)"
         if isinstance(e, json.JSONDecodeError):
-            return one_line(f"the answer is not JSON: {e.doc}")
+            return one_line(f"the answer is not JSON: {e.doc[:1000]}")
         return one_line(f"{type(e).__name__}: {e}")
 
     def _status(self, status: int, text: str, asked: bool) -> None:
@@ -121,25 +123,23 @@ class EndpointClient:
         if status != 200:
             raise Failed(one_line(f"HTTP {status}: {text}"))
 
-    def _plain(self, path: str, ids):
+    def _plain(self, path: str, ids, deadline: float):
         body = self._body(ids)
-        r = self.client.post(self.base + path, json=body, headers=auth_headers(self.api_key))
-        self._status(r.status_code, r.text, "logprobs" in body)
-        choice = choices(r.json())[0]
+        with self.client.stream("POST", self.base + path, json=body, headers=auth_headers(self.api_key)) as r:
+            data = read_body(r, deadline)
+        self._status(r.status_code, data.decode(errors="replace"), "logprobs" in body)
+        choice = choices(json.loads(data))[0]
         token_ids = choice.get("token_ids")
         return (token_ids, choice_text(choice), choice.get("prompt_token_ids"), choice.get("finish_reason"),
                 aligned(logprob_entries(choice.get("logprobs")), token_ids) if "logprobs" in body else None,
                 [(token_ids, choice.get("logprobs"))])
 
-    def _streamed(self, path: str, ids):
-        deadline = time.monotonic() + self.timeout
+    def _streamed(self, path: str, ids, deadline: float):
         body, answer = self._body(ids), StreamedAnswer()
         with self.client.stream("POST", self.base + path, json=body, headers=auth_headers(self.api_key)) as r:
             if r.status_code != 200:
-                self._status(r.status_code, r.read().decode(errors="replace"), "logprobs" in body)
-            for line in r.iter_lines():
-                if time.monotonic() > deadline:
-                    raise TimeoutError
+                self._status(r.status_code, read_body(r, deadline).decode(errors="replace"), "logprobs" in body)
+            for line in sse_lines(r, deadline):
                 if answer.feed(line):
                     break
         if not answer.done:
@@ -209,15 +209,22 @@ class ConcurrentRun:
         return [self.client.one(list(p)).ids for p in batch]
 
 
-def _get_models(url: str, api_key: str | None, timeout: float):
-    """The answer to ``GET /v1/models``; ``ConnectionError`` when the server cannot be reached or does not answer
-    within ``timeout`` seconds."""
+def _get_models(url: str, api_key: str | None, timeout: float) -> tuple[int, str]:
+    """The status and body of ``GET /v1/models``, read whole within ``timeout`` seconds (wall clock) and at most
+    ``MAX_ANSWER_BYTES``; ``ConnectionError`` when the server cannot be reached or does not answer in time."""
     import httpx
 
+    def get():
+        with httpx.stream("GET", api_base(url) + "/models", headers=auth_headers(api_key), timeout=timeout) as r:
+            return r.status_code, read_body(r, deadline).decode(errors="replace")
+
+    deadline = time.monotonic() + timeout
     try:
-        return httpx.get(api_base(url) + "/models", headers=auth_headers(api_key), timeout=timeout)
-    except httpx.TimeoutException:
+        return run_within(timeout, get)
+    except (httpx.TimeoutException, TimeoutError):
         raise ConnectionError(f"cannot reach {url}: no answer from /v1/models within {timeout:g} s") from None
+    except AnswerError as e:
+        raise ConnectionError(f"cannot read {api_base(url)}/models: {e}") from None
     except httpx.TransportError as e:
         raise ConnectionError(f"cannot reach {url}: {one_line(e) or type(e).__name__}") from None
     except httpx.InvalidURL as e:
@@ -227,14 +234,14 @@ def _get_models(url: str, api_key: str | None, timeout: float):
 def served_models(url: str, api_key: str | None = None, timeout: float = 30.0) -> list[str]:
     """The model ids that ``/v1/models`` lists; ``ConnectionError`` when the server cannot be reached in ``timeout``
     seconds, ``ValueError`` when it answers with an error or without a model list."""
-    r = _get_models(url, api_key, timeout)
-    if r.status_code != 200:
-        fix = "check the API key (--api-key)" if r.status_code in (401, 403) else "give the model's name (--model)"
-        raise ValueError(f"{api_base(url)}/models answered HTTP {r.status_code} ({one_line(r.text, 120)}); {fix}")
+    status, text = _get_models(url, api_key, timeout)
+    if status != 200:
+        fix = "check the API key (--api-key)" if status in (401, 403) else "give the model's name (--model)"
+        raise ValueError(f"{api_base(url)}/models answered HTTP {status} ({one_line(text, 120)}); {fix}")
     try:
-        return [str(m["id"]) for m in r.json()["data"]]
+        return [str(m["id"]) for m in json.loads(text)["data"]]
     except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{api_base(url)}/models did not answer with a list of models ({one_line(r.text, 120)}); "
+        raise ValueError(f"{api_base(url)}/models did not answer with a list of models ({one_line(text, 120)}); "
                          "give the model's name (--model)") from None
 
 

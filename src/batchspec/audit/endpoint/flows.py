@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ...serve.client import display
 from .answer import RETOKENIZED, TOKEN_IDS
 from .client import ConcurrentRun, EndpointClient, model_name
 from .judges import OracleJudge, ReferenceJudge, compare_level
@@ -25,7 +26,8 @@ class EndpointAudit:
     ``timeout``; what is sent: ``prompts``, ``concurrency`` (the levels), ``max_tokens``, ``stop_token_ids``,
     ``chat_template``. The reference: ``target`` with ``reference`` None (the local oracle: ``dtype``, ``device``,
     ``cache_dir``), or ``reference`` "self" or a URL (``reference_model``, ``top_logprobs``, ``tokenizer``; ``dtype``
-    for the tolerance). ``tolerance``: as for ``audit``; ``progress``: show a progress bar."""
+    for the tolerance). ``tolerance``: as for ``audit``; ``progress``: show a progress bar. ``capped``: filled in by
+    ``checked``, the levels asked for above the number of prompts (each is run at that number, once)."""
 
     url: str
     target: object = None
@@ -48,6 +50,7 @@ class EndpointAudit:
     timeout: float = 600.0
     top_logprobs: int = TOP_LOGPROBS
     progress: bool = False
+    capped: Sequence[int] = ()
 
     def checked(self) -> EndpointAudit:
         """These settings with the levels as integers, the prompts as a list and the default reference filled in;
@@ -65,7 +68,9 @@ class EndpointAudit:
         top = self.top_logprobs
         if not isinstance(top, int) or isinstance(top, bool) or top < 0:
             raise ValueError(f"top_logprobs must be an integer >= 0, got {top!r}")
-        return replace(self, concurrency=levels, prompts=prompts, reference=reference)
+        capped = [c for c in levels if c > len(prompts)]  # no more requests can be under way than there are prompts
+        levels = list(dict.fromkeys(min(c, len(prompts)) for c in levels))
+        return replace(self, concurrency=levels, prompts=prompts, reference=reference, capped=capped)
 
     def run(self):
         """Audit the endpoint (see ``audit_endpoint``)."""
@@ -177,9 +182,11 @@ def prompt_items(prompts, tok, api: str, chat_template: bool) -> tuple[list, dic
 def run_levels(name, client, items, levels, judge, bar) -> tuple[list, list[dict]]:
     """Every level in turn: its ``AuditRow`` and its summary (``compare_level``), the progress ``bar`` advanced a
     level."""
+    from rich.markup import escape
+
     rows, metas = [], []
     for c in levels:
-        bar.describe(f"{name} concurrency {c}")
+        bar.describe(escape(f"{name} concurrency {c}"))
         run = ConcurrentRun(client, items, c)
         row, level = compare_level(name, run, run.run(), judge)
         rows.append(row)
@@ -189,8 +196,11 @@ def run_levels(name, client, items, levels, judge, bar) -> tuple[list, list[dict
 
 
 def endpoint_meta(audit: EndpointAudit, model: str, levels_meta) -> dict:
-    return {"url": audit.url, "model": model, "api": audit.api, "stream": audit.stream, "levels": levels_meta,
-            "retokenized": any(lv["token_source"] and RETOKENIZED in lv["token_source"] for lv in levels_meta)}
+    capped = (f"concurrency {', '.join(map(str, audit.capped))} capped at {len(audit.prompts)}, the number of prompts"
+              if audit.capped else None)
+    return {"url": audit.url, "model": display(model), "api": audit.api, "stream": audit.stream, "levels": levels_meta,
+            "retokenized": any(lv["token_source"] and RETOKENIZED in lv["token_source"] for lv in levels_meta),
+            "capped": capped}
 
 
 def audit_with_oracle(audit: EndpointAudit, model: str):
@@ -212,7 +222,7 @@ def audit_with_oracle(audit: EndpointAudit, model: str):
     client = audit.client(audit.url, model, tokenizer=tok, stop_token_ids=list(stop_token_ids), texts=texts,
                           stops=stops, vocab_size=vocab_size(model_obj))
     ctx = Context(model_obj, None, tok, 0, max_tokens, [int(s) for s in stop_token_ids])
-    name = f"endpoint:{model}"
+    name = f"endpoint:{display(model)}"
     oracle = Oracle(model_obj, max_tokens, stops, audit.cache_dir)
     probe = attr.MarginProbe(model_obj)
     rel_tol = attr.relative_tolerance(model_obj.dtype, audit.tolerance)
@@ -283,10 +293,10 @@ def audit_with_reference(audit: EndpointAudit, model: str):
 
     plan = _reference_run(audit, model)
     common = dict(tokenizer=plan.tok, stop_token_ids=[int(s) for s in audit.stop_token_ids], texts=plan.texts,
-                  stops=sorted(plan.given))
+                  stops=sorted(plan.given), vocab_size=len(plan.tok) if plan.tok is not None else None)
     ref_client = audit.client(plan.ref_url, plan.ref_model, logprobs=audit.top_logprobs, **common)
     client = audit.client(audit.url, model, **common)
-    name = f"endpoint:{model}"
+    name = f"endpoint:{display(model)}"
     rel_tol = attr.relative_tolerance(audit.dtype if audit.dtype is not None else torch.float32, audit.tolerance)
     where = "the server itself" if audit.reference == SELF else plan.ref_url
     try:
@@ -317,7 +327,7 @@ def _reference_meta(audit: EndpointAudit, name: str, plan: _ReferenceRun, judge:
     refs = [r for r in judge.refs if r is not None]
     lps = judge.logprobs_status(audit.top_logprobs)
     where = ("the same server at concurrency 1" if audit.reference == SELF
-             else f"{plan.ref_url} (model {plan.ref_model}) at concurrency 1")
+             else f"{plan.ref_url} (model {display(plan.ref_model)}) at concurrency 1")
     dname = str(audit.dtype).removeprefix("torch.") if audit.dtype is not None else "float32"
     return {
         "target_fingerprint": None, "target_dtype": dname, "device": None, "n_prompts": len(plan.items),
@@ -328,7 +338,7 @@ def _reference_meta(audit: EndpointAudit, name: str, plan: _ReferenceRun, judge:
         "oracle_repetition_rate": metrics.repetition_rate(refs, stops) if refs else 0.0,
         "oracle_cache": None,
         "reference": {"kind": SELF if audit.reference == SELF else "endpoint", "url": plan.ref_url,
-                      "model": plan.ref_model, "api": audit.api, "stream": audit.stream,
+                      "model": display(plan.ref_model), "api": audit.api, "stream": audit.stream,
                       "top_logprobs": audit.top_logprobs, "logprobs": lps, "answers": len(refs),
                       "requests": len(plan.items), "problems": judge.problems,
                       "token_source": ", ".join(sorted({a.source for a in ref_run.answers if a.source})) or None,

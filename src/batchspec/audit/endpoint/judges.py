@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..attribution import OVERRUN, REFERENCE, Divergence
-from .answer import PROMPT_MISMATCH, PROTOCOL_ERROR, TOKEN_IDS, Answer, first_difference, short
+from .answer import PROMPT_MISMATCH, PROTOCOL_ERROR, TOKEN_IDS, Answer, first_difference, short, usable_entry
 from .client import ConcurrentRun
 
 COULD_NOT_AUDIT = "could not audit"
@@ -16,6 +16,10 @@ INCOMPLETE = "incomplete"
 UNATTRIBUTED = "unattributed"  # a divergence class and a signature: no log-probabilities to tell what it is
 # the signatures of a level beyond the audit's own (``batchspec.audit.attribution.SIGNATURES``)
 ENDPOINT_SIGNATURES = (COULD_NOT_AUDIT, PROMPT_MISMATCH, OVERRUN, PROTOCOL_ERROR, INCOMPLETE, UNATTRIBUTED)
+# The largest |log-probability| that the logprob rule's tolerance scales with. The listed values stand in for the
+# logits' scale, but a listed -9999 (or any far tail) says nothing about the rounding between the top tokens, and
+# must not widen the tolerance until every divergence looks like a near tie; real logit scales are tens at most.
+MAX_LOGIT_SCALE = 30.0
 
 
 @dataclass
@@ -40,9 +44,9 @@ def logprob_divergence(i: int, output, ref, entry: dict[int, float] | None, inde
     e_tok = output[index] if index < len(output) else None
     if o_tok is None or e_tok is None:  # a length difference: no token to weigh, as with the margin rule
         return LogprobDivergence(i, index, None, None, "synchronization", o_tok, e_tok)
-    if not entry or o_tok not in entry:
+    if not entry or o_tok not in entry or not usable_entry(entry):
         return LogprobDivergence(i, index, None, None, UNATTRIBUTED, o_tok, e_tok)
-    tol = rel_tol * max(1.0, max(abs(v) for v in entry.values()))
+    tol = rel_tol * min(max(1.0, max(abs(v) for v in entry.values())), MAX_LOGIT_SCALE)
     if e_tok in entry:
         margin = entry[o_tok] - entry[e_tok]
         return LogprobDivergence(i, index, margin, tol, attr.classify(margin, tol), o_tok, e_tok, "logprobs")

@@ -3,12 +3,20 @@
 
 from __future__ import annotations
 
+import statistics
+
 from .judges import COULD_NOT_AUDIT
+
+# The median reference output, in tokens, below which a clean audit proved little: an output of a token or two (a
+# lone EOS) ends before the decode steps where batching goes wrong (padded rows, requests joining a running batch,
+# speculation's verify steps), so agreeing on it says next to nothing.
+MIN_MEDIAN_TOKENS = 4
 
 
 def endpoint_verdict(report) -> tuple[int, str]:
     """The endpoint audit's exit status and verdict in a line: 1 when a level is not clean (anything but ``clean``
-    and ``could not audit``), else 2 when a level could not be audited, else 0."""
+    and ``could not audit``), else 2 when a level could not be audited or the reference outputs are too short to
+    prove anything (median under ``MIN_MEDIAN_TOKENS``: ``proved little``), else 0."""
     broken = [f"concurrency {r.batch_size} ({r.signature})" for r in report.rows
               if not r.clean and r.signature != COULD_NOT_AUDIT]
     if broken:
@@ -18,6 +26,11 @@ def endpoint_verdict(report) -> tuple[int, str]:
         ref = report.meta.get("reference")
         why = "no reference answer" if ref is not None and not ref["answers"] else "every request failed"
         return 2, f"could not audit: {', '.join(unaudited)} ({why})"
+    lengths = [len(o) for o in report.oracle if o is not None]
+    median = statistics.median(lengths) if lengths else 0
+    if median < MIN_MEDIAN_TOKENS:
+        return 2, (f"proved little: the median output is {median:g} tokens (under {MIN_MEDIAN_TOKENS}), too short to "
+                   "exercise batching; not clean (give prompts that ask for longer answers, or --api chat)")
     return 0, f"clean at concurrency {', '.join(str(r.batch_size) for r in report.rows)}"
 
 
@@ -46,7 +59,8 @@ def _levels_table(report, ep: dict) -> list[str]:
     lines = [f"**Verdict: {endpoint_verdict(report)[1]}**", "",
              report.to_markdown().replace("| batch |", "| concurrency |", 1), "",
              f"Endpoint {ep['url']} (model {ep['model']}, {path}{', streamed' if ep['stream'] else ''}); "
-             "concurrency: the number of requests under way at once.",
+             "concurrency: the number of requests under way at once"
+             + (f" ({ep['capped']})." if ep.get("capped") else "."),
              "", "| concurrency | requests | failed | protocol errors | finish_reason mismatches | prompt mismatches "
                  "| overruns | no reference | token source | seconds |",
              "|---|---|---|---|---|---|---|---|---|---|"]
