@@ -34,7 +34,7 @@ class Grammars:
         m = llguidance.LLMatcher(self._ll, grammar, log_level=0)
         m.compute_bitmask()
         if m.is_error():
-            raise ParamError(param, f"the grammar cannot be followed with this vocabulary: {m.get_error()[:200]}")
+            raise ParamError(param, f"the grammar cannot be followed with this vocabulary ({m.get_error().splitlines()[0][:100]})")
         return m
 
 
