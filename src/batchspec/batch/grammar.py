@@ -34,15 +34,16 @@ class Grammars:
         m = llguidance.LLMatcher(self._ll, grammar, log_level=0)
         m.compute_bitmask()
         if m.is_error():
-            raise ParamError(param, f"the grammar cannot be followed with this vocabulary ({m.get_error().splitlines()[0][:100]})")
+            reason = m.get_error().splitlines()[0][:100]
+            raise ParamError(param, f"the grammar cannot be followed with this vocabulary ({reason})")
         return m
 
 
 def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The round's legal tokens ``[B, W, vocab]`` bool (W = drafts + 1; unconstrained rows allow all), the drafts each row
-    verifies (cut before the first one its grammar forbids) and the dead ends: row -> the first position where its
-    grammar allows nothing (left unmasked there; the row ends if it emits a token at it). One host read of the
-    drafts; each constrained row's walk runs on a copy of its matcher, which stays as it was."""
+    """The round's legal tokens ``[B, W, vocab]`` bool (W = drafts + 1; unconstrained rows allow all), the drafts
+    each row verifies (cut before the first one its grammar forbids) and the dead ends: row -> the first position
+    where its grammar allows nothing (left unmasked there; the row ends if it emits a token at it). One host read of
+    the drafts; each constrained row's walk runs on a copy of its matcher, which stays as it was."""
     from llguidance.torch import fill_next_token_bitmask
 
     b, w = drafts.shape[0], drafts.shape[1] + 1
