@@ -20,7 +20,8 @@ from batchspec import SamplingParams
 llguidance = pytest.importorskip("llguidance")
 N = 40
 SCHEMA = {"type": "object", "required": ["a", "b"],
-          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "string", "maxLength": 3}}}
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "b": {"type": "string", "maxLength": 3}}}
 
 
 @functools.lru_cache(maxsize=None)
