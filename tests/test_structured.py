@@ -10,6 +10,7 @@ import json
 import re
 
 import httpx
+import llguidance
 import pytest
 import tiny
 import torch
@@ -17,7 +18,6 @@ import torch
 import batchspec
 from batchspec import SamplingParams
 
-llguidance = pytest.importorskip("llguidance")
 N = 40
 SCHEMA = {"type": "object", "required": ["a", "b"],
           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -55,7 +55,7 @@ def _llm(drafter, batch_size: int, **kw):
 def _oracle(prompt: list[int], grammar: str, max_tokens: int = N) -> list[int]:
     """Greedy decoding with the target alone, one token at a time, its logits masked by an llguidance matcher of
     ``grammar``; ends where the grammar is complete."""
-    import llguidance.hf
+    import llguidance.hf  # noqa: F401 (llguidance.hf.from_tokenizer)
     from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
     model, out = tiny.target(), []
