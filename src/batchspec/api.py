@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from .batch.grammar import Grammars
 from .config import EngineConfig
 from .drafters import EagleDrafter, ModelDrafter, NoDrafter, PromptLookup
 from .drafters.eagle import is_checkpoint as is_eagle
@@ -74,8 +75,9 @@ class LLM:
         ctx, draft_ctx = self._contexts()
         if draft_ctx is not None:  # a draft model drafts one position less than the block it fills
             ctx = draft_ctx + 1 if ctx is None else min(ctx, draft_ctx + 1)
+        grammars = Grammars(self.tokenizer, vocab_size(self.target), eos_ids(self.target)) if self.tokenizer else None
         parts = Parts(Runner(self.target, graphs, prefix_cache), self.drafter, self.layout, self.k, policy=policy,
-                      context=ctx)
+                      context=ctx, grammars=grammars)
         self.parts = apply_fault(parts, fault)
         if self.k:  # the adaptive policy prices rounds from a profile of this machine (measured once, cached)
             self.parts.policy.bind(self.parts.target, self.drafter, batch_size)
@@ -196,6 +198,8 @@ class LLM:
                 raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
             if sp.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer; pass tokenizer= or use stop_token_ids")
+            if sp.structured() is not None and self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer; pass tokenizer=")
         return [dataclasses.replace(sp) for sp in params]  # validated again: fields may have changed since
 
     def requests(self, prompts, sampling_params=None) -> tuple[list[list[int]], list[Request]]:
@@ -208,7 +212,7 @@ class LLM:
         seeds = [sp.seed if sp.seed is not None else int(torch.randint(2**62, ())) for sp in params]
         return ids, [
             Request(p, sp.max_tokens, stop, sp.temperature, sp.top_k, sp.top_p, seed, id=i, logprobs=sp.logprobs,
-                    cache_salt=sp.cache_salt, prompt_logprobs=sp.prompt_logprobs,
+                    cache_salt=sp.cache_salt, prompt_logprobs=sp.prompt_logprobs, grammar=sp.structured(),
                     **{name: getattr(sp, name) for name in PROCESSORS})
             for i, (p, sp, stop, seed) in enumerate(zip(ids, params, stops, seeds))
         ]

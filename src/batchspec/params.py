@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field, fields
@@ -94,6 +95,12 @@ class SamplingParams:
     the penalty once for a token of the output, minus it per occurrence); then temperature, top-k, top-p and
     ``min_p`` (in [0, 1]: tokens below ``min_p`` times the top probability dropped). ``stop`` strings end the
     output before their first match in its text (needs a tokenizer), as the server does.
+
+    Structured output (at most one; needs a tokenizer and ``batchspec[grammar]``): ``json_schema`` (a JSON schema,
+    dict or text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (a
+    Lark grammar, llguidance's dialect). Tokens the grammar forbids are masked at every verified position, so greedy
+    output equals batch-1 decoding with the same grammar; a request whose grammar reaches a dead end (no token the
+    vocabulary can spell continues it) ends with finish reason "grammar".
     """
 
     max_tokens: int = 64
@@ -114,6 +121,11 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words: list[list[int]] = field(default_factory=list)
     prompt_logprobs: int | None = None
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self):
         checked = check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed,
@@ -127,6 +139,55 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ParamError("stop", f"stop must be a string or a list of non-empty strings, got {show(self.stop)}")
         self.stop = list(stop)
+        check_structured(**{name: getattr(self, name) for name in STRUCTURED})
+
+    def structured(self) -> str | None:
+        """The grammar the structured-output fields ask for, in llguidance's form (None: none)."""
+        return check_structured(**{name: getattr(self, name) for name in STRUCTURED})
+
+
+# The structured-output fields (``SamplingParams``), with the values that turn each off.
+STRUCTURED = dict(json_schema=None, json_object=False, regex=None, choice=None, grammar=None)
+
+
+def check_structured(json_schema=None, json_object=False, regex=None, choice=None, grammar=None) -> str | None:
+    """The grammar text (llguidance's) that the one structured-output field given asks for, None when none is;
+    ``ParamError`` naming the field when several are given or one is not valid (a schema or regex that does not
+    compile, a grammar with errors)."""
+    given = {name: v for name, v in dict(json_schema=json_schema, json_object=json_object, regex=regex,
+                                         choice=choice, grammar=grammar).items() if v not in (None, False)}
+    if not given:
+        return None
+    name, value = next(iter(given.items()))
+    if len(given) > 1:
+        raise ParamError(name, f"give at most one of {', '.join(STRUCTURED)}; got {', '.join(given)}")
+    try:
+        from llguidance import LLMatcher
+    except ImportError:
+        raise ParamError(name, f"{name} needs the grammar engine: pip install 'batchspec[grammar]'") from None
+    if name == "json_object" and value is not True:
+        raise ParamError(name, f"json_object must be a bool, got {show(value)}")
+    if name in ("regex", "grammar") and not isinstance(value, str):
+        raise ParamError(name, f"{name} must be a string, got {show(value)}")
+    if name == "choice" and (not isinstance(value, (list, tuple)) or not value
+                             or not all(isinstance(c, str) and c for c in value)):
+        raise ParamError(name, f"choice must be a non-empty list of non-empty strings, got {show(value)}")
+    if name == "json_schema" and not isinstance(value, (dict, str)):
+        raise ParamError(name, f"json_schema must be a JSON schema (an object or its text), got {show(value)}")
+    try:
+        if name in ("json_schema", "json_object"):
+            text = LLMatcher.grammar_from_json_schema({"type": "object"} if name == "json_object" else value)
+        elif name == "regex":
+            text = LLMatcher.grammar_from_regex(value)
+        else:  # a choice is a grammar of its strings, each a Lark literal (JSON's escapes)
+            text = LLMatcher.grammar_from_lark(value if name == "grammar" else
+                                               "start: " + " | ".join(map(json.dumps, value)))
+        error = LLMatcher.validate_grammar(text)
+    except Exception as e:  # a schema the compiler refuses outright
+        error = str(e)
+    if error:
+        raise ParamError(name, f"{name} is not valid: {error.strip()[:300]}")
+    return text
 
 
 # The logits processors' fields, with their values that turn each off (``SamplingParams``, the engine's ``Request``).

@@ -5,6 +5,7 @@ engine, above the model (whose ``kv`` module is the one door to a cache's tensor
   ``compact_index`` and the invariants I1 / I2 (``check_invariants``, ``InvariantError``).
 - ``sequences.py``: ``Sequences``, per-request state on the device (history, lengths, limits, sampling parameters).
 - ``rows.py``: ``Batch``, the rows in one value (sequences, target slots, the drafter's state) with its row operations.
+- ``grammar.py``: structured output's matchers, their masks over a round's positions and their advance.
 - ``prefilling.py``: ``prefill``, prompts into a new ``SlotState`` (grouped forwards, shared and kept prefixes).
 """
 

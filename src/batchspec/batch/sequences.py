@@ -62,6 +62,7 @@ class Sequences:
         self.top_p = torch.tensor([float(r.top_p) for r in requests], device=device)
         self.seed = torch.tensor([r.seed for r in requests], dtype=torch.long, device=device)
         self.top_logprobs = [getattr(r, "logprobs", None) for r in requests]  # host, per row, like request_ids
+        self.matchers = [getattr(r, "matcher", None) for r in requests]  # host, per row: grammar state (or None)
         for name, table in processors.tables(requests, device).items():
             setattr(self, name, table)
         self._flags(requests)
@@ -76,11 +77,12 @@ class Sequences:
         self.min_p_rows = any(r.temperature > 0 and getattr(r, "min_p", 0.0) > 0 for r in requests)
 
     def _logprob_rows(self) -> None:
-        """The rows that asked for log-probabilities, as a device index (None: no row did), rebuilt when rows join
-        or leave, never per round."""
+        """The rows that asked for log-probabilities, as a device index (None: no row did), and those with a grammar,
+        rebuilt when rows join or leave, never per round."""
         asked = [i for i, t in enumerate(self.top_logprobs) if t is not None]
         self.lp_rows = torch.tensor(asked, dtype=torch.long, device=self.length.device) if asked else None
         self.lp_index, self.lp_tops = asked, [self.top_logprobs[i] for i in asked]
+        self.grammar_rows = [i for i, m in enumerate(self.matchers) if m is not None]  # rows with structured output
 
     def logprobs(self, out, block: torch.Tensor) -> RoundLogprobs | None:
         """The target's log-softmax of its raw logits (``out.logits`` ``[B, W, V]``, before any warping) at each
@@ -144,6 +146,7 @@ class Sequences:
         keep = rows.tolist()  # at row removal only
         self.request_ids = [self.request_ids[i] for i in keep]
         self.top_logprobs = [self.top_logprobs[i] for i in keep]
+        self.matchers = [self.matchers[i] for i in keep]
         for name in FIELDS:
             setattr(self, name, getattr(self, name)[rows])
         self._logprob_rows()
@@ -156,6 +159,7 @@ class Sequences:
         taken = rows.tolist()
         part.request_ids = [self.request_ids[i] for i in taken]
         part.top_logprobs = [self.top_logprobs[i] for i in taken]
+        part.matchers = [self.matchers[i] for i in taken]
         part.sampling, part.filtering, part.greedy_rows = self.sampling, self.filtering, self.greedy_rows
         part.processors, part.min_p_rows = self.processors, self.min_p_rows
         part._logprob_rows()
@@ -176,6 +180,7 @@ class Sequences:
             setattr(self, name, torch.cat([a, b]))
         self.request_ids = self.request_ids + other.request_ids
         self.top_logprobs = self.top_logprobs + other.top_logprobs
+        self.matchers = self.matchers + other.matchers
         self._logprob_rows()
         self.sampling |= other.sampling
         self.filtering |= other.filtering

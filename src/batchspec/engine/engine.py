@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from ..batch import Batch, InvariantError, RoundLogprobs, Sequences, check_invariants, prefill
+from ..batch import Batch, InvariantError, RoundLogprobs, Sequences, check_invariants, grammar, prefill
+from ..batch.grammar import Grammars
 from ..batch.prefilling import prompt_scores
 from ..drafters.base import Proposal
 from ..model.loading import vocab_size
@@ -54,6 +55,8 @@ class Request:
     min_tokens: int = 0
     bad_words: list | None = None
     prompt_logprobs: int | None = None  # alternatives with each prompt token's log-probability (None: none at all)
+    grammar: str | None = None  # structured output: llguidance's grammar text (``SamplingParams.structured``)
+    matcher: object = None  # its state, made when the request joins (``Engine.add_request``)
 
 
 def _is_int(v) -> bool:
@@ -96,7 +99,7 @@ def check_request(r: Request, vocab: int | None = None, context: int | None = No
 class Finished:
     request_id: int
     token_ids: list[int]
-    reason: str  # "stop" | "length" | "abort"
+    reason: str  # "stop" | "length" | "abort" | "grammar" (a dead end of its grammar)
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -132,6 +135,7 @@ class Parts:
     prefill: Callable = prefill
     policy: SpeculationPolicy = field(default_factory=FixedLength)
     context: int | None = None  # positions a verification block may reach (None: unlimited)
+    grammars: Grammars | None = None  # matchers for structured output (None: requests with a grammar are refused)
 
 
 class Timer:
@@ -160,6 +164,7 @@ class RoundResult:
     n_drafts: torch.Tensor  # [B]
     kind: str | None = None  # the kind of round, for drafters whose rounds come in kinds (``Proposal.kind``)
     logprobs: RoundLogprobs | None = None  # for the rows that asked (``Sequences.logprobs``)
+    dead: dict = field(default_factory=dict)  # rows whose grammar reached a dead end -> its position (``grammar``)
 
 
 @dataclass
@@ -185,12 +190,17 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
             proposal = Proposal.empty(len(seqs), seqs.length.device)
         drafts, n_drafts = proposal.drafts, proposal.n_drafts
         k = drafts.shape[1]  # this round's block: a drafter may propose fewer for every row
+        legal, dead = None, {}
+        if seqs.grammar_rows:  # the grammars' masks at every position, drafts cut before the first one forbidden
+            legal, n_drafts, dead = grammar.masks(seqs, drafts, n_drafts, parts.grammars.vocab)
     with timer("verify"):
         # a row's slots past its own drafts are padding: hidden at once, and not computed where the runner packs
         out = target.append(torch.cat([seqs.pending()[:, None], drafts], 1), hidden=drafter.needs_hidden,
                             counts=n_drafts + 1)
         # each position's logits through the rows' processors, as at batch 1 (None: no row of the batch uses any)
         processed = seqs.process(out.logits, drafts) if seqs.processors else None
+        if legal is not None:
+            processed = (out.logits if processed is None else processed).masked_fill(~legal, float("-inf"))
         if seqs.sampling:
             u_accept, u_target = seqs.uniforms(k, Stream.ACCEPT), seqs.uniforms(k + 1, Stream.TARGET)
             target_p = seqs.warp(out.logits if processed is None else processed)
@@ -210,7 +220,7 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
         seqs.rounds += 1
         seqs.drafted += n_drafts
         seqs.accepted += accepted
-    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind, logprobs)
+    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind, logprobs, dead)
 
 
 def _room(parts: Parts, batch: Batch) -> int:
@@ -269,6 +279,7 @@ class Engine:
         self._logprobs: dict[int, list[TokenLogprob]] = {}  # per running request that asked: its tokens' so far
         self._prompt_lps: dict[int, list] = {}  # per running request that asked: its prompt tokens' (for ``Finished``)
         self._prompt_unsent: dict[int, list] = {}  # ... until its first ``StepOutput`` carries them
+        self._ends: dict[int, str] = {}  # finish reasons of rows their grammar ended, until they leave
         model = getattr(parts.target, "model", None)
         self._vocab = vocab_size(model) if model is not None else None
         scheduler.forget([])
@@ -278,6 +289,10 @@ class Engine:
         """Queue ``request`` (its id given here when None). A request the batch could not run (``check_request``)
         raises ``ValueError`` here and never joins, so it cannot fail the rows beside it."""
         check_request(request, self._vocab, self.parts.context)
+        if request.grammar is not None:
+            if self.parts.grammars is None:
+                raise ParamError("grammar", f"request {request.id}: structured output needs a tokenizer")
+            request.matcher = self.parts.grammars.matcher(request.grammar)
         refusal = self.memory.refusal(len(request.prompt), request.max_tokens)
         if refusal is not None:
             raise ValueError(f"request {request.id}: {refusal}")
@@ -314,6 +329,7 @@ class Engine:
         self._aborted.clear()
         self._done = []
         self._logprobs, self._prompt_lps, self._prompt_unsent = {}, {}, {}
+        self._ends = {}
         self.scheduler.forget([])
 
     # ---------------------------------------------------------------------------------------------- the loop
@@ -380,6 +396,8 @@ class Engine:
             # without drafting leaves them)
             estimates = policy.estimates(batch.seqs, self.parts.k) if plan.rows is None and plan.budget.k else None
             read = RoundReadback.read(batch.seqs, result, estimates)  # the one host read
+            if batch.seqs.grammar_rows:
+                self._grammar_ends(read, plan.rows, result.dead)
             batch.lengths = read.lengths
             _tally(stats, read)
             new = self._outputs(read, plan.rows, result.logprobs)
@@ -402,6 +420,21 @@ class Engine:
         if self.check and self.batch is not None:
             check_round(self.parts.drafter, self.batch, self.rounds)
         return new
+
+    def _grammar_ends(self, read: RoundReadback, rows: list[int] | None, dead: dict) -> None:
+        """The matchers take the round's tokens; rows whose grammar is complete or at a dead end finish here, the
+        tokens after that point dropped (``grammar.advance``)."""
+        seqs = self.batch.seqs
+        rows = list(range(len(read.emitted))) if rows is None else rows
+        for i, (kept, reason) in grammar.advance(seqs, rows, read.emitted, read.block, dead).items():
+            r, dropped = rows[i], read.emitted[i] - kept
+            if dropped:
+                seqs.length[r] -= dropped
+                read.lengths[r] -= dropped
+                read.emitted[i], read.generated = kept, read.generated - dropped
+            read.finished[r] = True
+            self._ends[seqs.request_ids[r]] = reason
+        read.width = max((n - 1 for n, f in zip(read.lengths, read.finished) if not f), default=0)
 
     def _outputs(self, read: RoundReadback, rows: list[int] | None, lp: RoundLogprobs | None) -> list[StepOutput]:
         """A ``StepOutput`` per row of the round's batch (``rows`` of the window, or every running row) with its new
@@ -513,6 +546,8 @@ class Engine:
         """Take rows flagged in ``gone`` out of the batch; returns their results. The last surviving rows move into
         the places of leaving ones, so removing rows moves few of them."""
         done = _collect(self.batch.seqs, gone, reason)
+        for f in done:
+            f.reason = self._ends.pop(f.request_id, f.reason)
         for f in done:
             if f.logprobs is not None:
                 f.logprobs = self._logprobs.pop(f.request_id, [])

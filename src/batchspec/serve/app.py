@@ -61,7 +61,7 @@ def model_info(llm, name: str, default_max_tokens: int = 256, default_temperatur
     limits = [c for c in (ctx, draft_ctx) if c is not None]
     return P.ModelInfo(name=name, vocab_size=vocab_size(llm.target), context=min(limits) if limits else None,
                        tokenizer=llm.tokenizer, default_max_tokens=default_max_tokens,
-                       default_temperature=default_temperature)
+                       default_temperature=default_temperature, grammars=llm.parts.grammars)
 
 
 def default_model_name(llm) -> str:

@@ -26,11 +26,14 @@ and ``return_tokens_as_token_ids``):
 - logits processors (``SamplingParams``' bounds): ``presence_penalty`` and ``frequency_penalty`` in [-2, 2],
   ``logit_bias`` (token id, as a string -> bias in [-100, 100]), and vLLM's ``min_p``, ``repetition_penalty``,
   ``min_tokens``;
+- structured output: ``response_format`` ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+  {"schema": ...}}``, or vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``); a schema,
+  regex or grammar that does not compile, or that no token of the vocabulary can begin, is refused (400);
 - ``echo`` (completions): the prompt's text before the output and, with ``logprobs``, the prompt tokens' entries first
   (None for the first token); ``max_tokens: 0`` then returns the prompt alone. ``prompt_logprobs`` (vLLM's, both
   endpoints, in [0, ``MAX_LOGPROBS``]): per prompt token None first, then ``{id: {logprob, rank, decoded_token}}``.
   Neither with ``stream``;
-- ``suffix``, ``best_of`` > 1, tools and non-text response formats are refused (400).
+- ``suffix``, ``best_of`` > 1 and tools are refused (400).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..params import MAX_TOKENS, PROCESSORS, ParamError, SamplingParams, check_prompt_logprobs, check_sampling, show
+from ..params import (MAX_TOKENS, PROCESSORS, ParamError, SamplingParams, check_prompt_logprobs, check_sampling,
+                      check_structured, show)
 from ..text import TextStream  # noqa: F401  (the server's stop strings, shared with LLM.generate)
 
 # The largest request body by default (413 beyond): a full context of 128k tokens, as ids or as escaped text, takes
@@ -99,6 +103,7 @@ class ModelInfo:
     tokenizer: object = None
     default_max_tokens: int = 256
     default_temperature: float = 1.0
+    grammars: object = None  # ``batch.grammar.Grammars``: checks that a grammar can begin with this vocabulary
 
 
 @dataclass
@@ -133,6 +138,7 @@ class GenRequest:
         """The alternatives the engine computes at each prompt position (``echo`` with ``logprobs`` asks too)."""
         asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
         return max(asked) if asked else None
+    structured: dict = field(default_factory=dict)  # the structured-output field, by ``SamplingParams``' name
 
 
 # ------------------------------------------------------------------------------------------------ field readers
@@ -191,9 +197,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
     else:
         if body.get("tools") or body.get("functions"):
             raise bad("tools are not supported by this server", "tools", "unsupported_parameter")
-        fmt = body.get("response_format")
-        if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise bad("only the text response format is supported", "response_format", "unsupported_parameter")
 
 
 def _choices(body: dict) -> int:
@@ -433,6 +436,7 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
                               vocab=info.vocab_size, **_processors(body))
     logprobs = checked["logprobs"]
     processors = {name: checked[name] for name in PROCESSORS}
+    structured = _structured(body, info)
 
     ids = _prompt_ids(body, info) if kind == "completion" else _chat_ids(body, info)
     room = None if info.context is None else info.context - len(ids)
@@ -451,7 +455,7 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, stream=stream,
         include_usage=stream and _get_bool(opts, "include_usage"), return_token_ids=return_token_ids, n=n,
         logprobs=logprobs, tokens_as_ids=tokens_as_ids, cache_salt=cache_salt, processors=processors, echo=echo,
-        prompt_text=_prompt_text(body) if echo else None, prompt_logprobs=prompt_logprobs,
+        prompt_text=_prompt_text(body) if echo else None, prompt_logprobs=prompt_logprobs, structured=structured,
     )
 
 
@@ -460,6 +464,43 @@ def _prompt_text(body: dict) -> str | None:
     p = body.get("prompt")
     p = p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str) else p
     return p if isinstance(p, str) else None
+
+
+def _structured(body: dict, info: ModelInfo) -> dict:
+    """The structured output asked for (OpenAI's ``response_format``, vLLM's ``structured_outputs``) as one
+    ``SamplingParams`` field, checked (``check_structured``) and, with the served tokenizer, startable."""
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    fields, param, wire = {}, "response_format", {}
+    if fmt not in (None, {}):
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            fields = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if schema is None:
+                raise bad("response_format json_schema needs json_schema.schema", "response_format")
+            fields = {"json_schema": schema}
+        elif kind != "text":
+            raise bad(f"response_format type must be text, json_object or json_schema, got {show(kind)}",
+                      "response_format", "unsupported_parameter")
+    if extra is not None:
+        names = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                 "json_object": "json_object"}
+        if not isinstance(extra, dict) or set(extra) - set(names):
+            raise bad(f"structured_outputs must be an object with one of {', '.join(names)}", "structured_outputs")
+        given = {names[k]: v for k, v in extra.items() if v is not None}
+        if fields and given:
+            raise bad("give response_format or structured_outputs, not both", "structured_outputs")
+        fields, param = given, "structured_outputs"
+        wire = {names[k]: f"structured_outputs.{k}" for k in extra}
+    try:
+        grammar = check_structured(**fields)
+        if grammar is not None and info.grammars is not None:
+            info.grammars.matcher(grammar)
+    except ParamError as e:
+        raise bad(str(e), wire.get(e.param, param)) from None
+    return fields
 
 
 def _processors(body: dict) -> dict:
@@ -492,9 +533,10 @@ def sampling_params(req: GenRequest, index: int = 0) -> SamplingParams:
     2**63), so choice i of a request equals a request of one choice with that seed. ``max_tokens: 0`` (``echo``)
     generates one token, which the answer leaves out."""
     seed = None if req.seed is None else (req.seed + index) % INT64
-    return SamplingParams(max_tokens=max(req.max_tokens, 1), prompt_logprobs=req.prompt_alternatives, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                          seed=seed, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                          logprobs=req.logprobs, cache_salt=req.cache_salt, **req.processors)
+    return SamplingParams(max_tokens=max(req.max_tokens, 1), prompt_logprobs=req.prompt_alternatives,
+                          temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
+                          stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+                          cache_salt=req.cache_salt, **req.processors, **req.structured)
 
 
 def parse_completion(body, info: ModelInfo) -> GenRequest:

@@ -1,0 +1,90 @@
+"""Structured output under speculation: each constrained row keeps a grammar matcher (llguidance's ``LLMatcher``)
+in the state of its emitted tokens. Before verification a copy of it walks the row's drafts, giving the mask of
+legal tokens at every position (position j after drafts 1..j) and cutting the drafts at the first one it forbids;
+after the round's host read the matcher consumes the tokens the row emitted (accepted drafts and the bonus), which
+is where rejection leaves it. Masks are the ones batch-1 decoding would apply, so greedy output stays the same.
+Rows without a grammar cost nothing: with none in the batch no code here runs."""
+
+from __future__ import annotations
+
+import torch
+
+from ..params import ParamError
+
+GRAMMAR = "grammar"  # the finish reason of a row whose grammar reached a dead end
+
+
+class Grammars:
+    """Builds matchers for requests' grammars (``SamplingParams.structured``) over one tokenizer, made into
+    llguidance's form on first use (about a second for a large vocabulary)."""
+
+    def __init__(self, tokenizer, vocab: int, eos: set[int]):
+        self.tokenizer, self.vocab, self.eos, self._ll = tokenizer, vocab, eos, None
+
+    def matcher(self, grammar: str, param: str = "grammar"):
+        """A matcher at the start of ``grammar``; ``ParamError`` when no token the vocabulary holds can begin it."""
+        import llguidance
+        import llguidance.hf
+
+        if self._ll is None:
+            eos = sorted(self.eos) or self.tokenizer.eos_token_id
+            if eos is None:
+                raise ParamError(param, "structured output needs a tokenizer or model with an end-of-sequence token")
+            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab, eos_token=eos)
+        m = llguidance.LLMatcher(self._ll, grammar, log_level=0)
+        m.compute_bitmask()
+        if m.is_error():
+            reason = m.get_error().splitlines()[0][:100]
+            raise ParamError(param, f"the grammar cannot be followed with this vocabulary ({reason})")
+        return m
+
+
+def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The round's legal tokens ``[B, W, vocab]`` bool (W = drafts + 1; unconstrained rows allow all), the drafts
+    each row verifies (cut before the first one its grammar forbids) and the dead ends: row -> the first position
+    where its grammar allows nothing (left unmasked there; the row ends if it emits a token at it). One host read of
+    the drafts; each constrained row's walk runs on a copy of its matcher, which stays as it was."""
+    from llguidance.torch import fill_next_token_bitmask
+
+    b, w = drafts.shape[0], drafts.shape[1] + 1
+    words = (vocab + 31) // 32
+    bits = torch.full((b, w, words), -1, dtype=torch.int32)
+    d, n = drafts.tolist(), n_drafts.tolist()
+    dead = {}
+    for i in seqs.grammar_rows:
+        m, j = seqs.matchers[i].deep_copy(), 0
+        while True:  # a complete grammar's mask allows only the end-of-sequence token: the walk stops there
+            fill_next_token_bitmask(m, bits[i], j)
+            if m.is_error():  # nothing continues the grammar here
+                bits[i, j], dead[i] = -1, j
+                break
+            if m.is_stopped() or j == n[i] or not m.try_consume_tokens([d[i][j]]):
+                break
+            j += 1
+        n[i] = j
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits[..., None] >> shifts) & 1).flatten(2)[..., :vocab].bool()
+    device = drafts.device
+    return allowed.to(device), torch.tensor(n, dtype=n_drafts.dtype, device=device), dead
+
+
+def advance(seqs, rows: list[int], emitted: list[int], block: list[list[int]], dead: dict) -> dict[int, tuple]:
+    """The matchers of the round's rows (``rows[i]``: row i's place in ``seqs``) consume the tokens they emitted.
+    Returns the rows that end here: round row -> (tokens kept, reason): "stop" for a grammar now complete (a token
+    after its end, the end-of-sequence token its mask forced, is dropped, so the output is the same whether or not
+    that token was verified in the same round), "grammar" for a token emitted at a dead end (dropped)."""
+    ends = {}
+    for i, r in enumerate(rows):
+        m = seqs.matchers[r]
+        if m is None:
+            continue
+        tokens, kept = block[i][: emitted[i]], 0
+        for t in tokens[: dead.get(i, len(tokens))]:
+            if m.is_stopped() or not m.try_consume_tokens([t]):
+                break
+            kept += 1
+        if m.is_stopped():
+            ends[i] = (kept, "stop")
+        elif kept < len(tokens):  # a dead end (a token the masks cannot have let through ends the row the same way)
+            ends[i] = (kept, GRAMMAR)
+    return ends

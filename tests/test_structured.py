@@ -1,0 +1,162 @@
+"""Structured output under speculation: every output follows its grammar (JSON schema, regex, choice); greedy
+output equals a batch-1 oracle that masks the target's logits with the same grammar one token at a time, at batch 1
+and 8, without a drafter, with prompt lookup and with a draft model (drafts accepted); a dead end ends its row alone
+with finish reason "grammar"; the server's ``response_format`` returns valid JSON and bad grammars give 400."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import httpx
+import llguidance
+import pytest
+import tiny
+import torch
+
+import batchspec
+from batchspec import SamplingParams
+
+N = 40
+SCHEMA = {"type": "object", "required": ["a", "b"],
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "b": {"type": "string", "maxLength": 3}}}
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer():
+    """A character-level tokenizer over the tiny vocabulary whose tokens spell JSON (id 0: end of sequence)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list('{}[]":,.Ġ-_') + [str(i) for i in range(10)] + [chr(c) for c in range(97, 123)]
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    vocab.update({f"<x{i}>": i for i in range(len(vocab), tiny.VOCAB)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def _ids(text: str) -> list[int]:
+    return tokenizer().encode(text.replace(" ", "Ġ"))
+
+
+# prompts holding JSON text, so prompt lookup finds drafts the grammar allows
+PROMPTS = [_ids('{"a":12,"b":"xy"}{"a":') + p[:6] for p in tiny.prompts(8, seed=5)]
+
+
+def _llm(drafter, batch_size: int, **kw):
+    draft = tiny.draft() if drafter == "draft" else drafter
+    return tiny.fixed_llm(tiny.target(), draft=draft, num_draft_tokens=4, batch_size=batch_size, tokenizer=tokenizer(),
+                          check_invariants=True, prefix_cache=0, **kw)
+
+
+def _oracle(prompt: list[int], grammar: str, max_tokens: int = N) -> list[int]:
+    """Greedy decoding with the target alone, one token at a time, its logits masked by an llguidance matcher of
+    ``grammar``; ends where the grammar is complete."""
+    import llguidance.hf  # noqa: F401 (llguidance.hf.from_tokenizer)
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    model, out = tiny.target(), []
+    m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer(), n_vocab=tiny.VOCAB), grammar)
+    bits = allocate_token_bitmask(1, tiny.VOCAB)
+    while len(out) < max_tokens and not m.is_stopped():
+        logits = model(torch.tensor([prompt + out])).logits[0, -1]
+        fill_next_token_bitmask(m, bits)
+        legal = ((bits[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[: tiny.VOCAB].bool()
+        out.append(int(logits.masked_fill(~legal, float("-inf")).argmax()))
+        assert m.consume_token(out[-1])
+    return out
+
+
+def _valid(text: str) -> bool:
+    """``text`` is JSON that ``SCHEMA`` accepts (a structural check of its two fields)."""
+    value = json.loads(text)
+    a, b = value.get("a"), value.get("b")
+    return set(value) == {"a", "b"} and isinstance(a, int) and 0 <= a <= 99 and isinstance(b, str) and len(b) <= 3
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("drafter", [None, "prompt-lookup", "draft"])
+def test_greedy_json_schema_equals_the_masked_oracle(drafter, batch_size):
+    params = SamplingParams(max_tokens=N, json_schema=SCHEMA)
+    want = [_oracle(p, params.structured()) for p in PROMPTS]
+    llm = _llm(drafter, batch_size)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == want
+    assert all(o.finish_reason == "stop" and _valid(o.text) for o in outs)
+    free = _llm(None, 8).generate(PROMPTS, SamplingParams(max_tokens=N))
+    assert not any(o.text.startswith("{") for o in free)  # the grammar is what makes it JSON
+    if drafter is not None:
+        assert llm.stats.accepted > 0  # drafts verified and accepted under the grammar
+
+
+def test_regex_and_choice_beside_unconstrained_rows():
+    """A regex row, a choice row and rows without grammars in one running batch: each as it is alone."""
+    regex = SamplingParams(max_tokens=N, regex=r"[a-c]{2,5}-[0-9]{3}")
+    choice = SamplingParams(max_tokens=N, choice=["yes", "no", "maybe"])
+    free = SamplingParams(max_tokens=12)
+    params = [regex, choice, free, regex, choice, free, free, regex]
+    alone = [_llm(None, 1).generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
+    outs = _llm("draft", 3, scheduler="continuous").generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    for o, sp in zip(outs, params):
+        if sp is regex:
+            assert re.fullmatch(r"[a-c]{2,5}-[0-9]{3}", o.text)
+        elif sp is choice:
+            assert o.text in ("yes", "no", "maybe")
+        else:
+            assert o.token_ids == tiny.oracle(tiny.target(), o.prompt_token_ids, 12)
+
+
+def test_a_dead_end_ends_its_row_alone():
+    """A grammar whose continuation no token can spell ends with finish reason "grammar" after the part it could
+    follow; the rows beside it are untouched."""
+    stuck = SamplingParams(max_tokens=N, grammar='start: "ab" "\u00e9"')
+    free = SamplingParams(max_tokens=12)
+    outs = _llm("prompt-lookup", 4).generate(PROMPTS[:4], [stuck, free, stuck, free])
+    assert [o.finish_reason for o in outs] == ["grammar", "length", "grammar", "length"]
+    assert outs[0].text == outs[2].text == "ab"
+    assert [o.token_ids for o in outs[1::2]] == [tiny.oracle(tiny.target(), p, 12) for p in PROMPTS[1:4:2]]
+
+
+def test_bad_structured_fields_name_the_field():
+    with pytest.raises(ValueError) as e:
+        SamplingParams(regex="a(b")
+    assert e.value.param == "regex"
+    with pytest.raises(ValueError) as e:
+        SamplingParams(json_schema={"type": "nonsense"})
+    assert e.value.param == "json_schema"
+    with pytest.raises(ValueError) as e:
+        SamplingParams(regex="a", choice=["b"])
+    assert e.value.param == "regex"
+    with pytest.raises(ValueError) as e:  # valid, but this vocabulary cannot spell its first character
+        _llm(None, 1).generate([PROMPTS[0]], SamplingParams(grammar='start: "\u00e9"'))
+    assert e.value.param == "grammar"
+
+
+def test_server_response_format_json_schema_and_400s():
+    from batchspec.serve.app import create_app
+    from batchspec.serve.server import ServerThread
+
+    llm = batchspec.LLM(tiny.target(), draft=tiny.draft(), scheduler="continuous", num_draft_tokens=3, batch_size=4,
+                        tokenizer=tokenizer())
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+    with ServerThread(create_app(llm, model_name="tiny")) as server:
+        def post(**body):
+            return httpx.post(server.url + "/v1/completions", json=dict(prompt=PROMPTS[0], max_tokens=N, **body),
+                              timeout=60)
+
+        r = post(temperature=0, response_format=fmt)
+        assert r.status_code == 200 and _valid(r.json()["choices"][0]["text"])
+        r = post(temperature=0.8, seed=3, response_format={"type": "json_object"})
+        assert r.status_code == 200 and isinstance(json.loads(r.json()["choices"][0]["text"]), dict)
+        bad = [(dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 5}}}),
+                "response_format"),
+               (dict(response_format={"type": "xml"}), "response_format"),
+               (dict(structured_outputs={"regex": "a(b"}), "structured_outputs.regex"),
+               (dict(structured_outputs={"grammar": 'start: "\u00e9"'}), "structured_outputs.grammar")]
+        for body, param in bad:
+            r = post(**body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
