@@ -123,7 +123,7 @@ def load(path) -> dict:
 
 
 def save(path, data: dict) -> None:
-    from ...cli.common import write_atomic
+    from ...files import write_atomic
 
     write_atomic(path, lambda f: f.write(json.dumps(data, indent=1)))
 

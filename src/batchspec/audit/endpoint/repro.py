@@ -71,7 +71,7 @@ def file_stem(name: str, concurrency: int) -> str:
 def write_repros(out, cases: list[dict], new: dict, saved: dict) -> dict:
     """A reproducer (``.json`` and ``.py``) in ``out/repro`` for each drifted case of ``cases``; returns
     (prompt, run) -> its ``.json`` path relative to ``out``."""
-    from ...cli.common import write_atomic
+    from ...files import write_atomic
     from ...serve.client import api_path
 
     settings = new["fingerprint"]["settings"]
