@@ -215,7 +215,8 @@ def test_a_bad_flag_is_one_line_naming_it(capsys, argv, message):
 
 
 @pytest.mark.parametrize("flag,value,meant", [("--draft", "prompt_lookup", "prompt-lookup"),
-                                              ("--target", "smollm2-135", "smollm2-135m")])
+                                              ("--target", "smollm2-135", "smollm2-135m"),
+                                              ("--target", "gemma3-27m", "gemma3-270m")])
 def test_a_misspelt_model_name_gets_the_name_meant(prompts, no_model_load, capsys, flag, value, meant):
     assert main(["generate", "--prompts", str(prompts), flag, value]) == 2
     assert f"did you mean {meant!r}?" in _one_line(capsys.readouterr().err, "generate")
@@ -224,7 +225,8 @@ def test_a_misspelt_model_name_gets_the_name_meant(prompts, no_model_load, capsy
 @pytest.mark.parametrize("command,shown", [("generate", ["--max-tokens MAX_TOKENS (default: 64)",
                                                          "--batch-size BATCH_SIZE (default: 8)"]),
                                            ("bench", ["--max-tokens MAX_TOKENS (default: 128)"]),
-                                           ("serve", ["--port PORT", "(default: 8000)"])])
+                                           ("serve", ["--port PORT", "(default: 8000)", "(smollm2-135m, the default, or "
+                                                      "gemma3-270m)"])])
 def test_help_shows_defaults(capsys, command, shown):
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import os
 
-from .common import (DEFAULT_TARGET, encode_prompts, int_list, model_args, non_negative_int, positive_float,
-                     positive_int, prepare_out, read_prompt_set, resolve_draft, rich_console, sampling_flags,
-                     show_table, write_atomic)
+from .common import (DEFAULT_TARGET, TARGET_HELP, encode_prompts, int_list, model_args, non_negative_int,
+                     positive_float, positive_int, prepare_out, read_prompt_set, resolve_draft, rich_console,
+                     sampling_flags, show_table, write_atomic)
 
 HELP = "audit engines (or a running server) against the batch-size-1 oracle"
 
 
 def add_arguments(parser) -> None:
     model_args(parser, None, (  # the default depends on --endpoint: run() fills it in
-        f"target model: path, model id or built-in name (default {DEFAULT_TARGET}); with --endpoint it is the local "
+        f"{TARGET_HELP}; with --endpoint it is the local "
         "oracle's model, or with --reference (or --repeat) only where the tokenizer comes from; --endpoint without "
         "--target audits against --reference self"))
     parser.description = (

@@ -12,12 +12,13 @@ from ..files import write_atomic  # noqa: F401  (the commands write their files 
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
+TARGET_HELP = f"target model: path, model id or built-in name ({DEFAULT_TARGET}, the default, or gemma3-270m)"
 
 
 def model_args(p: argparse.ArgumentParser, target_default: str | None = DEFAULT_TARGET, target_help: str = "") -> None:
     """The model flags; ``target_default`` None and a ``target_help`` for a command whose default depends on others."""
     p.add_argument("--target", default=target_default,
-                   help=target_help or f"target model: path, model id or built-in name (default {DEFAULT_TARGET})")
+                   help=target_help or TARGET_HELP)
     p.add_argument("--draft", default=None, help=f"draft: a model or draft-head path, a built-in name ({DEFAULT_DRAFT}: the "
                    f"feature-reading head; {DEFAULT_DRAFT}-model), 'prompt-lookup' or 'none' (default {DEFAULT_DRAFT} with "
                    "the default target, else none)")

