@@ -33,7 +33,12 @@ and ``return_tokens_as_token_ids``):
   (None for the first token); ``max_tokens: 0`` then returns the prompt alone. ``prompt_logprobs`` (vLLM's, both
   endpoints, in [0, ``MAX_LOGPROBS``]): per prompt token None first, then ``{id: {logprob, rank, decoded_token}}``.
   Neither with ``stream``;
-- ``suffix``, ``best_of`` > 1 and tools are refused (400).
+- ``tools`` (chat) with ``tool_choice`` ``auto`` (the default), ``none``, ``required`` or a named function: the tools
+  go to the chat template; ``required`` or a named function constrains the output to a ``{"name", "arguments"}``
+  object whose arguments match the function's ``parameters``; an output that is a call (also in ``<tool_call>`` tags)
+  is answered as ``message.tool_calls`` with finish reason ``tool_calls``. Messages may hold ``role: "tool"`` answers
+  and assistant ``tool_calls``. Not with ``stream`` (unless ``tool_choice`` is ``none``);
+- ``suffix``, ``best_of`` > 1 and the legacy ``functions`` are refused (400).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -139,6 +145,7 @@ class GenRequest:
         asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
         return max(asked) if asked else None
     structured: dict = field(default_factory=dict)  # the structured-output field, by ``SamplingParams``' name
+    tools: list[dict] = field(default_factory=list)  # chat: the functions an output may call (``tool_calls``)
 
 
 # ------------------------------------------------------------------------------------------------ field readers
@@ -195,8 +202,9 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         if body.get("best_of") not in (None, 1):
             raise bad("best_of other than 1 is not supported by this server", "best_of", "unsupported_parameter")
     else:
-        if body.get("tools") or body.get("functions"):
-            raise bad("tools are not supported by this server", "tools", "unsupported_parameter")
+        for name in ("functions", "function_call"):
+            if body.get(name):
+                raise bad(f"{name} is not supported by this server: use tools", name, "unsupported_parameter")
 
 
 def _choices(body: dict) -> int:
@@ -331,18 +339,45 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-        out.append({"role": m["role"], "content": _unicode(content, f"messages[{i}].content")})
+        out.append({"role": m["role"], "content": _unicode(content, f"messages[{i}].content"), **_tool_fields(m, i)})
     return out
 
 
-def _chat_ids(body: dict, info: ModelInfo) -> list[int]:
+def _tool_fields(m: dict, i: int) -> dict:
+    """What a tool's answer (``tool_call_id``, ``name``) or an assistant's ``tool_calls`` add to a message, the
+    calls' arguments as objects (chat templates render them as such; the wire sends JSON text)."""
+    out = {k: m[k] for k in ("tool_call_id", "name") if m["role"] == "tool" and isinstance(m.get(k), str)}
+    calls = m.get("tool_calls")
+    if calls is None:
+        return out
+    param = f"messages[{i}].tool_calls"
+    if m["role"] != "assistant" or not isinstance(calls, list):
+        raise bad(f"{param} must be a list, in an assistant message", param)
+    out["tool_calls"] = []
+    for j, call in enumerate(calls):
+        f = call.get("function") if isinstance(call, dict) else None
+        args = f.get("arguments", "{}") if isinstance(f, dict) else None
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            args = None
+        if not isinstance(f.get("name") if isinstance(f, dict) else None, str) or not isinstance(args, dict):
+            raise bad(f"{param}[{j}] must be {{\"function\": {{\"name\", \"arguments\": a JSON object's text}}}}",
+                      f"{param}[{j}]")
+        out["tool_calls"].append({"id": call.get("id"), "type": "function",
+                                  "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+def _chat_ids(body: dict, info: ModelInfo, tools: list | None) -> list[int]:
     msgs = _messages(body)
     tok = info.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad("this model has no chat template: use /v1/completions", "messages")
-    _short_enough(sum(len(m["content"]) for m in msgs), info, "messages")
+    _short_enough(sum(len(m["content"]) for m in msgs) + (len(json.dumps(tools)) if tools else 0), info, "messages")
+    extra = {"tools": tools} if tools else {}
     try:
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **extra)
     except Exception as e:  # the template's own checks (e.g. roles must alternate): its words, nothing else's
         why = f": {show(str(e), 300)}" if _template_error(e) else ""
         raise bad(f"the chat template cannot render these messages{why}", "messages") from None
@@ -437,8 +472,15 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
     logprobs = checked["logprobs"]
     processors = {name: checked[name] for name in PROCESSORS}
     structured = _structured(body, info)
+    tools, callable_, forced = _tools(body, info) if kind == "chat" else (None, [], {})
+    if forced and structured:
+        raise bad("a required or named tool_choice constrains the output: not with response_format or "
+                  "structured_outputs", "tool_choice")
+    if callable_ and stream:
+        raise bad("tool calls are not streamed by this server: stream with tool_choice none, or without stream",
+                  "stream", "unsupported_parameter")
 
-    ids = _prompt_ids(body, info) if kind == "completion" else _chat_ids(body, info)
+    ids = _prompt_ids(body, info) if kind == "completion" else _chat_ids(body, info, tools)
     room = None if info.context is None else info.context - len(ids)
     if max_tokens is None:
         max_tokens = 16 if kind == "completion" else info.default_max_tokens
@@ -455,7 +497,8 @@ def _parse(body, info: ModelInfo, kind: str) -> GenRequest:
         top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, stream=stream,
         include_usage=stream and _get_bool(opts, "include_usage"), return_token_ids=return_token_ids, n=n,
         logprobs=logprobs, tokens_as_ids=tokens_as_ids, cache_salt=cache_salt, processors=processors, echo=echo,
-        prompt_text=_prompt_text(body) if echo else None, prompt_logprobs=prompt_logprobs, structured=structured,
+        prompt_text=_prompt_text(body) if echo else None, prompt_logprobs=prompt_logprobs,
+        structured=structured or forced, tools=callable_,
     )
 
 
@@ -494,13 +537,88 @@ def _structured(body: dict, info: ModelInfo) -> dict:
             raise bad("give response_format or structured_outputs, not both", "structured_outputs")
         fields, param = given, "structured_outputs"
         wire = {names[k]: f"structured_outputs.{k}" for k in extra}
+    return _startable(fields, info, lambda name: wire.get(name, param))
+
+
+def _startable(fields: dict, info: ModelInfo, param) -> dict:
+    """``fields`` once ``check_structured`` accepts them and, with the served tokenizer, their grammar can begin; a
+    400 naming ``param(field)`` otherwise."""
     try:
         grammar = check_structured(**fields)
         if grammar is not None and info.grammars is not None:
             info.grammars.matcher(grammar)
     except ParamError as e:
-        raise bad(str(e), wire.get(e.param, param)) from None
+        raise bad(str(e), param(e.param)) from None
     return fields
+
+
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _tools(body: dict, info: ModelInfo) -> tuple[list | None, list[dict], dict]:
+    """A chat request's ``tools`` and ``tool_choice``: (the tools for the chat template, the functions an output may
+    call, the structured-output field of a required or named call: ``{"name", "arguments"}`` with the function's name
+    and its ``parameters`` schema, an anyOf over the functions for ``required``)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise bad("tool_choice needs tools", "tool_choice")
+        return None, [], {}
+    if not isinstance(tools, list):
+        raise bad("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+    funcs = []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if (not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]
+                or not isinstance(f.get("parameters", {}), dict)):
+            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", \"parameters\": a JSON "
+                      f"schema}}}}", f"tools[{i}]")
+        funcs.append(f)
+    names = [f["name"] for f in funcs]
+    if len(set(names)) < len(names):
+        raise bad(f"tools holds a function name twice: {', '.join(names)}", "tools")
+    if isinstance(choice, dict):
+        f = choice.get("function") if choice.get("type") == "function" else None
+        name = f.get("name") if isinstance(f, dict) else None
+        if name not in names:
+            raise bad(f"tool_choice names the function {show(name)}, which tools does not hold ({', '.join(names)})",
+                      "tool_choice")
+        funcs = [funcs[names.index(name)]]
+    elif choice is None or choice in ("auto", "none"):
+        return tools, [] if choice == "none" else funcs, {}
+    elif choice != "required":
+        raise bad(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or {{\"type\": \"function\", \"function\": "
+                  f"{{\"name\"}}}}, got {show(choice)}", "tool_choice")
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               "arguments": f.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in funcs]
+    return tools, funcs, _startable({"json_schema": calls[0] if len(calls) == 1 else {"anyOf": calls}}, info,
+                                    lambda name: "tools")
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def tool_calls(text: str, functions: list[dict]) -> list[dict] | None:
+    """The calls ``text`` makes as OpenAI's ``message.tool_calls``, the arguments as JSON text: ``text`` is a JSON
+    ``{"name", "arguments"}`` object (or a list of them), bare or each in ``<tool_call>`` tags, naming functions of
+    ``functions``. None when it is anything else (plain content)."""
+    parts = _TOOL_CALL.findall(text)
+    if parts and _TOOL_CALL.sub("", text).strip():
+        return None
+    calls, names = [], {f["name"] for f in functions}
+    for part in parts or [text]:
+        try:
+            value = json.loads(part)
+        except ValueError:
+            return None
+        for call in value if isinstance(value, list) else [value]:
+            args = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
+            if not isinstance(args, dict) or call.get("name") not in names:
+                return None
+            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                          "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+    return calls or None
 
 
 def _processors(body: dict) -> dict:
@@ -703,8 +821,11 @@ def response(req: GenRequest, rid: str, created: int, choices: list[Choice]) -> 
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = c.prompt_logprobs
         else:
-            choice.update(message={"role": "assistant", "content": c.text}, logprobs=c.logprobs,
-                          finish_reason=c.finish_reason)
+            calls = tool_calls(c.text, req.tools) if req.tools else None
+            message = {"role": "assistant", "content": c.text} if calls is None else {
+                "role": "assistant", "content": None, "tool_calls": calls}
+            choice.update(message=message, logprobs=c.logprobs,
+                          finish_reason=c.finish_reason if calls is None else "tool_calls")
         if req.return_token_ids:
             choice.update(prompt_token_ids=req.prompt_ids, token_ids=c.token_ids)
         out.append(choice)
