@@ -376,7 +376,7 @@ def test_drafters_draft_exactly_the_plan():
     hist = torch.zeros((3, 20), dtype=torch.long)
     for i, r in enumerate(rows):
         hist[i, : len(r)] = torch.tensor(r)
-    seqs = SimpleNamespace(history=hist, length=torch.tensor([len(r) for r in rows]), sampling=False)
+    seqs = SimpleNamespace(history=hist, length=torch.tensor([len(r) for r in rows]), sampling=False, processors=set())
     d = PromptLookup()
     offer = d.offer(seqs, None, 4)
     assert offer.count.tolist() == [4, 4, 4]

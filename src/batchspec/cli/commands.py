@@ -85,11 +85,11 @@ def quiet_libraries():
 
 def main(argv=None) -> int:
     args, unknown = build_parser().parse_known_args(argv)
+    parser = args.__dict__.pop("parser")  # not a setting: commands keep their arguments (a checkpoint pickles them)
     if unknown:  # named by the command's parser, with the closest of its flags
-        flags = [s for a in args.parser._actions for s in a.option_strings]
+        flags = [s for a in parser._actions for s in a.option_strings]
         close = difflib.get_close_matches(unknown[0].split("=")[0].replace("_", "-"), flags, n=1, cutoff=0.75)
-        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}"
-                          + (f" (did you mean {close[0]}?)" if close else ""))
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {close[0]}?)" if close else ""))
     try:
         with quiet_libraries():
             return args.func(args)
