@@ -330,6 +330,9 @@ def _run_determinism(args, levels) -> int:
     for flag, value in (("--reference", args.reference), ("--reference-model", args.reference_model)):
         if value is not None:
             raise ValueError(f"--repeat runs the determinism run, which needs no reference: leave out {flag}")
+    if args.junit is not None:
+        raise ValueError("--junit writes the endpoint audit's cases: leave it out with --repeat (determinism.json "
+                         "has the run's verdict per prompt)")
     pairs = read_prompt_set(args.prompts)[: args.limit]
     out = prepare_out(args.out, folder=True)
     try:
@@ -353,8 +356,10 @@ def _run_determinism(args, levels) -> int:
     if len(spread) > 10:
         console.print(f"... {len(spread) - 10} more in determinism.json")
     m = report.meta
+    if m["capped"]:
+        console.print(escape(m["capped"]))
     console.print(f"{m['requests']} requests ({m['n_prompts']} prompts x {m['repeat']}) at concurrency "
-                  f"{', '.join(map(str, levels))} in {m['seconds']:.1f} s")
+                  f"{', '.join(map(str, m['levels']))} in {m['seconds']:.1f} s")
     console.print(f"wrote {out / 'determinism.json'}, {out / 'determinism.md'}, {out / 'determinism.png'}, "
                   f"{out / 'determinism.html'}")
     status, verdict = report.verdict()

@@ -68,8 +68,7 @@ class EndpointAudit:
         top = self.top_logprobs
         if not isinstance(top, int) or isinstance(top, bool) or top < 0:
             raise ValueError(f"top_logprobs must be an integer >= 0, got {top!r}")
-        capped = [c for c in levels if c > len(prompts)]  # no more requests can be under way than there are prompts
-        levels = list(dict.fromkeys(min(c, len(prompts)) for c in levels))
+        levels, capped = cap_levels(levels, len(prompts))
         return replace(self, concurrency=levels, prompts=prompts, reference=reference, capped=capped)
 
     def run(self):
@@ -121,6 +120,17 @@ def check_levels(concurrency) -> list[int]:
     if not levels or min(levels) < 1:
         raise ValueError(f"concurrency levels must be integers >= 1, got {list(concurrency)}")
     return levels
+
+
+def cap_levels(levels: list[int], n: int) -> tuple[list[int], list[int]]:
+    """``levels`` capped at ``n``, the number of prompts (no more requests can be under way than there are), each
+    once; and the levels that were capped."""
+    return list(dict.fromkeys(min(c, n) for c in levels)), [c for c in levels if c > n]
+
+
+def capped_note(capped, n: int) -> str | None:
+    """What the report says of the ``capped`` levels (None: none)."""
+    return f"concurrency {', '.join(map(str, capped))} capped at {n}, the number of prompts" if capped else None
 
 
 def check_request(api: str, timeout: float) -> None:
@@ -196,8 +206,7 @@ def run_levels(name, client, items, levels, judge, bar) -> tuple[list, list[dict
 
 
 def endpoint_meta(audit: EndpointAudit, model: str, levels_meta) -> dict:
-    capped = (f"concurrency {', '.join(map(str, audit.capped))} capped at {len(audit.prompts)}, the number of prompts"
-              if audit.capped else None)
+    capped = capped_note(audit.capped, len(audit.prompts))
     return {"url": audit.url, "model": display(model), "api": audit.api, "stream": audit.stream, "levels": levels_meta,
             "retokenized": any(lv["token_source"] and RETOKENIZED in lv["token_source"] for lv in levels_meta),
             "capped": capped}
