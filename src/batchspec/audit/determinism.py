@@ -77,8 +77,8 @@ class DeterminismReport:
         median = statistics.median(p["outputs"][0]["length"] for p in self.prompts if p["outputs"])
         if median < MIN_MEDIAN_TOKENS:
             return 2, (f"proved little: the median output is {median:g} tokens (under {MIN_MEDIAN_TOKENS}), too short "
-                       "to exercise batching, so one output per prompt shows little (give prompts that ask for longer answers, "
-                       "or --api chat)")
+                       "to exercise batching, so one output per prompt shows little (give prompts that ask for longer "
+                       "answers, or --api chat)")
         levels = ", ".join(map(str, self.meta["levels"]))
         return 0, (f"{DETERMINISTIC}: one output per prompt over {self.meta['repeat']} requests each "
                    f"(concurrency {levels})")
