@@ -167,7 +167,7 @@ def _run_endpoint(args) -> int:
     2 a level that could not be audited. With ``--repeat``: the determinism run."""
     from rich.markup import escape
 
-    from ..audit.endpoint import endpoint_markdown, endpoint_verdict
+    from ..audit.endpoint import endpoint_markdown, endpoint_verdict, repro
 
     if args.temperature > 0:
         raise ValueError("--endpoint audits greedy decoding: leave --temperature at 0")
@@ -192,7 +192,8 @@ def _run_endpoint(args) -> int:
         report = _endpoint_audit(args, [t for _, t in pairs], levels, reference).run()
     except ConnectionError as e:  # connection refused, unknown host, no answer from /v1/models
         raise ValueError(str(e)) from None
-    _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report))
+    made = repro.write_audit_repros(out, report.meta["endpoint"]["levels"], [i for i, _ in pairs])
+    _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report, made))
     if args.junit is not None:
         from ..audit.endpoint.junit import junit_xml, report_cases
 
@@ -201,7 +202,8 @@ def _run_endpoint(args) -> int:
     _write_html(out / "audit.html", report)
     console = rich_console()
     _print_endpoint(console, report, pairs)
-    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}")
+    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}"
+                  + (f" and {len(made)} reproducers in {out / 'repro'}" if made else ""))
     status, verdict = endpoint_verdict(report)
     if status:
         console.print(f"[red]{escape(verdict)}[/red]")

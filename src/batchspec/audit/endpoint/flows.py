@@ -12,6 +12,7 @@ from ...serve.client import display
 from .answer import RETOKENIZED, TOKEN_IDS
 from .client import ConcurrentRun, EndpointClient, model_name
 from .judges import OracleJudge, ReferenceJudge, compare_level
+from .repro import divergence_cases
 
 SELF = "self"  # the reference: the server under test itself, at concurrency 1
 
@@ -92,7 +93,8 @@ def audit_endpoint(url: str, target=None, prompts=(), concurrency=(1, 8, 32), mo
     request without one) and ``meta["endpoint"]``: url, model, api, stream, and per level: requests, compared, failed,
     protocol_errors, finish_mismatches, prompt_mismatches, overruns, unreferenced (prompts with no reference answer),
     token_source, seconds and ``problems`` (one ``{prompt, kind, detail}`` per thing wrong with a request: failed,
-    protocol error, finish_reason, prompt mismatch, overrun). ``settings``: the other fields of ``EndpointAudit``,
+    protocol error, finish_reason, prompt mismatch, overrun) and ``repro_cases`` (what a reproducer of each divergence
+    needs, see ``repro.divergence_cases``). ``settings``: the other fields of ``EndpointAudit``,
     by name.
 
     The reference (see the package): ``reference=None`` and a ``target``: the local oracle of ``target`` (the same
@@ -199,6 +201,7 @@ def run_levels(name, client, items, levels, judge, bar) -> tuple[list, list[dict
         bar.describe(escape(f"{name} concurrency {c}"))
         run = ConcurrentRun(client, items, c)
         row, level = compare_level(name, run, run.run(), judge)
+        level["repro_cases"] = divergence_cases(run, row.divergences, judge)
         rows.append(row)
         metas.append(level)
         bar.advance()
