@@ -179,6 +179,7 @@ def _run_endpoint(args) -> int:
         raise ValueError(f"--top-logprobs must be an integer >= 0, got {args.top_logprobs}")
     levels = int_list(args.concurrency, "--concurrency")
     if args.save is not None or args.against is not None:
+        args.api = args.api or "completions"
         return _run_baseline(args, levels)
     if args.repeat is not None:
         args.api = args.api or "completions"
