@@ -44,6 +44,24 @@ def test_batchspec_serve_gives_one_output_per_prompt(good):
     assert report.verdict()[0] == 0 and report.verdict()[1].startswith("deterministic")
 
 
+def test_levels_above_the_number_of_prompts_are_capped_and_said_so():
+    with Flaky() as fake:
+        report = determinism_run(fake.url, PROMPTS[:3], repeat=3, concurrency=[1, 8, 32], max_tokens=MAX_TOKENS)
+        most = fake.most
+    assert report.meta["levels"] == [1, 3] and report.meta["rounds"] == [1, 3, 1] and most <= 3
+    assert report.meta["capped"] == "concurrency 8, 32 capped at 3, the number of prompts"
+    assert "(concurrency 8, 32 capped at 3, the number of prompts)." in report.to_markdown()
+    assert report.verdict()[0] == 0
+
+
+def test_outputs_too_short_prove_little(good):
+    """Outputs of a token or two agree whatever the batching does: exit status 2, not deterministic."""
+    report = determinism_run(good.url, PROMPTS, repeat=2, concurrency=[1, 4], max_tokens=2)
+    assert all(p["unique"] == 1 for p in report.prompts)
+    status, verdict = report.verdict()
+    assert status == 2 and verdict.startswith("proved little: the median output is 2 tokens (under 4)"), verdict
+
+
 class Flaky(servekit.FakeServer):
     """A server on loopback that answers the tiny target's greedy output, except that every other request for the
     prompts in ``flaky`` gets token ``AT`` changed; ``fail``: prompts whose requests fail (HTTP 500). It records the
@@ -160,6 +178,7 @@ def _tokenizer_dir(tmp_path) -> str:
 @pytest.mark.parametrize("flags,message", [
     (["--repeat", "1"], "--repeat must be an integer >= 2"),
     (["--repeat", "2", "--reference", "self"], "needs no reference: leave out --reference"),
+    (["--repeat", "2", "--junit", "cases.xml"], "--junit writes the endpoint audit's cases: leave it out"),
 ])
 def test_bad_repeat_flags_are_one_line_and_exit_2(good, prompt_file, tmp_path, capsys, flags, message):
     rc, _, err, data, _ = _cli(good.url, prompt_file, tmp_path, capsys, *flags)

@@ -10,6 +10,8 @@ asks."""
 
 import json
 import math
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -362,6 +364,31 @@ def test_the_command_audits_without_a_target_against_the_server_itself(good, pad
     rc, out, _, data, _ = _cli(padding_bug.url, files, tmp_path, capsys)
     assert rc == 1 and "padding leakage" in out and "first divergence at token" in out, out
     assert [r["signature"] for r in data["rows"]] == ["clean", "padding leakage"]
+
+
+def test_every_divergence_has_a_reproducer_that_shows_it(padding_bug, files, tmp_path, capsys):
+    """A reproducer per divergence found against the server itself: the request as sent with those under way with it,
+    both token sequences, the margin; its script, run on its own against the still-running server, shows it (the
+    fault needs a batch: the concurrent requests are sent again with it)."""
+    _, tokenizer = files
+    rc, out, _, data, folder = _cli(padding_bug.url, files, tmp_path, capsys, "--target", str(tokenizer),
+                                    "--no-chat-template", "--reference", "self")
+    divs = [(row["batch_size"], d) for row in data["rows"] for d in row["divergences"]]
+    assert rc == 1 and divs and "reproducers in" in out, out
+    md = (folder / "audit.md").read_text()
+    for c, d in divs:
+        case = json.loads((folder / "repro" / f"q{d['prompt']}-{c}.json").read_text())
+        assert (case["first_divergence"], case["margin"], case["class"]) == (d["index"], d["margin"], d["class"])
+        assert case["request"]["prompt"] == FEW[d["prompt"]] and case["concurrent"] and case["concurrency"] == c
+        assert case["baseline_tokens"] == oracle(FEW[d["prompt"]]) != case["tokens"]
+        assert d["engine_token"] is None or case["tokens"][d["index"]] == d["engine_token"]
+        assert f"(repro/q{d['prompt']}-{c}.json)" in md
+    assert "repro_cases" not in json.dumps(data)
+    c, d = divs[0]
+    run = subprocess.run([sys.executable, str(folder / "repro" / f"q{d['prompt']}-{c}.py")], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1 and "divergence shows at token" in run.stdout, run.stdout + run.stderr
+    assert "where the reference has" in run.stdout
 
 
 def test_the_command_takes_the_tokenizer_from_target_with_a_reference(good, files, tmp_path, capsys):

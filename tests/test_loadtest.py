@@ -2,6 +2,7 @@
 shedding (429) that loses no accepted request, and conversations replayed turn by turn (``--multi-turn``)."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -10,6 +11,7 @@ import servekit
 from batchspec.cli import main
 from batchspec.cli.loadtest import pick_prompts
 from batchspec.serve.app import create_app
+from batchspec.serve.client import MAX_ANSWER_BYTES
 from batchspec.serve.loadtest import LoadConfig, in_flight_at_arrival, percentiles, run_load, write_report
 from batchspec.serve.server import ServerThread
 
@@ -185,3 +187,71 @@ def test_multi_turn_cli(server, tmp_path, capsys):
     rc = main(["loadtest", "--url", server.url, "--concurrency", "1", "--prompts", str(path), "--multi-turn",
                "--api", "completions", "--out", str(out)])
     assert rc == 2 and "--multi-turn" in capsys.readouterr().err
+
+
+class Hostile(servekit.FakeServer):
+    """``mode``: "trickle" (a stream sent a byte at a time, no line end, until the test ends), "huge" (a stream whose
+    one line is larger than ``MAX_ANSWER_BYTES``), "models-trickle" (``/v1/models`` trickles its body)."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        super().__init__(_HostileHandler)
+
+
+class _HostileHandler(servekit.JsonHandler):
+    protocol_version = "HTTP/1.0"
+
+    def trickle(self, first: bytes):
+        self.wfile.write(first)
+        while not self.server.fake.release.wait(0.1):
+            try:
+                self.wfile.write(b"x")
+                self.wfile.flush()
+            except OSError:
+                return
+
+    def do_GET(self):
+        if self.server.fake.mode != "models-trickle":
+            return self.send_json(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
+        self.send_response(200)
+        self.send_header("Content-Length", "1000000")
+        self.end_headers()
+        self.trickle(b'{"data": [')
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        if self.server.fake.mode == "huge":
+            return self.wfile.write(b"data: " + b"x" * (MAX_ANSWER_BYTES + 1) + b"\n\n")
+        self.trickle(b"data: {")
+
+
+def _timed_load(url, timeout, *flags, tmp_path):
+    start = time.monotonic()
+    rc = main(["loadtest", "--url", url, "--concurrency", "2", "--requests", "2", "--prompts", str(tmp_path / "p.txt"),
+               "--timeout", str(timeout), "--api", "completions", "--out", str(tmp_path / "out"), *flags])
+    return rc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("mode,flags", [("trickle", ["--model", "m"]), ("models-trickle", [])])
+def test_a_trickling_server_does_not_hold_the_load_test_past_its_timeout(tmp_path, capsys, mode, flags):
+    """httpx's timeout bounds each read; a byte every 0.1 s never trips it, yet the run ends by --timeout."""
+    (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
+    with Hostile(mode) as fake:
+        rc, seconds = _timed_load(fake.url, 1.5, *flags, tmp_path=tmp_path)
+    err = capsys.readouterr().err
+    if mode == "trickle":
+        data = json.loads((tmp_path / "out" / "loadtest.json").read_text())
+        assert rc == 1 and data["requests"]["errors"] == 2 and data["wall_s"] < 2.5, data
+        assert "no whole answer within 1.5 s" in data["errors_sample"][0]
+    else:
+        assert rc == 2 and "sent no whole /v1/models within 1.5 s" in err and seconds < 2.5, err
+
+
+def test_an_answer_over_the_size_limit_is_an_error_not_read():
+    with Hostile("huge") as fake:
+        summary = run_load(LoadConfig(url=fake.url, model="m", prompts=PROMPTS, concurrency=1, requests=1,
+                                      api="completions", timeout=30))
+    assert summary["requests"]["errors"] == 1 and "larger than" in summary["errors_sample"][0], summary

@@ -14,13 +14,15 @@ endpoint audit (``batchspec.audit.endpoint``), and each prompt's answers are com
 A request that fails or whose ids are not token ids (a protocol error) is counted and not compared; a finish_reason
 is not checked here. Verdict (``DeterminismReport.verdict``): exit status 1 when some prompt has more than one unique
 output (``not deterministic``) or some requests failed (``incomplete``), 2 when every request failed (``could not
-audit``), else 0 (``deterministic``).
+audit``) or the outputs are too short to exercise batching (median under ``MIN_MEDIAN_TOKENS``: ``proved little``),
+else 0 (``deterministic``). As in the endpoint audit, a level above the number of prompts is capped at that number.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -29,6 +31,8 @@ from pathlib import Path
 
 from .endpoint import (ConcurrentRun, EndpointClient, check_levels, check_request, model_name, prompt_items,
                        reference_tokenizer)
+from .endpoint.flows import cap_levels, capped_note
+from .endpoint.markdown import MIN_MEDIAN_TOKENS
 from ..serve.client import display
 from .report import save_png
 
@@ -50,7 +54,8 @@ def first_divergence(outputs) -> int | None:
 @dataclass
 class DeterminismReport:
     """``prompts``: one summary per prompt (see the module); ``meta``: url, model, api, stream, repeat, levels,
-    rounds (the concurrency of each), requests, seconds, max_tokens, token_source."""
+    rounds (the concurrency of each), requests, seconds, max_tokens, token_source, capped (None, or which levels
+    were capped at the number of prompts)."""
 
     prompts: list[dict]
     meta: dict
@@ -69,6 +74,11 @@ class DeterminismReport:
         if answered < requests:
             return 1, (f"incomplete: {requests - answered} of {requests} requests failed; the answered ones give one "
                        "output per prompt")
+        median = statistics.median(p["outputs"][0]["length"] for p in self.prompts if p["outputs"])
+        if median < MIN_MEDIAN_TOKENS:
+            return 2, (f"proved little: the median output is {median:g} tokens (under {MIN_MEDIAN_TOKENS}), too short "
+                       "to exercise batching, so one output per prompt shows little (give prompts that ask for longer "
+                       "answers, or --api chat)")
         levels = ", ".join(map(str, self.meta["levels"]))
         return 0, (f"{DETERMINISTIC}: one output per prompt over {self.meta['repeat']} requests each "
                    f"(concurrency {levels})")
@@ -88,7 +98,7 @@ class DeterminismReport:
                  f"Determinism run of {m['url']} (model {m['model']}): {m['n_prompts']} prompts, each sent "
                  f"{m['repeat']} times (greedy, max_tokens {m['max_tokens']}) in {m['repeat']} rounds at concurrency "
                  f"{', '.join(map(str, m['levels']))} in turn; {m['requests']} requests in {m['seconds']:.1f} s; "
-                 f"tokens from {m['token_source'] or '-'}.", "",
+                 f"tokens from {m['token_source'] or '-'}" + (f" ({m['capped']})." if m.get("capped") else "."), "",
                  "| prompt | requests | answered | unique outputs | first divergence | most common output |",
                  "|---|---|---|---|---|---|"]
         for p in self.prompts:
@@ -150,6 +160,7 @@ class DeterminismRun:
     timeout: float = 600.0
     seed: int = 0
     progress: bool = False
+    capped: Sequence[int] = ()
 
     def checked(self) -> DeterminismRun:
         """These settings with the levels as integers and the prompts and names as lists; ``ValueError`` for ones
@@ -164,7 +175,8 @@ class DeterminismRun:
         names = list(self.names) if self.names is not None else list(range(len(prompts)))
         if len(names) != len(prompts):
             raise ValueError(f"{len(names)} names for {len(prompts)} prompts")
-        return replace(self, concurrency=levels, prompts=prompts, names=names)
+        levels, capped = cap_levels(levels, len(prompts))
+        return replace(self, concurrency=levels, prompts=prompts, names=names, capped=capped)
 
     def run(self) -> DeterminismReport:
         """Send the rounds (see ``determinism_run``)."""
@@ -189,7 +201,8 @@ class DeterminismRun:
         meta = {"url": run.url, "model": display(model), "api": run.api, "stream": run.stream, "repeat": run.repeat,
                 "levels": run.concurrency, "rounds": rounds, "seed": run.seed, "n_prompts": len(items),
                 "requests": run.repeat * len(items), "seconds": seconds, "max_tokens": run.max_tokens,
-                "token_source": ", ".join(sources) or None}
+                "token_source": ", ".join(sources) or None,
+                "capped": capped_note(run.capped, len(items))}
         return DeterminismReport(summaries, meta)
 
     def _rounds(self, client: EndpointClient, items: list) -> tuple[list[list[tuple[int, object]]], list[int]]:

@@ -167,7 +167,7 @@ def _run_endpoint(args) -> int:
     2 a level that could not be audited. With ``--repeat``: the determinism run."""
     from rich.markup import escape
 
-    from ..audit.endpoint import endpoint_markdown, endpoint_verdict
+    from ..audit.endpoint import endpoint_markdown, endpoint_verdict, repro
 
     if args.temperature > 0:
         raise ValueError("--endpoint audits greedy decoding: leave --temperature at 0")
@@ -179,6 +179,7 @@ def _run_endpoint(args) -> int:
         raise ValueError(f"--top-logprobs must be an integer >= 0, got {args.top_logprobs}")
     levels = int_list(args.concurrency, "--concurrency")
     if args.save is not None or args.against is not None:
+        args.api = args.api or "completions"
         return _run_baseline(args, levels)
     if args.repeat is not None:
         args.api = args.api or "completions"
@@ -192,7 +193,8 @@ def _run_endpoint(args) -> int:
         report = _endpoint_audit(args, [t for _, t in pairs], levels, reference).run()
     except ConnectionError as e:  # connection refused, unknown host, no answer from /v1/models
         raise ValueError(str(e)) from None
-    _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report))
+    made = repro.write_audit_repros(out, report.meta["endpoint"]["levels"], [i for i, _ in pairs])
+    _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report, made))
     if args.junit is not None:
         from ..audit.endpoint.junit import junit_xml, report_cases
 
@@ -201,7 +203,8 @@ def _run_endpoint(args) -> int:
     _write_html(out / "audit.html", report)
     console = rich_console()
     _print_endpoint(console, report, pairs)
-    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}")
+    console.print(f"wrote {out / 'audit.json'}, {out / 'audit.md'}, {out / 'audit.png'}, {out / 'audit.html'}"
+                  + (f" and {len(made)} reproducers in {out / 'repro'}" if made else ""))
     status, verdict = endpoint_verdict(report)
     if status:
         console.print(f"[red]{escape(verdict)}[/red]")
@@ -330,6 +333,9 @@ def _run_determinism(args, levels) -> int:
     for flag, value in (("--reference", args.reference), ("--reference-model", args.reference_model)):
         if value is not None:
             raise ValueError(f"--repeat runs the determinism run, which needs no reference: leave out {flag}")
+    if args.junit is not None:
+        raise ValueError("--junit writes the endpoint audit's cases: leave it out with --repeat (determinism.json "
+                         "has the run's verdict per prompt)")
     pairs = read_prompt_set(args.prompts)[: args.limit]
     out = prepare_out(args.out, folder=True)
     try:
@@ -353,8 +359,10 @@ def _run_determinism(args, levels) -> int:
     if len(spread) > 10:
         console.print(f"... {len(spread) - 10} more in determinism.json")
     m = report.meta
+    if m["capped"]:
+        console.print(escape(m["capped"]))
     console.print(f"{m['requests']} requests ({m['n_prompts']} prompts x {m['repeat']}) at concurrency "
-                  f"{', '.join(map(str, levels))} in {m['seconds']:.1f} s")
+                  f"{', '.join(map(str, m['levels']))} in {m['seconds']:.1f} s")
     console.print(f"wrote {out / 'determinism.json'}, {out / 'determinism.md'}, {out / 'determinism.png'}, "
                   f"{out / 'determinism.html'}")
     status, verdict = report.verdict()

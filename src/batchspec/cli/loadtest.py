@@ -68,20 +68,23 @@ def check_url(url: str) -> None:
 
 def reach(url: str, api_key: str | None, timeout: float) -> None:
     """One request to ``/v1/models`` before the load: a server that is not there, or that refuses the key, is one
-    line naming the fix instead of a failed run."""
+    line naming the fix instead of a failed run. Only its status is read, within ``timeout`` seconds in all."""
     import httpx
 
-    from ..serve.client import api_base, auth_headers
+    from ..serve.client import api_base, auth_headers, run_within
+
+    def status() -> int:
+        with httpx.stream("GET", api_base(url) + "/models", timeout=timeout, headers=auth_headers(api_key)) as r:
+            return r.status_code
 
     try:
-        r = httpx.get(api_base(url) + "/models", timeout=timeout, headers=auth_headers(api_key))
-    except httpx.HTTPError as e:
+        code = run_within(timeout, status)
+    except (httpx.HTTPError, TimeoutError) as e:
         raise ValueError(f"cannot reach {url} ({e or type(e).__name__}); is the server running? "
                          f"Start one with batchspec serve, or {BASE_URL_HINT}") from None
-    if r.status_code in (401, 403):
-        raise ValueError(f"{url} refused the request ({r.status_code}); give its key with --api-key or "
-                         "$BATCHSPEC_API_KEY")
-    if r.status_code == 404:
+    if code in (401, 403):
+        raise ValueError(f"{url} refused the request ({code}); give its key with --api-key or $BATCHSPEC_API_KEY")
+    if code == 404:
         raise ValueError(f"{url} has no /v1/models (404); {BASE_URL_HINT} (with or without /v1)")
 
 

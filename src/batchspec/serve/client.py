@@ -70,16 +70,30 @@ def run_within(seconds: float, fn, *args):
     return box["value"]
 
 
+def _counted(total: int, chunk: bytes, deadline: float, limit: int) -> int:
+    """``total`` bytes read with ``chunk``; ``TooLarge`` past ``limit``, ``TimeoutError`` past ``deadline``."""
+    total += len(chunk)
+    if total > limit:
+        raise TooLarge(limit)
+    if time.monotonic() > deadline:
+        raise TimeoutError
+    return total
+
+
 def _chunks(response, deadline: float, limit: int | None):
     """The response's body in chunks, ``TimeoutError`` past ``deadline`` (``time.monotonic()``), ``TooLarge`` past
     ``limit`` bytes in all."""
     total, limit = 0, MAX_ANSWER_BYTES if limit is None else limit
     for chunk in response.iter_bytes():
-        total += len(chunk)
-        if total > limit:
-            raise TooLarge(limit)
-        if time.monotonic() > deadline:
-            raise TimeoutError
+        total = _counted(total, chunk, deadline, limit)
+        yield chunk
+
+
+async def _achunks(response, deadline: float, limit: int | None):
+    """``_chunks`` of an asynchronous response."""
+    total, limit = 0, MAX_ANSWER_BYTES if limit is None else limit
+    async for chunk in response.aiter_bytes():
+        total = _counted(total, chunk, deadline, limit)
         yield chunk
 
 
@@ -89,15 +103,36 @@ def read_body(response, deadline: float, limit: int | None = None) -> bytes:
     return b"".join(_chunks(response, deadline, limit))
 
 
+async def aread_body(response, deadline: float, limit: int | None = None) -> bytes:
+    """``read_body`` of an asynchronous response."""
+    return b"".join([chunk async for chunk in _achunks(response, deadline, limit)])
+
+
+def _lines(rest: bytes, chunk: bytes) -> tuple[list[str], bytes]:
+    """The whole lines of ``rest + chunk``, and what is left after the last line end."""
+    *lines, rest = (rest + chunk).split(b"\n")
+    return [line.rstrip(b"\r").decode(errors="replace") for line in lines], rest
+
+
 def sse_lines(response, deadline: float, limit: int | None = None):
     """A streamed response's lines (as ``iter_lines``), read by ``deadline`` and at most ``limit`` bytes in all."""
     rest = b""
     for chunk in _chunks(response, deadline, limit):
-        *lines, rest = (rest + chunk).split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r").decode(errors="replace")
+        lines, rest = _lines(rest, chunk)
+        yield from lines
     if rest:
-        yield rest.rstrip(b"\r").decode(errors="replace")
+        yield _lines(rest, b"\n")[0][0]
+
+
+async def asse_lines(response, deadline: float, limit: int | None = None):
+    """``sse_lines`` of an asynchronous response."""
+    rest = b""
+    async for chunk in _achunks(response, deadline, limit):
+        lines, rest = _lines(rest, chunk)
+        for line in lines:
+            yield line
+    if rest:
+        yield _lines(rest, b"\n")[0][0]
 
 
 def api_base(url: str) -> str:

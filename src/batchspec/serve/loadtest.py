@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..progress import Progress
-from .client import StreamError, StreamedAnswer, api_base, api_path, auth_headers, display, prompt_field
+from .client import (AnswerError, StreamError, StreamedAnswer, aread_body, api_base, api_path, asse_lines, auth_headers,
+                     display, prompt_field)
 
 PERCENTILES = (50, 90, 99)
 
@@ -73,10 +74,21 @@ class Record:
     prompt_tokens: int | None = None  # as the server's usage reports them
 
 
-async def first_model(client, url: str, api_key: str | None) -> str:
-    r = await client.get(api_base(url) + "/models", headers=auth_headers(api_key))
-    r.raise_for_status()
-    data = r.json().get("data") or []
+async def first_model(client, url: str, api_key: str | None, timeout: float) -> str:
+    """The first model of ``url``'s ``/v1/models``, read whole within ``timeout`` seconds and at most
+    ``MAX_ANSWER_BYTES``: a server that trickles its answer or sends one without end does not hold the load test."""
+    async def get():
+        async with client.stream("GET", api_base(url) + "/models", headers=auth_headers(api_key)) as r:
+            r.raise_for_status()
+            return json.loads(await aread_body(r, time.monotonic() + timeout))
+
+    try:
+        found = await asyncio.wait_for(get(), timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{url} sent no whole /v1/models within {timeout:g} s") from None
+    except (AnswerError, ValueError) as e:  # too large, not JSON
+        raise ValueError(f"{url} sent no usable /v1/models: {e}") from None
+    data = (found.get("data") if isinstance(found, dict) else None) or []
     if not data:
         raise ValueError(f"{url} serves no model (/v1/models is empty); give --model")
     return data[0]["id"]
@@ -98,7 +110,9 @@ async def _one(client, cfg: LoadConfig, model: str, index: int, prompt, t0: floa
     rec = Record(index, start - t0, "error")
     answer = StreamedAnswer(strict=False)
     try:
-        await _stream(client, cfg, model, prompt, rec, answer)
+        await asyncio.wait_for(_stream(client, cfg, model, prompt, rec, answer), cfg.timeout)
+    except asyncio.TimeoutError:  # httpx's timeout bounds each read: a trickled answer never trips it
+        rec.error = f"TimeoutError: no whole answer within {cfg.timeout:g} s"
     except StreamError as e:
         rec.error = f"error event: {json.dumps(e.error)[:300]}"
     except Exception as e:  # connection refused or reset, timeout, bad JSON
@@ -146,16 +160,17 @@ async def _conversation(client, cfg: LoadConfig, model: str, index: int, turns, 
 
 async def _stream(client, cfg: LoadConfig, model: str, prompt, rec: Record, answer: StreamedAnswer):
     """Send one request and fold its stream into ``answer``; an answer other than 200 sets ``rec``'s status and
-    error."""
+    error. At most ``MAX_ANSWER_BYTES`` are read, by ``cfg.timeout`` seconds from now."""
+    deadline = time.monotonic() + cfg.timeout
     async with client.stream("POST", api_base(cfg.url) + api_path(cfg.api), json=_body(cfg, model, prompt),
                              headers=auth_headers(cfg.api_key), timeout=cfg.timeout) as r:
         rec.http_status = r.status_code
         if r.status_code != 200:
-            text = (await r.aread()).decode(errors="replace")
+            text = (await aread_body(r, deadline)).decode(errors="replace")
             rec.status = str(r.status_code) if r.status_code in (429, 503) else "error"
             rec.error = f"HTTP {r.status_code}: {text[:300]}"
             return
-        async for line in r.aiter_lines():
+        async for line in asse_lines(r, deadline):
             if answer.feed(line):
                 break
 
@@ -190,7 +205,7 @@ async def run_load_async(cfg: LoadConfig, progress: bool = False) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     bar = Progress(progress, cfg.requests, "loadtest")
     async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout) as client:
-        model = cfg.model or await first_model(client, cfg.url, cfg.api_key)
+        model = cfg.model or await first_model(client, cfg.url, cfg.api_key, cfg.timeout)
         t0 = time.perf_counter()
         deadline = t0 + cfg.duration
 

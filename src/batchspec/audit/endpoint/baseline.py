@@ -95,8 +95,7 @@ def _level(client: ReplayClient, items: list, concurrency: int) -> dict:
     answers = run.run()
     out = []
     for i, a in enumerate(answers):
-        start, end = run.spans[i]
-        with_it = [j for j, (s, e) in enumerate(run.spans) if j != i and s < end and start < e]
+        with_it = run.concurrent_with(i)
         ids = a.ids if a.source is not None else None
         out.append({"prompt": run.prompts[i], "request": client._body(run.prompts[i]), "concurrent": with_it,
                     "token_ids": ids, "finish_reason": a.finish_reason,

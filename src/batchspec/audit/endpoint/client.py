@@ -205,6 +205,11 @@ class ConcurrentRun:
         self.answers, self.spans = [a for a, _ in got], [s for _, s in got]
         return self.answers
 
+    def concurrent_with(self, i: int) -> list[int]:
+        """The prompts whose requests were under way at some time while prompt ``i``'s was."""
+        start, end = self.spans[i]
+        return [j for j, (s, e) in enumerate(self.spans) if j != i and s < end and start < e]
+
     def call(self, batch: list[list[int]]) -> list[list[int]]:
         return [self.client.one(list(p)).ids for p in batch]
 

@@ -12,6 +12,7 @@ from ...serve.client import display
 from .answer import RETOKENIZED, TOKEN_IDS
 from .client import ConcurrentRun, EndpointClient, model_name
 from .judges import OracleJudge, ReferenceJudge, compare_level
+from .repro import divergence_cases
 
 SELF = "self"  # the reference: the server under test itself, at concurrency 1
 
@@ -68,8 +69,7 @@ class EndpointAudit:
         top = self.top_logprobs
         if not isinstance(top, int) or isinstance(top, bool) or top < 0:
             raise ValueError(f"top_logprobs must be an integer >= 0, got {top!r}")
-        capped = [c for c in levels if c > len(prompts)]  # no more requests can be under way than there are prompts
-        levels = list(dict.fromkeys(min(c, len(prompts)) for c in levels))
+        levels, capped = cap_levels(levels, len(prompts))
         return replace(self, concurrency=levels, prompts=prompts, reference=reference, capped=capped)
 
     def run(self):
@@ -93,7 +93,8 @@ def audit_endpoint(url: str, target=None, prompts=(), concurrency=(1, 8, 32), mo
     request without one) and ``meta["endpoint"]``: url, model, api, stream, and per level: requests, compared, failed,
     protocol_errors, finish_mismatches, prompt_mismatches, overruns, unreferenced (prompts with no reference answer),
     token_source, seconds and ``problems`` (one ``{prompt, kind, detail}`` per thing wrong with a request: failed,
-    protocol error, finish_reason, prompt mismatch, overrun). ``settings``: the other fields of ``EndpointAudit``,
+    protocol error, finish_reason, prompt mismatch, overrun) and ``repro_cases`` (what a reproducer of each divergence
+    needs, see ``repro.divergence_cases``). ``settings``: the other fields of ``EndpointAudit``,
     by name.
 
     The reference (see the package): ``reference=None`` and a ``target``: the local oracle of ``target`` (the same
@@ -121,6 +122,17 @@ def check_levels(concurrency) -> list[int]:
     if not levels or min(levels) < 1:
         raise ValueError(f"concurrency levels must be integers >= 1, got {list(concurrency)}")
     return levels
+
+
+def cap_levels(levels: list[int], n: int) -> tuple[list[int], list[int]]:
+    """``levels`` capped at ``n``, the number of prompts (no more requests can be under way than there are), each
+    once; and the levels that were capped."""
+    return list(dict.fromkeys(min(c, n) for c in levels)), [c for c in levels if c > n]
+
+
+def capped_note(capped, n: int) -> str | None:
+    """What the report says of the ``capped`` levels (None: none)."""
+    return f"concurrency {', '.join(map(str, capped))} capped at {n}, the number of prompts" if capped else None
 
 
 def check_request(api: str, timeout: float) -> None:
@@ -189,6 +201,7 @@ def run_levels(name, client, items, levels, judge, bar) -> tuple[list, list[dict
         bar.describe(escape(f"{name} concurrency {c}"))
         run = ConcurrentRun(client, items, c)
         row, level = compare_level(name, run, run.run(), judge)
+        level["repro_cases"] = divergence_cases(run, row.divergences, judge)
         rows.append(row)
         metas.append(level)
         bar.advance()
@@ -196,8 +209,7 @@ def run_levels(name, client, items, levels, judge, bar) -> tuple[list, list[dict
 
 
 def endpoint_meta(audit: EndpointAudit, model: str, levels_meta) -> dict:
-    capped = (f"concurrency {', '.join(map(str, audit.capped))} capped at {len(audit.prompts)}, the number of prompts"
-              if audit.capped else None)
+    capped = capped_note(audit.capped, len(audit.prompts))
     return {"url": audit.url, "model": display(model), "api": audit.api, "stream": audit.stream, "levels": levels_meta,
             "retokenized": any(lv["token_source"] and RETOKENIZED in lv["token_source"] for lv in levels_meta),
             "capped": capped}

@@ -34,11 +34,13 @@ def endpoint_verdict(report) -> tuple[int, str]:
     return 0, f"clean at concurrency {', '.join(str(r.batch_size) for r in report.rows)}"
 
 
-def endpoint_markdown(report) -> str:
+def endpoint_markdown(report, repros: dict | None = None) -> str:
     """The audit's Markdown plus a table per level of concurrency of what was sent, what failed or was malformed, and
-    how the tokens were read, then the first problems of each level (and of the reference's answers)."""
+    how the tokens were read, then the first problems of each level (and of the reference's answers). ``repros``:
+    (prompt, concurrency) -> the path of a divergence's reproducer, linked."""
     ep = report.meta["endpoint"]
-    lines = [*_levels_table(report, ep), *_reference_lines(report), *_divergence_table(report)]
+    lines = [*_levels_table(report, ep), *_reference_lines(report), *_divergence_table(report),
+             *_repro_lines(repros or {})]
     for lv in ep["levels"]:
         if lv["problems"]:
             lines += ["", f"Concurrency {lv['concurrency']}, first problems:", ""]
@@ -94,3 +96,15 @@ def _divergence_table(report) -> list[str]:
             *(f"| {c} | {d.prompt} | {d.index} | {d.cls} | {d.oracle_token} | {d.engine_token} | "
               f"{'-' if d.margin is None else f'{d.margin:.4g}'} | "
               f"{'-' if d.tolerance is None else f'{d.tolerance:.3g}'} |" for c, d in divs[:20])]
+
+
+def _repro_lines(repros: dict) -> list[str]:
+    """A link to the first 20 reproducers."""
+    if not repros:
+        return []
+    lines = ["", "Reproducers (each request with those under way with it; `python repro/<name>.py [URL]` sends them "
+                 "again and says whether the divergence shows):", ""]
+    lines += [f"- concurrency {c}, prompt {i}: [{path}]({path})" for (i, c), path in list(repros.items())[:20]]
+    if len(repros) > 20:
+        lines.append(f"- ... {len(repros) - 20} more in repro/")
+    return lines
