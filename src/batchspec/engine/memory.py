@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import torch
+
+from ..model.prefixes import available_bytes
 
 # default budget: a quarter of the memory available on the target's device when the engine is built. The budget
 # bounds the slots the rectangle uses; its buffers are grown geometrically (up to about twice the slots in use),
@@ -38,14 +39,8 @@ def budget_bytes(mib) -> int | None:
 def default_mib(device: torch.device) -> int:
     """The default budget on ``device``: ``DEFAULT_FRACTION`` of its available memory (``FALLBACK_MIB`` where that
     cannot be read)."""
-    try:
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError, RuntimeError):
-        return FALLBACK_MIB
-    return max(1, int(free * DEFAULT_FRACTION) >> 20)
+    free = available_bytes(device)
+    return FALLBACK_MIB if free is None else max(1, int(free * DEFAULT_FRACTION) >> 20)
 
 
 def per_token_bytes(model) -> int:

@@ -52,17 +52,21 @@ def budget_bytes(mib) -> int:
     return mib << 20
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """The memory ``device`` has free now (a GPU's, or the machine's for the CPU); None where it cannot be read."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        return None
+
+
 def default_mib(device: torch.device) -> int:
     """The default budget on ``device``: ``DEFAULT_FRACTION`` of its available memory, capped at
     ``DEFAULT_CAP_MIB`` (``FALLBACK_MIB`` where the available memory cannot be read)."""
-    try:
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError, RuntimeError):
-        return FALLBACK_MIB
-    return max(1, min(DEFAULT_CAP_MIB, int(free * DEFAULT_FRACTION) >> 20))
+    free = available_bytes(device)
+    return FALLBACK_MIB if free is None else max(1, min(DEFAULT_CAP_MIB, int(free * DEFAULT_FRACTION) >> 20))
 
 
 def block_keys(tokens, salt: str | None = None) -> list[bytes]:
