@@ -51,8 +51,10 @@ def test_request_parts():
 
 def test_endpoint_audit_settings_are_checked_before_anything_is_sent():
     """The default reference is the server itself; bad settings fail before a request (the URL answers nothing)."""
-    audit = EndpointAudit("http://127.0.0.1:9", prompts=("a",), concurrency=("1", 4)).checked()
-    assert audit.reference == SELF and audit.concurrency == [1, 4] and audit.prompts == ["a"]
+    audit = EndpointAudit("http://127.0.0.1:9", prompts=tuple("abcd"), concurrency=("1", 4)).checked()
+    assert audit.reference == SELF and audit.concurrency == [1, 4] and audit.prompts == list("abcd")
+    one = EndpointAudit("http://127.0.0.1:9", prompts=("a",), concurrency=("1", 4)).checked()
+    assert one.concurrency == [1] and list(one.capped) == [4]  # no more requests under way than there are prompts
     assert EndpointAudit("http://127.0.0.1:9", target="t", prompts=["a"]).checked().reference is None
     for bad, match in (({"concurrency": [0]}, "concurrency"), ({"prompts": []}, "no prompts"),
                        ({"api": "edit"}, "api"), ({"max_tokens": 0}, "max_tokens"), ({"reference": " "}, "reference"),
