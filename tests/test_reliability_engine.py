@@ -190,9 +190,8 @@ def test_beyond_the_context_is_refused_up_front_naming_the_prompt():
         tiny.oracle(t, _repetitive(200), 56)
 
 
-def _short_draft(n_positions=32):
-    """The tiny GPT-2 draft (agrees often with the tiny GPT-2 target) with only ``n_positions`` learned positions."""
-    src = tiny.draft("gpt2")
+def _short(src, n_positions):
+    """A copy of the tiny GPT-2 model ``src`` with only its first ``n_positions`` learned positions."""
     cfg = copy.deepcopy(src.config)
     cfg.n_positions = n_positions
     model = GPT2LMHeadModel(cfg)
@@ -203,6 +202,11 @@ def _short_draft(n_positions=32):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.to(src.dtype).eval()
+
+
+def _short_draft(n_positions=32):
+    """The tiny GPT-2 draft (agrees often with the tiny GPT-2 target) with only ``n_positions`` learned positions."""
+    return _short(tiny.draft("gpt2"), n_positions)
 
 
 def test_draft_with_a_shorter_context_is_refused_up_front(monkeypatch):
@@ -231,17 +235,7 @@ def test_draft_context_filled_exactly_is_served():
 
 def _short_target(n_positions=128):
     """The tiny GPT-2 target with only ``n_positions`` learned positions."""
-    src = tiny.target("gpt2")
-    cfg = copy.deepcopy(src.config)
-    cfg.n_positions = n_positions
-    model = GPT2LMHeadModel(cfg)
-    state = src.state_dict()
-    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:n_positions]
-    model.load_state_dict(state)
-    model.config._attn_implementation = "sdpa"
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.to(src.dtype).eval()
+    return _short(tiny.target("gpt2"), n_positions)
 
 
 def test_the_default_policy_measures_within_short_learned_contexts():
