@@ -187,3 +187,54 @@ def determinism_html(report) -> str:
                f"{', '.join(map(str, m['levels']))} in turn; {m['requests']} requests in {m['seconds']:.1f} s.")
     return page("batchspec determinism run", status, verdict, sections, summary)
 
+
+
+def baseline_html(cases: list[dict], new: dict, saved: dict | None, repros: dict) -> str:
+    """The page of ``batchspec audit --save`` / ``--against`` (``batchspec.audit.endpoint.baseline``): the verdict,
+    the cases per status and drift class, the two fingerprints side by side, and each case that is not clean with its
+    first divergent position and its reproducer. ``repros``: (prompt, run) -> the reproducer's path."""
+    from .endpoint import baseline as bl
+    from .endpoint.answer import short
+
+    status, verdict = bl.status(cases)
+    counts: dict[tuple[str, str], int] = {}
+    for c in cases:
+        cls = "-" if c["drift"] is None else c["drift"]["class"] or "finish_reason"
+        counts[(c["status"], cls)] = counts.get((c["status"], cls), 0) + 1
+    order = (bl.DRIFT, bl.LOGPROBS, bl.FAILED, bl.CLEAN)
+    rows = [[s, cls, n] for (s, cls), n in sorted(counts.items(), key=lambda x: (order.index(x[0][0]), x[0][1]))]
+    sections = [("Cases per status and drift class", table(["status", "drift class", "cases"], rows,
+                                                           text_columns=(0, 1), status_column=0))]
+    if saved is not None:
+        prints = [[name, short(now, 200), short(was, 200), "same" if now == was else "changed"]
+                  for name, now, was in bl.fingerprint_rows(new, saved)]
+        sections.append(("Fingerprints compared", table(["field", "now", "baseline", ""], prints,
+                                                        text_columns=(0, 1, 2, 3), status_column=3, good=("same",))))
+    sections.append(("Cases not clean", _baseline_cases(cases, new, saved, repros)))
+    s = new["fingerprint"]["settings"]
+    what = "compared with the baseline" if saved is not None else "recorded as a baseline"
+    summary = (f"{s['url']} (model {s['model']}, {s['api']}{', streamed' if s['stream'] else ''}, concurrency "
+               f"{', '.join(map(str, s['concurrency']))}, max_tokens {s['max_tokens']}): {len(cases)} cases {what}. "
+               + bl.logprob_line(cases, new))
+    return page("batchspec endpoint baseline", status, verdict, sections, escape(summary))
+
+
+def _baseline_cases(cases: list[dict], new: dict, saved: dict | None, repros: dict) -> str:
+    """A row per case that is not clean: its first divergent token with both tokens there, its class and margin, its
+    summary and its reproducer (the first 200 cases)."""
+    rows = []
+    for c in [c for c in cases if c["status"] != "clean"]:
+        d, j = c["drift"] or {}, (c["drift"] or {}).get("index")
+        now = new["runs"][c["run"]]["answers"][c["prompt"]]["token_ids"] or []
+        was = (saved["runs"][c["run"]]["answers"][c["prompt"]]["token_ids"] or []) if saved is not None else []
+        rows.append([c["name"], c["concurrency"], c["status"], _tok(j), d.get("class") or "-",
+                     "-" if d.get("margin") is None else f"{d['margin']:.4g}",
+                     _tok(None if j is None or j >= len(now) else now[j]),
+                     _tok(None if j is None or j >= len(was) else was[j]), c["summary"] or "-",
+                     repros.get((c["prompt"], c["run"]), "-")])
+    if not rows:
+        return "<p>Every case is clean.</p>"
+    note = f"<p class=\"meta\">200 of {len(rows)} shown.</p>" if len(rows) > 200 else ""
+    return table(["prompt", "concurrency", "status", "first divergent token", "class", "margin", "token now",
+                  "baseline token", "summary", "reproducer"], rows[:200], text_columns=(0, 2, 4, 8, 9),
+                 status_column=2) + note

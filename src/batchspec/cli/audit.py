@@ -164,7 +164,8 @@ def run(args) -> int:
 
 def _run_endpoint(args) -> int:
     """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``); exit status 0 clean, 1 a level not clean,
-    2 a level that could not be audited. With ``--repeat``: the determinism run."""
+    2 a level that could not be audited or outputs that proved little. With ``--repeat``: the determinism run; with
+    ``--save`` or ``--against``: the baseline."""
     from rich.markup import escape
 
     from ..audit.endpoint import endpoint_markdown, endpoint_verdict, repro
@@ -213,13 +214,15 @@ def _run_endpoint(args) -> int:
 
 def _run_baseline(args, levels) -> int:
     """``--save`` / ``--against``: record a baseline, or send a baseline's requests again and compare
-    (``batchspec.audit.endpoint.baseline``); exit status 0 clean, 1 a case not clean, 2 none could be audited."""
+    (``batchspec.audit.endpoint.baseline``); audit.json, audit.md, audit.html and the reproducers; exit status 0
+    clean, 1 a case not clean, 2 none could be audited or the outputs proved little (``baseline.status``)."""
 
     import torch
     from rich.markup import escape
 
     from ..audit import attribution as attr
     from ..audit.endpoint import baseline, junit, repro
+    from ..audit.html import baseline_html
 
     if args.repeat is not None or args.reference is not None:
         raise ValueError("--save and --against record and compare the server alone: leave out --repeat and "
@@ -247,13 +250,16 @@ def _run_baseline(args, levels) -> int:
     made = repro.write_repros(out, cases, new, saved) if saved is not None else {}
     md = baseline.baseline_markdown(cases, new, saved, made)
     _write_reports(out, "audit", {"cases": cases, "fingerprint": new["fingerprint"]}, md)
+    page = baseline_html(cases, new, saved, made)
+    write_atomic(out / "audit.html", lambda f: f.write(page))
     if args.junit is not None:
         write_atomic(args.junit, lambda f: f.write(junit.junit_xml(cases)))
     console = rich_console()
     for c in [c for c in cases if c["status"] != baseline.CLEAN][:10]:
         console.print(escape(f"prompt {c['name']} at concurrency {c['concurrency']}: {c['status']}: {c['summary']}"))
     status, verdict = baseline.status(cases)
-    console.print(escape(f"{verdict}; wrote {out / 'audit.md'}" + (f", {args.save}" if args.save else "")))
+    console.print(escape(f"{verdict}; wrote {out / 'audit.md'}, {out / 'audit.html'}"
+                         + (f", {args.save}" if args.save else "")))
     return status
 
 

@@ -168,7 +168,7 @@ def cases(new: dict, saved: dict | None, rel_tol: float) -> list[dict]:
         for i, a in enumerate(run["answers"]):
             case = {"prompt": i, "name": new["names"][i], "concurrency": run["concurrency"], "api": run["api"],
                     "stream": run["stream"], "run": k, "status": CLEAN, "summary": None, "drift": None,
-                    "faults": [], "near_ties": []}
+                    "faults": [], "near_ties": [], "length": len(a["token_ids"] or [])}
             old = saved["runs"][k]["answers"][i] if saved is not None else None
             if a["error"] or a["token_ids"] is None or (old is not None and old["token_ids"] is None):
                 why = a["error"] or (old or {}).get("error") or "no token ids"
@@ -190,29 +190,58 @@ def cases(new: dict, saved: dict | None, rel_tol: float) -> list[dict]:
 
 
 def status(all_cases: list[dict]) -> tuple[int, str]:
-    """The exit status and verdict: 0 every case clean, 1 a case drifted, failed its log-probability checks or
-    could not be sent, 2 no case could be audited."""
+    """The exit status and verdict, as the endpoint audit's: 2 no case could be audited; else 1 a case drifted,
+    failed its log-probability checks or could not be sent; else 2 the median output is under ``MIN_MEDIAN_TOKENS``
+    (``proved little``: too short to exercise batching); else 0, every case clean."""
+    import statistics
+
+    from .markdown import MIN_MEDIAN_TOKENS
+
     bad = [c for c in all_cases if c["status"] != CLEAN]
     if all_cases and all(c["status"] == FAILED for c in all_cases):
         return 2, f"could not audit: {all_cases[0]['summary']}"
     if bad:
         kinds = {s: sum(c["status"] == s for c in bad) for s in (DRIFT, LOGPROBS, FAILED)}
         return 1, "not clean: " + ", ".join(f"{n} {s}" for s, n in kinds.items() if n) + f" of {len(all_cases)} cases"
+    median = statistics.median([c["length"] for c in all_cases]) if all_cases else 0
+    if median < MIN_MEDIAN_TOKENS:
+        return 2, (f"proved little: the median output is {median:g} tokens (under {MIN_MEDIAN_TOKENS}), too short to "
+                   "exercise batching; not clean")
     return 0, f"clean: {len(all_cases)} cases"
+
+
+def _models(models):
+    """``/v1/models`` without its ``created`` times, which every restart renews."""
+    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+        return models
+    return {**models, "data": [{k: v for k, v in m.items() if k != "created"} if isinstance(m, dict) else m
+                               for m in models["data"]]}
+
+
+def fingerprint_rows(new: dict, saved: dict) -> list[tuple[str, object, object]]:
+    """Two fingerprints side by side, ``(field, now, baseline)``: ``/v1/models`` (its ``created`` times aside), each
+    header, each setting."""
+    a, b = new["fingerprint"], saved["fingerprint"]
+    rows = [("/v1/models", _models(a["models"]), _models(b["models"]))]
+    rows += [(f"header {n}", a["headers"].get(n), b["headers"].get(n))
+             for n in sorted(a["headers"].keys() | b["headers"].keys())]
+    rows += [(f"setting {n}", a["settings"].get(n), b["settings"].get(n))
+             for n in sorted(a["settings"].keys() | b["settings"].keys())]
+    return rows
 
 
 def fingerprint_changes(new: dict, saved: dict) -> list[str]:
     """What differs between two fingerprints, a line each (the URL aside)."""
-    a, b = new["fingerprint"], saved["fingerprint"]
-    lines = [f"/v1/models: {short(a['models'], 120)} (baseline: {short(b['models'], 120)})"] \
-        if a["models"] != b["models"] else []
-    for name in sorted(a["headers"].keys() | b["headers"].keys()):
-        if a["headers"].get(name) != b["headers"].get(name):
-            lines.append(f"header {name}: {a['headers'].get(name)!r} (baseline: {b['headers'].get(name)!r})")
-    for name in sorted(a["settings"].keys() - {"url"}):
-        if a["settings"].get(name) != b["settings"].get(name):
-            lines.append(f"setting {name}: {a['settings'].get(name)!r} (baseline: {b['settings'].get(name)!r})")
-    return lines
+    return [f"{name}: {short(now, 120)} (baseline: {short(was, 120)})" for name, now, was in fingerprint_rows(new, saved)
+            if now != was and name != "setting url"]
+
+
+def logprob_line(all_cases: list[dict], new: dict) -> str:
+    """Whether log-probabilities were checked, refused or not returned, and how many near-ties were recorded."""
+    ties = sum(len(c["near_ties"]) for c in all_cases)
+    lps = "refused" if new.get("logprobs_refused") else "checked" if any(
+        p[1] is not None for r in new["runs"] for a in r["answers"] for p in a["logprobs"] or []) else "not returned"
+    return f"Log-probabilities: {lps}; near-ties recorded: {ties}."
 
 
 def baseline_markdown(all_cases: list[dict], new: dict, saved: dict | None, repros: dict) -> str:
@@ -235,10 +264,7 @@ def baseline_markdown(all_cases: list[dict], new: dict, saved: dict | None, repr
         lines.append(f"| {c['name']} | {c['concurrency']} | {c['status']} | "
                      f"{'-' if d.get('index') is None else d['index']} | {d.get('class') or '-'} | {margin} | "
                      f"{summary} | {link} |")
-    ties = sum(len(c["near_ties"]) for c in all_cases)
-    lps = "refused" if new.get("logprobs_refused") else "checked" if any(
-        p[1] is not None for r in new["runs"] for a in r["answers"] for p in a["logprobs"] or []) else "not returned"
-    lines += ["", f"Log-probabilities: {lps}; near-ties recorded: {ties}."]
+    lines += ["", logprob_line(all_cases, new)]
     if saved is not None:
         changes = fingerprint_changes(new, saved)
         lines += ["", "Fingerprint: " + ("unchanged." if not changes else "changed:"), *[f"- {x}" for x in changes]]
