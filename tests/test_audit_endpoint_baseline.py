@@ -34,10 +34,12 @@ class Fake(servekit.FakeServer):
     token ids. ``changed``: prompt 3's token 4 is its first alternative, listed as the most likely (a restart that
     changed one token); ``tie``: that alternative is listed 1e-6 below the returned token; ``fault``: ``"zeros"``
     (every value 0.0), ``"swap"`` (token 2's alternative listed as more likely than the token), ``"drift"`` (values
-    1e-2 lower while another request is under way), ``"missing"`` (token 1 has none), ``"down"`` (HTTP 500)."""
+    1e-2 lower while another request is under way), ``"missing"`` (token 1 has none), ``"down"`` (HTTP 500),
+    ``"hostile"`` (prompt 0 gets HTTP 500 with ``model`` as its message, the ``Server`` header and the text are
+    ``model`` too). ``model``: the model id listed."""
 
-    def __init__(self, changed=False, tie=False, fault=None):
-        self.changed, self.tie, self.fault = changed, tie, fault
+    def __init__(self, changed=False, tie=False, fault=None, model="fake"):
+        self.changed, self.tie, self.fault, self.model = changed, tie, fault, model
         self.running, self.lock = 0, threading.Lock()
         super().__init__(_Handler)
 
@@ -69,16 +71,20 @@ def _logprobs(listed):
 
 class _Handler(servekit.JsonHandler):
 
+    def version_string(self):
+        return self.server.fake.model if self.server.fake.fault == "hostile" else super().version_string()
+
     def do_GET(self):
-        self.send_json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        self.send_json(200, {"object": "list", "data": [{"id": self.server.fake.model, "object": "model"}]})
 
     def do_POST(self):
         fake = self.server.fake
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if fake.fault == "down":
-            return self.send_json(500, {"error": {"message": "the engine fell over", "type": "server_error"}})
         p = body["prompt"]
         prompt = [int(w[1:]) for w in p.split()] if isinstance(p, str) else p
+        if fake.fault == "down" or (fake.fault == "hostile" and prompt == PROMPTS[0]):
+            message = fake.model if fake.fault == "hostile" else "the engine fell over"
+            return self.send_json(500, {"error": {"message": message, "type": "server_error"}})
         with fake.lock:
             fake.running += 1
         time.sleep(0.05)  # requests sent together overlap
@@ -88,7 +94,8 @@ class _Handler(servekit.JsonHandler):
         with fake.lock:
             fake.running -= 1
         asked = body.get("logprobs")
-        choice = {"index": 0, "text": " ".join(f"w{t}" for t in out), "token_ids": out, "prompt_token_ids": prompt,
+        text = fake.model if fake.fault == "hostile" else " ".join(f"w{t}" for t in out)
+        choice = {"index": 0, "text": text, "token_ids": out, "prompt_token_ids": prompt,
                   "finish_reason": "length", "logprobs": _logprobs(listed) if asked else None}
         if not body.get("stream"):
             return self.send_json(200, {"object": "text_completion", "choices": [choice]})
@@ -141,6 +148,11 @@ def test_a_restart_that_changed_one_token_is_named_with_a_reproducer(prompts, tm
         md = (out / "audit.md").read_text()
         assert md.startswith("**Verdict: not clean: 2 drift of 16 cases**")
         assert f"| q{PLANTED} | 8 | drift | {AT} | {cls} |" in md and f"(repro/q{PLANTED}-8.json)" in md
+        page = (out / "audit.html").read_text()
+        assert 'id="verdict"><span class="status">FAIL</span>not clean: 2 drift of 16 cases' in page
+        assert f'<td class="text fail">drift</td><td class="text">{cls}</td><td>2</td>' in page  # per drift class
+        assert f"<td>{AT}</td><td class=\"text\">{cls}</td>" in page and f"repro/q{PLANTED}-8.json" in page
+        assert "Fingerprints compared" in page and '<td class="text good">same</td>' in page
         for level in (1, 8):  # (c) each reproducer, on its own, shows the divergence
             case = json.loads((out / "repro" / f"q{PLANTED}-{level}.json").read_text())
             want = tokens(PROMPTS[PLANTED])
@@ -224,3 +236,36 @@ def test_a_baseline_that_cannot_be_audited_exits_2(prompts, tmp_path, capsys):
         (tmp_path / "other.json").write_text("{}")
         assert main(["audit", "--endpoint", server.url, "--against", str(tmp_path / "other.json")]) == 2
     assert "is not a baseline written by batchspec audit --save" in capsys.readouterr().err
+
+
+def test_the_html_report_escapes_what_the_server_says(prompts, tmp_path):
+    """A model id, a ``Server`` header, an error message and answer text written as markup reach audit.html as text:
+    no tag of theirs, their characters escaped, both when recording and when comparing."""
+    from html import escape
+    from html.parser import HTMLParser
+
+    class Tags(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tags = []
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.append(tag)
+
+    evil = "evil<script>alert(1)</script><img src=x onerror=alert(2)>"
+    base = tmp_path / "base.json"
+    with Fake(fault="hostile", model=evil) as before:
+        rc, cases = audit(before.url, prompts, tmp_path / "save", "--save", str(base))
+    assert rc == 1 and {c["name"] for c in cases if c["status"] == "failed"} == {"q0"}
+    with Fake(fault="hostile", model=evil, changed=True) as after:
+        rc, cases = audit(after.url, prompts, tmp_path / "after", "--against", str(base))
+    assert rc == 1 and {(c["name"], c["status"]) for c in cases if c["status"] != "clean"} == {
+        ("q0", "failed"), (f"q{PLANTED}", "drift")}
+    for out in ("save", "after"):
+        page = (tmp_path / out / "audit.html").read_text()
+        parser = Tags()
+        parser.feed(page)
+        assert "script" not in parser.tags and "img" not in parser.tags and "<script" not in page
+        assert escape(f"(model {evil}, completions") in page  # the summary
+        assert escape(f'could not audit: HTTP 500: {{"error": {{"message": "{evil}"') in page  # prompt 0's row
+    assert page.count(escape(evil)) >= 4  # and in the fingerprints compared: /v1/models and the server header
