@@ -23,6 +23,7 @@ PROMPTS = [[5, 9, 14], [22, 41, 7, 7, 8], [60], [33, 34, 35, 36], [3, 1, 4, 1, 5
 NAMES = [f"q{i}" for i in range(len(PROMPTS))]
 PLANTED, AT = 3, 4  # the restarted server changes prompt 3's token 4
 MAX_TOKENS, CHOSEN = 8, -0.1
+NUDGE = 0.01  # the noise added to one weight matrix of the tiny target: it moves some greedy outputs, not all
 
 
 def tokens(prompt):
@@ -269,3 +270,57 @@ def test_the_html_report_escapes_what_the_server_says(prompts, tmp_path):
         assert escape(f"(model {evil}, completions") in page  # the summary
         assert escape(f'could not audit: HTTP 500: {{"error": {{"message": "{evil}"') in page  # prompt 0's row
     assert page.count(escape(evil)) >= 4  # and in the fingerprints compared: /v1/models and the server header
+
+
+def test_a_restart_from_saved_weights_is_clean_and_changed_weights_drift(prompts, tmp_path):
+    """The tiny target and its draft saved with ``save_pretrained``, served from their directories: a baseline, then
+    a new server from the same directories is clean (its fingerprint too, the ``created`` time aside); then one whose
+    target has one matrix nudged and saved again drifts on exactly the prompts whose HF greedy output the nudge
+    moves, at the token where it moves, and each drift's reproducer, replayed against that server, shows it."""
+    import copy
+
+    import tiny
+    import torch
+
+    import batchspec
+
+    target, draft = tiny.save_dir(tmp_path / "weights")
+    nudged = copy.deepcopy(tiny.target())
+    with torch.no_grad():
+        w = nudged.model.layers[1].mlp.down_proj.weight
+        w += NUDGE * torch.randn(w.shape, generator=torch.Generator().manual_seed(0), dtype=w.dtype)
+    moved = {}
+    for name, p in zip(NAMES[:6], PROMPTS):
+        was, now = tiny.oracle(tiny.target(), p, 16), tiny.oracle(nudged, p, 16)
+        if was != now:
+            moved[name] = next(k for k, (a, b) in enumerate(zip(now, was)) if a != b)
+    assert 0 < len(moved) < 6, moved  # a slight change: some prompts move, not all
+
+    def restarted():
+        llm = batchspec.LLM(str(target), draft=str(draft), scheduler="continuous", batch_size=4, num_draft_tokens=3)
+        return servekit.served(llm)
+
+    base = tmp_path / "base.json"
+    with restarted() as first:
+        rc, cases = audit(first.url, prompts, tmp_path / "save", "--save", str(base), "--max-tokens", "16",
+                          "--limit", "6")
+    assert rc == 0 and not_clean(cases) == [] and len(cases) == 12
+    with restarted() as second:
+        rc, cases = audit(second.url, prompts, tmp_path / "same", "--against", str(base))
+    assert rc == 0 and not_clean(cases) == []
+    assert "Fingerprint: unchanged." in (tmp_path / "same" / "audit.md").read_text()
+    nudged.save_pretrained(target)
+    out = tmp_path / "changed"
+    with restarted() as changed:
+        rc, cases = audit(changed.url, prompts, out, "--against", str(base))
+        drifts = [c for c in cases if c["status"] != "clean"]
+        assert rc == 1 and all(c["status"] == "drift" for c in drifts)
+        assert {(c["name"], c["drift"]["index"]) for c in drifts} == set(moved.items())
+        assert len(drifts) == 2 * len(moved)  # at each level
+        for c in drifts:
+            run = subprocess.run([sys.executable, str(out / "repro" / f"{c['name']}-{c['concurrency']}.py")],
+                                 capture_output=True, text=True, timeout=120)
+            assert run.returncode == 1 and f"divergence shows at token {c['drift']['index']}:" in run.stdout, (
+                run.stdout + run.stderr)
+    page = (out / "audit.html").read_text()
+    assert all(f"<td class=\"text\">{c['drift']['class']}</td>" in page for c in drifts)
