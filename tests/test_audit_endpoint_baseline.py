@@ -324,3 +324,18 @@ def test_a_restart_from_saved_weights_is_clean_and_changed_weights_drift(prompts
                 run.stdout + run.stderr)
     page = (out / "audit.html").read_text()
     assert all(f"<td class=\"text\">{c['drift']['class']}</td>" in page for c in drifts)
+
+
+def test_the_baseline_verdict_keeps_the_endpoint_audits_exit_statuses():
+    """0 clean, 1 a case not clean, 2 nothing audited or outputs too short to exercise batching (``proved little``)."""
+    from batchspec.audit.endpoint.baseline import status
+
+    def case(kind, length=8):
+        return {"status": kind, "length": length, "summary": f"{kind} here"}
+
+    assert status([case("clean")] * 4) == (0, "clean: 4 cases")
+    assert status([case("clean"), case("drift"), case("failed")]) == (1, "not clean: 1 drift, 1 failed of 3 cases")
+    assert status([case("failed")] * 2) == (2, "could not audit: failed here")
+    code, verdict = status([case("clean", 2)] * 3 + [case("clean", 9)])
+    assert code == 2 and verdict.startswith("proved little: the median output is 2 tokens (under 4)")
+    assert status([case("drift", 1)] * 2)[0] == 1  # a drift on short outputs is still a drift

@@ -232,8 +232,8 @@ def fingerprint_rows(new: dict, saved: dict) -> list[tuple[str, object, object]]
 
 def fingerprint_changes(new: dict, saved: dict) -> list[str]:
     """What differs between two fingerprints, a line each (the URL aside)."""
-    return [f"{name}: {short(now, 120)} (baseline: {short(was, 120)})" for name, now, was in fingerprint_rows(new, saved)
-            if now != was and name != "setting url"]
+    return [f"{name}: {short(now, 120)} (baseline: {short(was, 120)})"
+            for name, now, was in fingerprint_rows(new, saved) if now != was and name != "setting url"]
 
 
 def logprob_line(all_cases: list[dict], new: dict) -> str:
