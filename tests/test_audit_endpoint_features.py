@@ -15,7 +15,8 @@ import test_tools
 import tiny
 
 import batchspec
-from batchspec.audit.endpoint.features import FEATURES, SCHEMA, parse_features, schema_problem
+from batchspec.audit.endpoint.features import (FEATURES, SCHEMA, Reply, matrix_verdict, parse_features, plan_of,
+                                               schema_problem)
 from batchspec.cli import main
 
 PROMPTS = ["abc", "hello", "json", "xyz12"]
@@ -41,7 +42,7 @@ def prompts(tmp_path):
 class Proxy(servekit.FakeServer):
     """Forwards every request to ``target`` (a real server), breaking one thing (``mode``): "ignore-stop" drops the
     stop strings, "bad-json" answers a response_format request with text that is not JSON, "refuse-tools" answers
-    400 to a request with tools, "drop-penalties" drops the penalties."""
+    400 to a request with tools, "drop-penalties" drops the penalties, "drop-seed" drops the seed."""
 
     def __init__(self, target: str, mode: str):
         self.target, self.mode = target, mode
@@ -60,6 +61,8 @@ class _Forward(servekit.JsonHandler):
             return self.send_json(400, {"error": {"message": "tools are not supported", "type": "invalid_request"}})
         if fake.mode == "ignore-stop":
             body.pop("stop", None)
+        if fake.mode == "drop-seed":
+            body.pop("seed", None)
         if fake.mode == "drop-penalties":
             body.pop("presence_penalty", None)
             body.pop("frequency_penalty", None)
@@ -132,6 +135,30 @@ def test_a_refused_feature_is_unsupported_not_a_failure(server, prompts, tmp_pat
     skipped = [c.get("name") for c in suite.findall("testcase") if c.find("skipped") is not None]
     assert skipped == ["feature tools (concurrency 1, chat)", "feature tools (concurrency 4, chat)"]
     assert suite.get("skipped") == "2" and suite.get("failures") == "0"
+
+
+def test_an_ignored_seed_is_reported_not_failed(server, prompts, tmp_path):
+    with Proxy(server.url, "drop-seed") as proxy:
+        rc, cells, out = audit(proxy.url, prompts, tmp_path, "seed,n")
+    assert rc == 0 and "not deterministic" in (out / "audit.md").read_text()
+    assert [cells["seed", c]["status"] for c in (1, 4)] == ["not deterministic", "not deterministic"]
+    assert cells["seed", 4]["agreeing"] < cells["seed", 4]["pairs"] == len(PROMPTS)
+
+
+def test_settings_cut_from_the_reference_and_the_verdict():
+    def plain(text, ids, reason="length"):
+        return Reply(200, [{"message": {"content": text}, "token_ids": ids, "finish_reason": reason}])
+
+    assert plan_of("stop", plain("abcdefgh", [1])) == {"stop": "efg"}
+    assert "skip" in plan_of("stop", plain("a", [1])) and plan_of("stop", Reply(error="HTTP 500")) is None
+    assert plan_of("logit_bias", plain("x", [7, 7, 9, 0], "stop")) == {"token": 9}  # not the first, not the EOS
+    assert plan_of("logit_bias", plain("x", [7, 0], "stop")) == {"token": 7}
+    assert "skip" in plan_of("logit_bias", plain("x", None)) and plan_of("json", None) == {}
+    cells = [{"feature": "seed", "concurrency": 4, "status": s} for s in ("not deterministic", "could not audit")]
+    assert matrix_verdict(cells)[0] == 0
+    assert matrix_verdict(cells + [{"feature": "n", "concurrency": 1, "status": "could not audit"}])[0] == 2
+    assert matrix_verdict(cells + [{"feature": "n", "concurrency": 4, "status": "inexact"}]) == (
+        1, "features not clean: n at concurrency 4 (inexact)")
 
 
 def test_feature_names_and_the_schema_check():

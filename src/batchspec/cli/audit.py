@@ -170,8 +170,9 @@ def run(args) -> int:
 
 
 def _run_endpoint(args) -> int:
-    """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``); exit status 0 clean, 1 a level not clean,
-    2 a level that could not be audited. With ``--repeat``: the determinism run."""
+    """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``), with ``--features`` its feature matrix;
+    exit status 0 clean, 1 a level or a feature not clean, 2 one that could not be audited. With ``--repeat``: the
+    determinism run."""
     from rich.markup import escape
 
     from ..audit.endpoint import endpoint_markdown, endpoint_verdict, repro
@@ -293,7 +294,7 @@ def _feature_matrix(args, prompts: list, report, features: list[str]) -> dict:
     model = model_name(args.endpoint, args.model, args.api_key, args.timeout)
     other = args.reference if args.reference not in (None, SELF) else None
     ref_model = model_name(other, args.reference_model, args.api_key, args.timeout, "--reference-model") if other \
-        else model
+        else args.reference_model or model
     dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
     levels = sorted({1, max(report.meta["batch_sizes"])})
     return FeatureMatrix(args.endpoint, model, prompts, features, levels, other, ref_model, args.max_tokens,

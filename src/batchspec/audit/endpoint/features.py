@@ -183,7 +183,8 @@ def problem(feature: str, reply: Reply, plan: dict, rel_tol: float) -> str | Non
 
 def plan_of(feature: str, plain: Reply | None) -> dict | None:
     """What a prompt's request of ``feature`` needs from the reference's plain answer (``plain``): the stop string,
-    the biased token; None when that answer cannot give it (the prompt is then not sent)."""
+    the biased token. None when that answer failed; ``{"skip": why}`` when it cannot give one (too short, no token
+    ids): the prompt is then not sent, and not counted against the server."""
     if feature not in ("stop", "logit_bias"):
         return {}
     if plain is None or plain.error is not None:
@@ -193,13 +194,11 @@ def plan_of(feature: str, plain: Reply | None) -> dict | None:
         text = choice_text(c)
         k = len(text) // 2 if isinstance(text, str) else 0
         stop = text[k:k + 3].strip() if k else ""
-        return {"stop": stop} if stop else None
-    ids = c.get("token_ids")
-    if not isinstance(ids, list) or not ids:
-        return None
+        return {"stop": stop} if stop else {"skip": "the reference's plain answer is too short to cut a stop string"}
+    ids = c.get("token_ids") if isinstance(c.get("token_ids"), list) else []
     body = ids[:-1] if c.get("finish_reason") == "stop" else ids  # not the stop token
     pick = [t for t in body if t != ids[0]] or body
-    return {"token": pick[0]} if pick else None
+    return {"token": pick[0]} if pick else {"skip": "the reference's plain answer has no token ids to bias"}
 
 
 def body(feature: str, model: str, prompt: str, plan: dict, max_tokens: int) -> dict:
@@ -280,6 +279,7 @@ class Cell:
     failed: int = 0
     refused: int = 0
     unreferenced: int = 0
+    not_applicable: int = 0
     compared: int = 0
     exact: int = 0
     checked: int = 0
@@ -310,7 +310,7 @@ class Cell:
             self.status = INCOMPLETE
         return self
 
-    def add(self, i: int, reply: Reply | None) -> bool:
+    def add(self, i: int, reply: Reply) -> bool:
         """Count prompt ``i``'s ``reply`` as sent; whether it was answered."""
         self.requests += 1
         if reply.error is None:
@@ -395,7 +395,7 @@ class FeatureMatrix:
         plans = [plan_of(feature, p) for p in plain] if plain is not None else [{} for _ in self.prompts]
 
         def bodies(sender):
-            return [None if plan is None else body(feature, sender.model, p, plan, self.max_tokens)
+            return [None if plan is None or "skip" in plan else body(feature, sender.model, p, plan, self.max_tokens)
                     for p, plan in zip(self.prompts, plans)]
 
         refs = ref.level(bodies(ref), 1)
@@ -408,9 +408,11 @@ class FeatureMatrix:
     def _level(self, feature: str, c: int, replies: list, refs: list, plans: list) -> Cell:
         cell, n = Cell(feature, c), len(plans)
         for i, plan in enumerate(plans):
-            if plan is None:
-                cell.unreferenced += 1
-                cell.note(i, "no reference", f"the reference's plain answer gives no {feature} setting")
+            if plan is None or "skip" in plan:
+                cell.unreferenced += plan is None
+                cell.not_applicable += plan is not None
+                cell.note(i, "no reference" if plan is None else "not applicable",
+                          plan["skip"] if plan else "the reference's plain answer failed")
                 continue
             got = [r for r in replies[i::n] if cell.add(i, r)]
             if got:
@@ -427,7 +429,7 @@ def matrix_verdict(cells: list[dict]) -> tuple[int, str]:
     (a server need not honour a seed across concurrency); ``unsupported`` neither."""
     def where(statuses):
         return [f"{c['feature']} at concurrency {c['concurrency']} ({c['status']})" for c in cells
-                if c["status"] in statuses]
+                if c["status"] in statuses and c["feature"] != "seed"]
 
     if where(FAILING):
         return 1, f"features not clean: {', '.join(where(FAILING))}"
@@ -439,14 +441,15 @@ def matrix_verdict(cells: list[dict]) -> tuple[int, str]:
 
 def table_rows(result: dict) -> list[list]:
     """One row per cell for the reports: feature, concurrency, status, exact, valid, requests, failed,
-    unsupported (HTTP 400), no reference."""
+    unsupported (HTTP 400), no reference, not applicable."""
     def ratio(k, n):
         return f"{k}/{n}" if n else "-"
 
     return [[c["feature"], c["concurrency"], c["status"], ratio(c["exact"], c["compared"]),
              ratio(c["agreeing"], c["pairs"]) if c["feature"] == "seed" else ratio(c["valid"], c["checked"]),
-             c["requests"], c["failed"], c["refused"], c["unreferenced"]] for c in result["cells"]]
+             c["requests"], c["failed"], c["refused"], c["unreferenced"], c["not_applicable"]]
+            for c in result["cells"]]
 
 
 TABLE_HEAD = ["feature", "concurrency", "status", "exact", "valid (seed: agreeing)", "requests", "failed",
-              "unsupported (HTTP 400)", "no reference"]
+              "unsupported (HTTP 400)", "no reference", "not applicable"]
