@@ -52,16 +52,20 @@ def report_cases(report, names) -> list[dict]:
 def feature_cases(features: dict) -> list[dict]:
     """The cases of the feature matrix (``meta["features"]``): one per feature and level, ``skipped`` when the
     server refused the feature, ``failed`` when it could not be audited, a failure (with the cell's first problem)
-    when the feature is inexact, invalid or incomplete, else ``clean`` (seed whether deterministic or not: a server
-    need not honour a seed across concurrency)."""
+    when the feature is inexact, invalid or incomplete, else ``clean`` (seed whether deterministic or not, skipped
+    when not audited: a server need not honour a seed across concurrency)."""
     from .features import COULD_NOT_AUDIT, FAILING, UNSUPPORTED
 
     out = []
     for c in features["cells"]:
         first = c["problems"][0] if c["problems"] else None
         detail = f"{c['status']}: {first['kind']}: {first['detail']}" if first else c["status"]
-        status = ("skipped" if c["status"] == UNSUPPORTED else "failed" if c["status"] == COULD_NOT_AUDIT
-                  else c["status"] if c["status"] in FAILING else "clean")
-        out.append({"name": c["feature"], "label": f"feature {c['feature']}", "concurrency": c["concurrency"], "api": features["api"],
-                    "stream": False, "status": status, "summary": None if status == "clean" else detail})
+        if c["feature"] == "seed":  # reported, never failed
+            status = "skipped" if c["status"] in (UNSUPPORTED, COULD_NOT_AUDIT) else "clean"
+        else:
+            status = ("skipped" if c["status"] == UNSUPPORTED else "failed" if c["status"] == COULD_NOT_AUDIT
+                      else c["status"] if c["status"] in FAILING else "clean")
+        out.append({"name": c["feature"], "label": f"feature {c['feature']}", "concurrency": c["concurrency"],
+                    "api": features["api"], "stream": False, "status": status,
+                    "summary": None if status == "clean" else detail})
     return out
