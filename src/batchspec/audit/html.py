@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from html import escape
 
 from .endpoint import endpoint_verdict
+from .endpoint.features import DETERMINISTIC, TABLE_HEAD, UNSUPPORTED, table_rows
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
@@ -154,6 +155,8 @@ def audit_html(report) -> str:
                 ["prompt", "kind", "detail"], [[p["prompt"], p["kind"], p["detail"]] for p in ref["problems"]],
                 text_columns=(1, 2))
         sections.append(("Reference", html))
+    if meta.get("features") is not None:
+        sections.append(("Features", _features(meta["features"])))
     sections.append(("First divergence of each output", _divergences(report)))
     if report.rows:
         sections.append(("Plot", f"<img alt=\"agreement per row\" src=\"{png(report.figure())}\">"))
@@ -161,6 +164,21 @@ def audit_html(report) -> str:
     summary = (f"{meta.get('n_prompts')} prompts, max_tokens {meta.get('max_tokens')}; compared with "
                f"{escape(report.reference_line())}.")
     return page(title, status, verdict, sections, summary)
+
+
+def _features(features: dict) -> str:
+    """The feature matrix: a row per feature and level, its status green when clean (or unsupported, or seed
+    deterministic), then the cells' problems."""
+    html = (f"<p class=\"meta\">Chat requests; reference: {escape(features['reference'])}; "
+            f"{escape(features['verdict'])}. seed: a server need not honour a seed across concurrency, so "
+            "<code>not deterministic</code> is reported, not failed.</p>")
+    html += table(TABLE_HEAD, table_rows(features), text_columns=(0, 2), status_column=2,
+                  good=("clean", DETERMINISTIC, UNSUPPORTED))
+    problems = [[c["feature"], c["concurrency"], p["prompt"], p["kind"], p["detail"]] for c in features["cells"]
+                for p in c["problems"]]
+    if problems:
+        html += table(["feature", "concurrency", "prompt", "kind", "detail"], problems[:200], text_columns=(0, 3, 4))
+    return html
 
 
 def determinism_html(report) -> str:

@@ -97,6 +97,13 @@ def add_arguments(parser) -> None:
     endpoint.add_argument("--against", default=None, metavar="FILE",
                           help="send a baseline's requests again (its prompts, levels and settings) and report each "
                                "drift, with a reproducer in --out/repro")
+    endpoint.add_argument("--features", default=None, metavar="LIST",
+                          help="also audit request features: a comma list of json, tools, penalties, logit_bias, "
+                               "stop, logprobs, n, seed, or all; each is sent as chat requests at concurrency 1 and "
+                               "at the highest level, compared with --reference (default: the server itself at "
+                               "concurrency 1) and checked by a rule of its own; a feature refused with HTTP 400 is "
+                               "unsupported, not a failure, and seed (sampled twice with a fixed seed) is reported, "
+                               "never failed")
     endpoint.add_argument("--junit", default=None, metavar="FILE",
                           help="also write a JUnit XML report for CI: one test case per prompt and level, failing "
                                "with its first divergence or problem")
@@ -125,7 +132,7 @@ def run(args) -> int:
     if args.endpoint is not None:
         return _run_endpoint(args)
     for flag, value in (("--reference", args.reference), ("--reference-model", args.reference_model),
-                        ("--repeat", args.repeat)):
+                        ("--repeat", args.repeat), ("--features", args.features)):
         if value is not None:
             raise ValueError(f"{flag} applies to the endpoint audit: give --endpoint URL as well")
     args.target = args.target or DEFAULT_TARGET
@@ -163,9 +170,9 @@ def run(args) -> int:
 
 
 def _run_endpoint(args) -> int:
-    """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``); exit status 0 clean, 1 a level not clean,
-    2 a level that could not be audited or outputs that proved little. With ``--repeat``: the determinism run; with
-    ``--save`` or ``--against``: the baseline."""
+    """``--endpoint``: the endpoint audit (``batchspec.audit.endpoint``), with ``--features`` its feature matrix;
+    exit status 0 clean, 1 a level or a feature not clean, 2 one that could not be audited or outputs that proved
+    little. With ``--repeat``: the determinism run; with ``--save`` or ``--against``: the baseline."""
     from rich.markup import escape
 
     from ..audit.endpoint import endpoint_markdown, endpoint_verdict, repro
@@ -179,6 +186,7 @@ def _run_endpoint(args) -> int:
     if args.top_logprobs < 0:
         raise ValueError(f"--top-logprobs must be an integer >= 0, got {args.top_logprobs}")
     levels = int_list(args.concurrency, "--concurrency")
+    features = _features(args)
     if args.save is not None or args.against is not None:
         args.api = args.api or "completions"
         return _run_baseline(args, levels)
@@ -192,14 +200,18 @@ def _run_endpoint(args) -> int:
     out = prepare_out(args.out, folder=True)
     try:
         report = _endpoint_audit(args, [t for _, t in pairs], levels, reference).run()
+        if features:
+            report.meta["features"] = _feature_matrix(args, [t for _, t in pairs], report, features)
     except ConnectionError as e:  # connection refused, unknown host, no answer from /v1/models
         raise ValueError(str(e)) from None
     made = repro.write_audit_repros(out, report.meta["endpoint"]["levels"], [i for i, _ in pairs])
     _write_reports(out, "audit", report.as_dict(), endpoint_markdown(report, made))
     if args.junit is not None:
-        from ..audit.endpoint.junit import junit_xml, report_cases
+        from ..audit.endpoint.junit import feature_cases, junit_xml, report_cases
 
-        write_atomic(args.junit, lambda f: f.write(junit_xml(report_cases(report, [i for i, _ in pairs]))))
+        cases = report_cases(report, [i for i, _ in pairs])
+        cases += feature_cases(report.meta["features"]) if features else []
+        write_atomic(args.junit, lambda f: f.write(junit_xml(cases)))
     report.plot(out / "audit.png")
     _write_html(out / "audit.html", report)
     console = rich_console()
@@ -263,6 +275,37 @@ def _run_baseline(args, levels) -> int:
     return status
 
 
+def _features(args) -> list[str]:
+    """``--features`` checked: the feature names (none without the flag); refused with --repeat, --save, --against."""
+    from ..audit.endpoint.features import parse_features
+
+    if args.features is None:
+        return []
+    for flag, value in (("--repeat", args.repeat), ("--save", args.save), ("--against", args.against)):
+        if value is not None:
+            raise ValueError(f"--features adds to the endpoint audit: leave out {flag}")
+    return parse_features(args.features)
+
+
+def _feature_matrix(args, prompts: list, report, features: list[str]) -> dict:
+    """The feature matrix (``batchspec.audit.endpoint.features``) at concurrency 1 and the audit's highest level,
+    against --reference URL or else the server itself."""
+    import torch
+
+    from ..audit import attribution as attr
+    from ..audit.endpoint import SELF, model_name
+    from ..audit.endpoint.features import FeatureMatrix
+
+    model = model_name(args.endpoint, args.model, args.api_key, args.timeout)
+    other = args.reference if args.reference not in (None, SELF) else None
+    ref_model = model_name(other, args.reference_model, args.api_key, args.timeout, "--reference-model") if other \
+        else args.reference_model or model
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
+    levels = sorted({1, max(report.meta["batch_sizes"])})
+    return FeatureMatrix(args.endpoint, model, prompts, features, levels, other, ref_model, args.max_tokens,
+                         args.api_key, args.timeout, attr.relative_tolerance(dtype, args.tolerance)).run()
+
+
 def _endpoint_reference(args) -> str | None:
     """``--reference`` checked: None (the local oracle of --target), "self" (the default without --target) or a URL."""
     from ..audit.endpoint import SELF
@@ -320,6 +363,10 @@ def _print_endpoint(console, report, pairs) -> None:
         for d in [d for d in row.divergences if d.cls not in ("numerical", "overrun")][:3]:
             console.print(escape(f"  prompt {d.prompt} ({pairs[d.prompt][0]}): first divergence at token {d.index}: "
                                  f"{d.engine_token} where the reference has {d.oracle_token} ({d.cls})"))
+    for c in (report.meta.get("features") or {}).get("cells", []):
+        if c["status"] not in ("clean", "deterministic"):
+            first = f": {c['problems'][0]['detail']}" if c["problems"] else ""
+            console.print(escape(f"feature {c['feature']} at concurrency {c['concurrency']}: {c['status']}{first}"))
     if ep["retokenized"]:
         console.print("[yellow]the server returned no token ids: its text was re-tokenized locally (last resort)"
                       "[/yellow]")

@@ -77,7 +77,8 @@ level's answers with the reference's and classes their divergences, ``flows`` ru
 (``EndpointAudit``: its settings), ``markdown`` writes the verdict and the report. ``baseline`` records a server's
 answers with its fingerprint and compares them with a later run of the same requests (``batchspec audit --save``,
 ``--against``), ``logprob_checks`` checks the log-probabilities a server returns, ``repro`` writes a replay script per
-drift, ``junit`` the report for CI.
+drift, ``junit`` the report for CI, ``features`` audits request features (``batchspec audit --features``: json
+schema, tools, penalties, logit bias, stop strings, logprobs, n, seed) against a reference and by a rule of each.
 """
 
 from __future__ import annotations

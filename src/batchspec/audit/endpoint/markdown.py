@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from .features import TABLE_HEAD, table_rows
 from .judges import COULD_NOT_AUDIT
 
 # The median reference output, in tokens, below which a clean audit proved little: an output of a token or two (a
@@ -14,9 +15,20 @@ MIN_MEDIAN_TOKENS = 4
 
 
 def endpoint_verdict(report) -> tuple[int, str]:
-    """The endpoint audit's exit status and verdict in a line: 1 when a level is not clean (anything but ``clean``
-    and ``could not audit``), else 2 when a level could not be audited or the reference outputs are too short to
-    prove anything (median under ``MIN_MEDIAN_TOKENS``: ``proved little``), else 0."""
+    """The endpoint audit's exit status and verdict in a line, the feature matrix's (``meta["features"]``, when it
+    ran) joined to the levels': 1 when either is 1, else the larger."""
+    status, verdict = _levels_verdict(report)
+    features = report.meta.get("features")
+    if features is None:
+        return status, verdict
+    joined = 1 if 1 in (status, features["status"]) else max(status, features["status"])
+    return joined, f"{verdict}; {features['verdict']}"
+
+
+def _levels_verdict(report) -> tuple[int, str]:
+    """The levels' exit status and verdict: 1 when a level is not clean (anything but ``clean`` and ``could not
+    audit``), else 2 when a level could not be audited or the reference outputs are too short to prove anything
+    (median under ``MIN_MEDIAN_TOKENS``: ``proved little``), else 0."""
     broken = [f"concurrency {r.batch_size} ({r.signature})" for r in report.rows
               if not r.clean and r.signature != COULD_NOT_AUDIT]
     if broken:
@@ -40,7 +52,7 @@ def endpoint_markdown(report, repros: dict | None = None) -> str:
     (prompt, concurrency) -> the path of a divergence's reproducer, linked."""
     ep = report.meta["endpoint"]
     lines = [*_levels_table(report, ep), *_reference_lines(report), *_divergence_table(report),
-             *_repro_lines(repros or {})]
+             *_repro_lines(repros or {}), *_feature_lines(report.meta.get("features"))]
     for lv in ep["levels"]:
         if lv["problems"]:
             lines += ["", f"Concurrency {lv['concurrency']}, first problems:", ""]
@@ -107,4 +119,21 @@ def _repro_lines(repros: dict) -> list[str]:
     lines += [f"- concurrency {c}, prompt {i}: [{path}]({path})" for (i, c), path in list(repros.items())[:20]]
     if len(repros) > 20:
         lines.append(f"- ... {len(repros) - 20} more in repro/")
+    return lines
+
+
+def _feature_lines(features: dict | None) -> list[str]:
+    """The feature matrix: a row per feature and level, then the first problems of each cell."""
+    if features is None:
+        return []
+    lines = ["", f"Features (chat requests; reference: {features['reference']}): {features['verdict']}.", "",
+             "| " + " | ".join(TABLE_HEAD) + " |", "|" + "---|" * len(TABLE_HEAD)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in table_rows(features)]
+    if any(c["feature"] == "seed" for c in features["cells"]):
+        lines += ["", "seed: sampled with a fixed seed, each prompt sent twice; a server need not honour a seed across "
+                      "concurrency, so `not deterministic` is reported, not failed."]
+    for c in features["cells"]:
+        if c["problems"]:
+            lines += ["", f"Feature {c['feature']} at concurrency {c['concurrency']}, first problems:", ""]
+            lines += _problem_lines(c["problems"])
     return lines
