@@ -5,6 +5,7 @@ answers equal batch-size-1 greedy decoding."""
 from __future__ import annotations
 
 import json
+import socket
 
 import servekit
 import tiny
@@ -84,10 +85,36 @@ def _answer(tok, prompt: str) -> str:
     return text.split(STOP)[0]
 
 
+def _check(out, tok) -> None:
+    """Each log-likelihood and greedy flag lm-eval received equals HF's forward; each answer HF's greedy decoding."""
+    samples = {s["doc_id"]: s for s in out["samples"]["tiny_mc"]}
+    assert sorted(samples) == list(range(len(MC)))
+    greedy_seen = False
+    for i, (question, choices, _) in enumerate(MC):
+        got = [r[0] for r in samples[i]["resps"]]
+        assert len(got) == len(choices)
+        for (ll, greedy), choice in zip(got, choices):
+            ids = tok(f"{question} {choice}")["input_ids"]
+            want_ll, want_greedy = _loglikelihood(ids, len(tok(choice)["input_ids"]))
+            assert abs(ll - want_ll) <= 1e-5 and greedy == want_greedy, (i, choice, ll, want_ll)
+            greedy_seen |= greedy
+    assert greedy_seen  # the greedy continuation among the choices: lm-eval read the alternatives right
+    answers = {s["doc_id"]: s["resps"][0][0] for s in out["samples"]["tiny_gen"]}
+    assert answers == {i: _answer(tok, p) for i, p in enumerate(GEN)}
+
+
 def test_lm_eval_local_completions(tmp_path, monkeypatch):
+    """lm-eval's tasks over the server, its requests one prompt each and in batches of 4 (a list of prompts)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    connect = socket.socket.connect
+
+    def loopback_only(sock, address):  # the server is the only place this test may reach
+        assert sock.family not in (socket.AF_INET, socket.AF_INET6) or address[0] in ("127.0.0.1", "::1"), address
+        return connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", loopback_only)
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the data sets' cache, not the user's
@@ -96,23 +123,15 @@ def test_lm_eval_local_completions(tmp_path, monkeypatch):
     proc, url = servekit.serve_command(["--target", str(model), "--batch-size", "4", "--served-model-name", "tiny",
                                         "--log-level", "warning"])
     try:
-        out = lm_eval.simple_evaluate(
-            model="local-completions", tasks=["tiny_mc", "tiny_gen"], task_manager=tasks,
-            model_args={"base_url": f"{url}/v1/completions", "model": "tiny", "tokenizer": str(model),
-                        "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_retries": 1},
-            log_samples=True, bootstrap_iters=0)
+        for batch in (1, 4):
+            out = lm_eval.simple_evaluate(
+                model="local-completions", tasks=["tiny_mc", "tiny_gen"], task_manager=tasks,
+                model_args={"base_url": f"{url}/v1/completions", "model": "tiny", "tokenizer": str(model),
+                            "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_retries": 1,
+                            "batch_size": batch},
+                log_samples=True, bootstrap_iters=0)
+            assert out is not None
+            _check(out, servekit.tokenizer())
     finally:
         log = servekit.stop(proc)
-    assert out is not None, log
-    tok = servekit.tokenizer()
-    samples = {s["doc_id"]: s for s in out["samples"]["tiny_mc"]}
-    assert sorted(samples) == list(range(len(MC)))
-    for i, (question, choices, _) in enumerate(MC):
-        got = [r[0] for r in samples[i]["resps"]]
-        assert len(got) == len(choices)
-        for (ll, greedy), choice in zip(got, choices):
-            ids = tok(f"{question} {choice}")["input_ids"]
-            want_ll, want_greedy = _loglikelihood(ids, len(tok(choice)["input_ids"]))
-            assert abs(ll - want_ll) <= 1e-5 and greedy == want_greedy, (i, choice, ll, want_ll)
-    answers = {s["doc_id"]: s["resps"][0][0] for s in out["samples"]["tiny_gen"]}
-    assert answers == {i: _answer(tok, p) for i, p in enumerate(GEN)}
+    assert "Traceback" not in log, log
