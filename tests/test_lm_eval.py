@@ -104,7 +104,8 @@ def _check(out, tok) -> None:
 
 
 def test_lm_eval_local_completions(tmp_path, monkeypatch):
-    """lm-eval's tasks over the server, its requests one prompt each and in batches of 4 (a list of prompts)."""
+    """lm-eval's tasks over ``batchspec serve``, its requests one prompt each and in batches of 4 (a list of prompts),
+    as token ids and as text (lm-eval decodes its tokens; the server tokenises them back)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -123,11 +124,11 @@ def test_lm_eval_local_completions(tmp_path, monkeypatch):
     proc, url = servekit.serve_command(["--target", str(model), "--batch-size", "4", "--served-model-name", "tiny",
                                         "--log-level", "warning"])
     try:
-        for batch in (1, 4):
+        for batch, as_ids in ((1, True), (4, True), (4, False)):
             out = lm_eval.simple_evaluate(
                 model="local-completions", tasks=["tiny_mc", "tiny_gen"], task_manager=tasks,
                 model_args={"base_url": f"{url}/v1/completions", "model": "tiny", "tokenizer": str(model),
-                            "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_retries": 1,
+                            "tokenizer_backend": "huggingface", "tokenized_requests": as_ids, "max_retries": 1,
                             "batch_size": batch},
                 log_samples=True, bootstrap_iters=0)
             assert out is not None

@@ -7,7 +7,9 @@ running batch at a round boundary and leave when done; a client that disconnects
 round boundary (its place under the capacity is free at once). A stream's opening chunk goes out with its first token.
 ``app.state.shutdown`` winds the server down: 503 for new requests, a grace period for those in flight, an error for
 the rest (``_Gate``). A request of ``n`` choices runs as n rows (choice i seeded ``seed + i``), streamed with each chunk
-naming its choice; log-probabilities come from the engine with the tokens (``protocol.Logprobs`` shapes them).
+naming its choice; a completions request of several prompts runs each as a request of its own and answers them
+together (``protocol.split_prompts``, ``protocol.merge``); log-probabilities come from the engine with the tokens
+(``protocol.Logprobs`` shapes them).
 
 Hardening: request bodies must be ``application/json`` (415) of at most ``max_body_bytes`` (413, checked on
 ``Content-Length`` and while reading, so an oversize body is never held); JSON parsing, validation, tokenising and
