@@ -14,7 +14,7 @@ import servekit
 import tiny
 
 from batchspec.serve.app import create_app
-from batchspec.serve.protocol import TextStream
+from batchspec.serve.protocol import MAX_PROMPTS, TextStream
 from batchspec.serve.server import ServerThread
 
 MODEL = "tiny"
@@ -157,6 +157,38 @@ def test_text_prompt_and_stop_strings(server):
     assert _wait(worker.idle) and worker.finished["abort"] == 0 and worker.finished["stop"] >= 3
 
 
+def test_a_list_of_prompts_is_answered_as_single_requests(server):
+    """``prompt`` as a list of prompts (text and token ids, as lm-eval's batches send them), with n = 2: prompt i's
+    choice j is choice 2i + j and equals the single request's (greedy: batch-size-1 exact); usage adds up. So with
+    lm-eval's log-likelihood shape (echo, logprobs, max_tokens 1, seed). A server of 4 + 2 rows refuses 3 prompts of
+    n = 3 with a 400 naming the prompt."""
+    tok = servekit.tokenizer()
+    prompts = ["w5 w17 w33", PROMPTS[1], PROMPTS[2], "w9"]
+    ids = [tok(p)["input_ids"] if isinstance(p, str) else p for p in prompts]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 6, "temperature": 0,
+                                               "n": 2, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == list(range(8))
+        for c in body["choices"]:
+            want = tiny.oracle(tiny.target(), ids[c["index"] // 2], 6)
+            assert c["token_ids"] == want and c["prompt_token_ids"] == ids[c["index"] // 2]
+            assert c["text"] == tok.decode(want)
+        assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "completion_tokens": 48,
+                                 "total_tokens": sum(map(len, ids)) + 48}  # each prompt once, as with n alone
+        shape = {"model": MODEL, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+        batch = http.post("/v1/completions", json={**shape, "prompt": ids}).json()
+        singles = [http.post("/v1/completions", json={**shape, "prompt": [p]}).json() for p in ids]
+        for i, (c, single) in enumerate(zip(batch["choices"], singles)):
+            assert c == {**single["choices"][0], "index": i}
+    app = create_app(_llm(batch_size=4), model_name=MODEL, max_queue=2)
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        _check_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [[1], [2], [3]], "n": 3}), 400,
+                     "prompt")
+        assert app.state.worker.finished["abort"] == 0 and app.state.worker.idle()
+
+
 def test_sampling_with_seed_is_reproducible(server):
     client = _client(server.url)
 
@@ -180,7 +212,10 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": [1, 2, tiny.VOCAB], "max_tokens": 4}, "prompt"),
     ({"model": MODEL, "prompt": [1, -1], "max_tokens": 4}, "prompt"),
     ({"model": MODEL, "prompt": [1, 2.5], "max_tokens": 4}, "prompt"),
-    ({"model": MODEL, "prompt": [[1, 2], [3]], "max_tokens": 4}, "prompt"),
+    ({"model": MODEL, "prompt": [[1, 2], [3, tiny.VOCAB]], "max_tokens": 4}, "prompt"),  # the second prompt's id
+    ({"model": MODEL, "prompt": [[1, 2], [3]], "max_tokens": 4, "stream": True}, "prompt"),
+    ({"model": MODEL, "prompt": [[1]] * (MAX_PROMPTS + 1), "max_tokens": 4}, "prompt"),
+    ({"model": MODEL, "prompt": [[1], 2], "max_tokens": 4}, "prompt"),
     ({"model": MODEL, "prompt": [1] * 200, "max_tokens": 57}, "max_tokens"),  # 257 > context of 256
     ({"model": MODEL, "prompt": [1] * 256, "max_tokens": 1}, "prompt"),
     ({"model": MODEL, "prompt": [1, 2], "max_tokens": -3}, "max_tokens"),

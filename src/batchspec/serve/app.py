@@ -7,7 +7,9 @@ running batch at a round boundary and leave when done; a client that disconnects
 round boundary (its place under the capacity is free at once). A stream's opening chunk goes out with its first token.
 ``app.state.shutdown`` winds the server down: 503 for new requests, a grace period for those in flight, an error for
 the rest (``_Gate``). A request of ``n`` choices runs as n rows (choice i seeded ``seed + i``), streamed with each chunk
-naming its choice; log-probabilities come from the engine with the tokens (``protocol.Logprobs`` shapes them).
+naming its choice; a completions request of several prompts runs each as a request of its own and answers them
+together (``protocol.split_prompts``, ``protocol.merge``); log-probabilities come from the engine with the tokens
+(``protocol.Logprobs`` shapes them).
 
 Hardening: request bodies must be ``application/json`` (415) of at most ``max_body_bytes`` (413, checked on
 ``Content-Length`` and while reading, so an oversize body is never held); JSON parsing, validation, tokenising and
@@ -179,10 +181,11 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def prepare(raw: bytes, kind: str, salt: str | None = None):
+    def prepare(raw: bytes, kind: str, salt: str | None = None) -> list:
         """In a worker thread: parse, validate, tokenise (or render the chat template) and build the engine
-        requests, one per choice; ``salt`` (the API key's) goes before the request's own ``cache_salt``. Client
-        mistakes raise ``APIError`` (400)."""
+        requests, one per choice: ``(request, engine requests)`` for each prompt (completions may send a list of
+        them); ``salt`` (the API key's) goes before the request's own ``cache_salt``. Client mistakes raise
+        ``APIError`` (400), before any prompt runs."""
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -191,6 +194,9 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
             raise P.bad(f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
         except ValueError:  # not UTF-8 (UnicodeDecodeError), an integer of more than 4300 digits
             raise P.bad("the request body is not valid JSON") from None
+        return [build(b, kind, salt) for b in (P.split_prompts(body) if kind == "completion" else [body])]
+
+    def build(body, kind: str, salt: str | None):
         req = P.parse_completion(body, info) if kind == "completion" else P.parse_chat(body, info)
         if salt is not None:
             req.cache_salt = f"{salt}:{req.cache_salt or ''}"
@@ -228,7 +234,7 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
         check_key(request)
         with gate.enter():
             raw = await read_body(request)
-            return await generate(request, *await asyncio.to_thread(prepare, raw, "completion", key_salt(request)),
+            return await generate(request, await asyncio.to_thread(prepare, raw, "completion", key_salt(request)),
                                   "/v1/completions")
 
     @app.post("/v1/chat/completions")
@@ -236,42 +242,52 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
         check_key(request)
         with gate.enter():
             raw = await read_body(request)
-            return await generate(request, *await asyncio.to_thread(prepare, raw, "chat", key_salt(request)),
+            return await generate(request, await asyncio.to_thread(prepare, raw, "chat", key_salt(request)),
                                   "/v1/chat/completions")
 
-    async def generate(request: Request, req: P.GenRequest, engine_requests, endpoint: str):
+    async def generate(request: Request, prepared: list, endpoint: str):
+        """Run ``prepare``'s requests (all their choices taken at once, or none) and answer them: one prompt's
+        streamed or whole, several prompts' as one whole answer (``P.merge``)."""
+        req = prepared[0][0]
         rid = P.new_id(req.kind)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        queues = [asyncio.Queue() for _ in prepared]
 
-        def deliver(index: int):
+        def deliver(events: asyncio.Queue, index: int):
             def put(event):  # called on the engine thread
                 loop.call_soon_threadsafe(events.put_nowait, (index, event))
             return put
 
         arrival = time.perf_counter()
-        n = len(engine_requests)
+        n = sum(len(e) for _, e in prepared)
         if n > worker.capacity:  # would be refused whenever it came: not a 429
-            raise P.bad(f"n is {n}, more requests than this server holds at once ({worker.capacity})", "n")
+            what = f"n is {n}" if len(prepared) == 1 else f"{len(prepared)} prompts of n={req.n} are {n} requests"
+            raise P.bad(f"{what}, more requests than this server holds at once ({worker.capacity})",
+                        "n" if len(prepared) == 1 else "prompt")
         if gate.ended:  # admitted before the shutdown, ready after its grace period
             raise shutting_down()
         try:
-            jobs = worker.submit_all(engine_requests, [deliver(i) for i in range(n)],
+            jobs = worker.submit_all([r for _, e in prepared for r in e],
+                                     [deliver(q, i) for (_, e), q in zip(prepared, queues) for i in range(len(e))],
                                      [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)])
         except QueueFull as e:
             raise P.APIError(429, f"the server is busy ({e}); retry later", "rate_limit_error", None,
                              "queue_full") from None
         except Unavailable as e:
             raise P.APIError(503, str(e), "server_error", None, "engine_unavailable") from None
-        metrics.prompt_tokens.inc(len(req.prompt_ids))
-        run = _Run(req, rid, jobs, events, worker, metrics, llm.tokenizer, texts, arrival)
-        gate.runs.add(run)
-        run.done = gate.runs.discard
-        if req.stream:
+        runs = []
+        for (one, e), q in zip(prepared, queues):
+            metrics.prompt_tokens.inc(len(one.prompt_ids))
+            run = _Run(one, rid, jobs[:len(e)], q, worker, metrics, llm.tokenizer, texts, arrival)
+            jobs = jobs[len(e):]
+            gate.runs.add(run)
+            run.done = gate.runs.discard
+            runs.append(run)
+        if req.stream:  # one prompt (``P.split_prompts``)
             count(endpoint, 200)
-            return StreamingResponse(run.sse(), media_type="text/event-stream",
+            return StreamingResponse(runs[0].sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        out = await run.collect(request)
+        out = await _collect(request, runs)
         count(endpoint, getattr(out, "status_code", 200))
         return out
 
@@ -346,6 +362,20 @@ class _Gate:
                 return False
             await asyncio.sleep(0.02)
         return True
+
+
+async def _collect(request: Request, runs: list[_Run]):
+    """The whole answer of one or several runs (the prompts of one request): a failure of one ends them all."""
+    gone = asyncio.create_task(_disconnected(request))
+    tasks = [asyncio.ensure_future(run.collect(gone)) for run in runs]
+    try:
+        outs = await asyncio.gather(*tasks)
+    finally:
+        gone.cancel()
+        for task in tasks:
+            task.cancel()
+    left = [o for o in outs if not isinstance(o, dict)]  # 499: the client hung up
+    return outs[0] if len(outs) == 1 else left[0] if left else P.merge(outs, runs[0].req.n)
 
 
 async def _disconnected(request: Request) -> None:
@@ -465,8 +495,8 @@ class _Run:
     def _usage(self) -> dict:
         return P.usage(len(self.req.prompt_ids), sum(len(c.text.ids) for c in self.choices))
 
-    async def collect(self, request: Request):
-        gone = asyncio.create_task(_disconnected(request))
+    async def collect(self, gone: asyncio.Future):
+        """The whole answer (a response body), or a 499 once ``gone`` is done (the client hung up)."""
         try:
             while any(c.reason is None for c in self.choices):
                 item = await self._next()
@@ -488,7 +518,6 @@ class _Run:
                     self._finish(c, ev[1])
             return P.response(self.req, self.rid, self.created, [self._choice(c) for c in self.choices])
         finally:
-            gone.cancel()
             self._abort_open()
 
     async def sse(self):

@@ -5,7 +5,9 @@ stream chunks. Plain Python: nothing here needs the web framework.
 Field rules (OpenAI's, plus the vLLM extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``
 and ``return_tokens_as_token_ids``):
 
-- ``prompt`` (completions): a string, a list of token ids, or a one-element list of either; ``messages`` (chat):
+- ``prompt`` (completions): a string, a list of token ids, or a list of up to ``MAX_PROMPTS`` of either (each prompt
+  a request of its own, answered together: prompt i's choice j is choice ``i * n + j``; not with ``stream``);
+  ``messages`` (chat):
   ``{"role", "content"}`` objects whose content is a string or a list of ``{"type": "text", "text"}`` parts, rendered
   with the tokenizer's chat template;
 - ``max_tokens`` (chat also ``max_completion_tokens``) >= 1; default 16 for completions (as OpenAI) and the server's
@@ -67,6 +69,8 @@ INT64 = 2**63
 # Choices one request may ask for (``n``): each is a row of the engine's batch, so the bound keeps one request from
 # taking more than a batch's worth of rows.
 MAX_N = 16
+# Prompts one completions request may send as a list (each takes at least one row of the engine's batch).
+MAX_PROMPTS = 64
 # The log-probability sent for a token the model gives probability 0 (JSON has no -Infinity), as OpenAI and vLLM do.
 MIN_LOGPROB = -9999.0
 
@@ -302,15 +306,36 @@ def _prompt_ids(body: dict, info: ModelInfo) -> list[int]:
     p = body.get("prompt")
     if p is None:
         raise bad("prompt is missing", "prompt")
-    if isinstance(p, list) and p and not _is_int(p[0]):  # a batch of prompts: one per request here
-        if len(p) != 1:
-            raise bad(f"send one prompt per request (got {len(p)})", "prompt", "unsupported_parameter")
+    if isinstance(p, list) and len(p) == 1 and not _is_int(p[0]):  # a list of one prompt (``split_prompts``)
         p = p[0]
     if isinstance(p, str):
         return _encode_text(p, info, "prompt")
     if isinstance(p, list):
         return _check_ids(p, info, "prompt")
     raise bad(f"prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt")
+
+
+def split_prompts(body) -> list:
+    """A completions body as one body per prompt: ``prompt`` may be a list of prompts (strings or lists of token ids,
+    as lm-eval's batches send them), each then validated and run as a request of its own (``merge`` answers them as
+    one). Not with ``stream``."""
+    p = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(p, list) or len(p) < 2 or _is_int(p[0]):
+        return [body]
+    if len(p) > MAX_PROMPTS:
+        raise bad(f"at most {MAX_PROMPTS} prompts a request, got {len(p)}", "prompt")
+    if body.get("stream") is True:
+        raise bad("a list of prompts is not streamed by this server: send one prompt per streamed request", "prompt",
+                  "unsupported_parameter")
+    return [{**body, "prompt": q} for q in p]
+
+
+def merge(bodies: list[dict], n: int) -> dict:
+    """The answers of ``split_prompts``' bodies (of ``n`` choices each) as one: prompt i's choice j is choice
+    ``i * n + j`` (OpenAI's order), ``usage`` adds up every prompt's."""
+    choices = [{**c, "index": i * n + c["index"]} for i, b in enumerate(bodies) for c in b["choices"]]
+    counts = [sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens")]
+    return {**bodies[0], "choices": choices, "usage": usage(*counts)}
 
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
