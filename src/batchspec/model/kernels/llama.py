@@ -71,10 +71,12 @@ def layer_types(model) -> list:
     return list(types) if types else [None] * len(model.model.layers)
 
 
-def rotary(model, x, positions) -> dict:
-    """``{layer type: (cos, sin)}`` for ``layer_types``: Gemma 3's rotary embedding has a base per layer type."""
+def rotary(model, x, positions, kinds=None) -> dict:
+    """``{layer type: (cos, sin)}`` for ``layer_types`` (or its distinct ``kinds``, where known): Gemma 3's rotary
+    embedding has a base per layer type."""
     emb = model.model.rotary_emb
-    return {t: emb(x, positions) if t is None else emb(x, positions, t) for t in dict.fromkeys(layer_types(model))}
+    kinds = dict.fromkeys(layer_types(model)) if kinds is None else kinds
+    return {t: emb(x, positions) if t is None else emb(x, positions, t) for t in kinds}
 
 
 def layer_windows(model) -> list[int]:
@@ -104,8 +106,9 @@ class _Plan:
         self.act = ACTIVATIONS[type(model.model.layers[0].mlp.act_fn)]
         self.unit = int(isinstance(model.model.layers[0].input_layernorm, UNIT_NORMS))
         types = layer_types(model)
-        kinds = list(dict.fromkeys(types))  # ``rotary``'s order
-        self.rope = (ctypes.c_long * len(layers))(*(kinds.index(t) for t in types))  # each layer's table
+        self.kinds = list(dict.fromkeys(types))  # the rotary tables, in ``rotary``'s order
+        self.rope = (ctypes.c_long * len(layers))(*(self.kinds.index(t) for t in types))  # each layer's table
+        self.tables = ctypes.c_void_p * len(self.kinds)
         self.windows = (ctypes.c_long * len(layers))(*layer_windows(model))
 
 
@@ -213,7 +216,8 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
         return None
     lib, inner = _load(), model.model
     x = inner.embed_tokens(input_ids) if embeds is None else embeds
-    tables = [t.reshape(b * q, -1).contiguous() for pair in rotary(model, x, position_ids).values() for t in pair]
+    tables = [t.reshape(b * q, -1).contiguous() for pair in rotary(model, x, position_ids, p.kinds).values()
+              for t in pair]
     x = x.reshape(b * q, p.hidden).contiguous() if embeds is None else embeds.reshape(b * q, p.hidden).clone()
     first = ptr = None
     if packed:  # the real tokens, in row order: one gather
@@ -222,8 +226,8 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
         x, tables = x[real], [t[real] for t in tables]
         first = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long().contiguous()
         ptr = first.data_ptr()
-    cos = (ctypes.c_void_p * (len(tables) // 2))(*(t.data_ptr() for t in tables[0::2]))  # one a layer type
-    sin = (ctypes.c_void_p * (len(tables) // 2))(*(t.data_ptr() for t in tables[1::2]))
+    cos = p.tables(*(t.data_ptr() for t in tables[0::2]))  # one a layer type
+    sin = p.tables(*(t.data_ptr() for t in tables[1::2]))
     vis = visible.to(torch.uint8).contiguous()
     start = cache.layers[0].length
     like = x.new_empty((b, p.kv_heads, q, p.head_dim))
