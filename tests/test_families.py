@@ -1,8 +1,9 @@
-"""Qwen2 and Qwen3 on the CPU fast paths: the C layer (``kernels/llama.py``, ``layer.c``'s hooks: Qwen2's q/k/v biases,
-Qwen3's RMS norms of each query and key head) and the whole prefill (``model/prefill.py``). The C path's logits,
-hidden states and cache equal the model's own forward (fp32, to its rounding); the whole prefill leaves the grouped
-prefill's state (float64); generation is HF ``generate`` at batch size 1, plain, with prompt lookup and with a draft
-model, at batch 1 and 8, with the kernel's entry point seen to run."""
+"""Qwen2, Qwen3 and Gemma 3 on the CPU fast paths: the C layer (``kernels/llama.py``, ``layer.c``'s hooks: Qwen2's q/k/v
+biases, Qwen3's RMS norms of each query and key head, Gemma 3's output norms, GELU MLP and local layers' windows) and
+the whole prefill (``model/prefill.py``). The C path's logits, hidden states and cache equal the model's own forward
+(fp32, to its rounding); the whole prefill leaves the grouped prefill's state (float64); generation is HF ``generate``
+at batch size 1, plain, with prompt lookup and with a draft model, at batch 1 and 8, with the kernel's entry point
+seen to run; Gemma 3's rows cross the window inside a round, with ragged acceptance."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from batchspec.model import prefill as whole
 from batchspec.model.kernels import llama as fused
 from batchspec.model.runner import Runner
 
-ARCHS = ["qwen2", "qwen3"]
+ARCHS = ["qwen2", "qwen3", "gemma3"]
 needs_kernel = pytest.mark.skipif(kernels.library() is None, reason="the C kernels are not built here")
 
 
@@ -185,3 +186,34 @@ def test_packed_weights_give_the_fp32_bits(layer_calls, arch):
         st = _ragged_state(m, 3)
         outs.append(st.append(torch.tensor([[5, 6]] * 5)).logits)
     assert layer_calls and torch.equal(outs[0], outs[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_gemma3s_windows_in_the_c_layer(monkeypatch, layer_calls, batch_size, drafter):
+    """Rows whose visible tokens cross the local layers' window inside a forward of several new tokens (its first
+    queries see the row's first token, its last ones do not), acceptance ragged: HF ``generate``'s tokens, every
+    few-token forward in the C layer."""
+    t, real, crossed, ran = model("gemma3"), fused.forward, [], []
+
+    def spy(m, cache, input_ids, position_ids, visible, *a, **k):
+        q = input_ids.shape[1]
+        if q > 1 and visible.shape[1] > q:
+            before, after = visible[:, :-q].sum(1), visible.sum(1)
+            crossed.append(int(((before < tiny.WINDOW) & (after > tiny.WINDOW)).sum()))
+        out = real(m, cache, input_ids, position_ids, visible, *a, **k)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused, "forward", spy)
+    draft = {"prompt-lookup": "prompt-lookup", "draft": model("gemma3", draft=True)}[drafter]
+    prompts = tiny.prompts(6, seed=5, lo=2, hi=12) + [[7], [5, 9]]
+    llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=3, batch_size=batch_size, check_invariants=True)
+    outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=20))
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 20) for p in prompts]
+    assert ran and all(ran) and len(layer_calls) == len(ran)
+    assert sum(crossed) > 0, "no row's history crossed the window inside a round"
+    assert llm.stats.accepted > 0
+    if drafter == "draft" and batch_size > 1:
+        assert llm.stats.ragged_rounds > 0, "rows never accepted different counts in the same round"

@@ -14,6 +14,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, Mis
 import batchspec
 from batchspec.batch import prefilling
 from batchspec.model import kv
+from batchspec.model import prefill as whole
 
 WINDOW = 8
 MAX_TOKENS = 23
@@ -150,7 +151,8 @@ def test_eager_attention_matches_hf(arch):
 def test_grouped_prefill_shared_prefix_and_prefix_cache(arch, monkeypatch):
     """A shared start longer than the window computed once, padded groups of rows (whose fresh forward attends
     causally per row where no window applies), then every prompt again from its cached blocks: HF's output each
-    time."""
+    time. (Gemma 3's prompts go to the whole prefill where it runs: here they do not.)"""
+    monkeypatch.setattr(whole, "supported", lambda model: False)
     system = tiny.prompts(1, seed=41, lo=40, hi=41)[0]
     prompts = [system + [60 + i] + t for i, t in enumerate(tiny.prompts(6, seed=42, lo=1, hi=20))]
     plain = tiny.prompts(6, seed=43, lo=10, hi=30)
@@ -175,6 +177,28 @@ def test_grouped_prefill_shared_prefix_and_prefix_cache(arch, monkeypatch):
     assert max(shared) > WINDOW and any(padded)
     again = [prompts[0][:-3] + [5], *prompts[1:], plain[0]]
     assert [o.token_ids for o in llm.generate(again, sp)] == oracle(arch, again, 12)
+    assert llm.stats.prefix_hits >= len(prompts) and llm.stats.prefix_tokens > WINDOW * len(prompts)
+
+
+def test_whole_prefill_shared_prefix_and_prefix_cache(monkeypatch):
+    """Gemma 3's prompts end to end (``model/prefill.py``: its local layers' queries over the window's last keys),
+    a shared start longer than the window computed once, then every prompt again from its cached blocks."""
+    system = tiny.prompts(1, seed=41, lo=40, hi=41)[0]
+    prompts = [system + [60 + i] + t for i, t in enumerate(tiny.prompts(6, seed=42, lo=1, hi=20))]
+    tokens, real = [], whole._forward
+
+    def spy(model, cache, prompts, rows, shared, *args):
+        tokens.append((shared, sum(map(len, prompts))))
+        return real(model, cache, prompts, rows, shared, *args)
+
+    monkeypatch.setattr(whole, "_forward", spy)
+    llm = tiny.fixed_llm(target("gemma3"), draft=draft("gemma3"), num_draft_tokens=3, batch_size=6,
+                         check_invariants=True)
+    sp = batchspec.SamplingParams(max_tokens=12)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == oracle("gemma3", prompts, 12)
+    assert any(shared > WINDOW for shared, _ in tokens)
+    again = [prompts[0][:-3] + [5], *prompts[1:]]
+    assert [o.token_ids for o in llm.generate(again, sp)] == oracle("gemma3", again, 12)
     assert llm.stats.prefix_hits >= len(prompts) and llm.stats.prefix_tokens > WINDOW * len(prompts)
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 VOCAB = 96
+WINDOW = 8  # the tiny Gemma 3's local layers' window
 
 
 def _build(arch: str, seed: int, dtype, attn: str):
@@ -31,6 +32,14 @@ def _build(arch: str, seed: int, dtype, attn: str):
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
         )
         model = Qwen2ForCausalLM(cfg)
+    elif arch == "gemma3":  # local layers with a window and global ones, each type its rotary base; GELU MLP
+        local, full = "sliding_attention", "full_attention"
+        cfg = Gemma3TextConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=WINDOW,
+            layer_types=[local, full, local, full], query_pre_attn_scalar=8,
+        )
+        model = Gemma3ForCausalLM(cfg)
     elif arch == "gpt2":
         cfg = GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2,
@@ -47,6 +56,8 @@ def _build(arch: str, seed: int, dtype, attn: str):
                 p.mul_(8.0 if p.shape[0] == VOCAB or p.shape[1] == VOCAB else 2.5)
             elif name.endswith("_proj.bias"):  # Qwen2's q/k/v biases, made 0 by the init: random, so that they count
                 p.normal_(0.0, 0.05)
+            elif arch == "gemma3" and name.endswith("norm.weight"):  # offsets from 1, made 0 by the init
+                p.normal_(0.0, 0.3)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.to(dtype).eval()

@@ -16,8 +16,10 @@ change of batch size.
 
 Used for ``LlamaForCausalLM`` models with sdpa attention on CPU (the per-row attention calls cost launches a GPU
 would not want), and for the families the C layer covers beside it (``kernels.llama.FAMILIES``: Qwen2's q/k/v biases
-are added after the products, Qwen3's RMS norms of each query and key head run before the rotary embedding);
-anything else returns None and the caller runs the grouped prefill.
+are added after the products, Qwen3's RMS norms of each query and key head run before the rotary embedding; Gemma 3's
+norms of the attention's and the MLP's outputs run before their residual adds, its rotary tables are one per layer
+type, and its local layers' queries see the window's last keys: a prompt's tokens are consecutive, so a window of
+visible tokens is one of positions); anything else returns None and the caller runs the grouped prefill.
 """
 
 from __future__ import annotations
@@ -122,15 +124,19 @@ def _forward(model, cache, prompts, rows, shared, width, hidden, where, x=None, 
     positions = torch.cat([torch.arange(given, shared)] + [torch.arange(shared, n) for n in lengths])[None, :]
     if x is None:
         x = inner.embed_tokens(ids[None, :])[0].contiguous()  # [T, H], the residual stream, updated in place
-    cos, sin = (t[0, :, None, :] for t in inner.rotary_emb(x[None], positions))  # [T, 1, D]
+    tables = {t: [c[0, :, None, :] for c in pair] for t, pair in fused.rotary(model, x[None], positions).items()}
     # [first, last) of each row's own tokens in the sequence, after the prefix
     ends = torch.tensor(lengths).sub(shared).cumsum(0).add(lead).tolist()
     spans = list(zip([lead] + ends[:-1], ends))
     starts = [width - n for n in lengths]  # each row's first slot
     src, dr, ds = where
     b = _Buffers(model, x)
+    kinds, windows = fused.layer_types(model), fused.layer_windows(model)
     for i, (layer, slots) in enumerate(zip(inner.layers, cache.layers)):
         a, m = layer.self_attn, layer.mlp
+        cos, sin = tables[kinds[i]]  # [T, 1, D]
+        pre = getattr(layer, "pre_feedforward_layernorm", None)  # Gemma's: the post-attention norm is the output's
+        post = (None, None) if pre is None else (layer.post_attention_layernorm, layer.post_feedforward_layernorm)
         # the last layer's keys and values are all the cache needs of it: without hidden states, its queries,
         # attention and MLP would only feed a residual stream nobody reads
         cache_only = not hidden and i == len(inner.layers) - 1
@@ -151,17 +157,17 @@ def _forward(model, cache, prompts, rows, shared, width, hidden, where, x=None, 
         _head_norm(q, getattr(a, "q_norm", None), b.rot)
         _rope(q, cos, sin, b.rot)
         if lead:  # the prefix's computed tokens attend (to the kept ones and) to themselves once
-            _attend(q, b.att, 0, lead, slots, rows[0], starts[0], given, a.scaling)
+            _attend(q, b.att, 0, lead, slots, rows[0], starts[0], given, a.scaling, windows[i])
         for r, start, (first, last) in zip(rows, starts, spans):
-            _attend(q, b.att, first, last, slots, r, start, shared, a.scaling)
-        x.add_(_linear(a.o_proj, b.att.view(len(x), -1), b.o, b.w))
-        _rmsnorm(x, layer.post_attention_layernorm, b.h)
+            _attend(q, b.att, first, last, slots, r, start, shared, a.scaling, windows[i])
+        x.add_(_after(_linear(a.o_proj, b.att.view(len(x), -1), b.o, b.w), post[0], b.h))
+        _rmsnorm(x, pre or layer.post_attention_layernorm, b.h)
         g, u = _linear(m.gate_proj, b.h, b.g, b.w), _linear(m.up_proj, b.h, b.u, b.w)
         if type(m.act_fn) in _SILU:
             torch.nn.functional.silu(g, inplace=True)
         else:
             g.copy_(m.act_fn(g))
-        x.add_(_linear(m.down_proj, g.mul_(u), b.o, b.w))
+        x.add_(_after(_linear(m.down_proj, g.mul_(u), b.o, b.w), post[1], b.h))
     return inner.norm(x) if hidden else None
 
 
@@ -197,24 +203,34 @@ def _linear(module, x, out, scratch):
 
 
 def _rmsnorm(x, norm, out):
-    """``norm(x)`` into ``out`` in the module's order of operations (``x * rsqrt(mean(x^2) + eps)``, then the weight);
-    the module computes in fp32 whatever the dtype: other dtypes call it."""
+    """``norm(x)`` into ``out`` in the module's order of operations (``x * rsqrt(mean(x^2) + eps)``, then the weight,
+    or Gemma's ``1 + weight``); the module computes in fp32 whatever the dtype: other dtypes call it."""
     if x.dtype != torch.float32:
         return out.copy_(norm(x))
     variance = torch.pow(x, 2, out=out).mean(-1, keepdim=True)
-    torch.mul(x, torch.rsqrt(variance + norm.variance_epsilon), out=out)
-    return out.mul_(norm.weight)
+    torch.mul(x, torch.rsqrt(variance + fused.norm_eps(norm)), out=out)
+    return out.mul_(_weight(norm))
+
+
+def _weight(norm):
+    """What an RMS norm multiplies by: its weight, or 1 + its weight (Gemma's, in fp32 as the module adds it)."""
+    return 1.0 + norm.weight.float() if isinstance(norm, fused.UNIT_NORMS) else norm.weight
+
+
+def _after(y, norm, out):
+    """``y`` (an attention's or MLP's output), or its ``norm`` into ``out`` where the family has one (Gemma's)."""
+    return y if norm is None else _rmsnorm(y, norm, out)
 
 
 def _head_norm(t, norm, scratch):
-    """``norm`` of each head of ``t`` ``[T, heads, D]`` in place (Qwen3's, before the rotary embedding), in
-    ``_rmsnorm``'s order of operations; nothing where the family has none."""
+    """``norm`` of each head of ``t`` ``[T, heads, D]`` in place (Qwen3's and Gemma's, before the rotary embedding),
+    in ``_rmsnorm``'s order of operations; nothing where the family has none."""
     if norm is None:
         return t
     if t.dtype != torch.float32:
         return t.copy_(norm(t))
     variance = torch.pow(t, 2, out=scratch[: t.numel()].view(t.shape)).mean(-1, keepdim=True)
-    return t.mul_(torch.rsqrt(variance + norm.variance_epsilon)).mul_(norm.weight)
+    return t.mul_(torch.rsqrt(variance + fused.norm_eps(norm))).mul_(_weight(norm))
 
 
 def _rope(t, cos, sin, scratch):
@@ -226,13 +242,15 @@ def _rope(t, cos, sin, scratch):
     return t.mul_(cos).add_(rot.mul_(sin))
 
 
-def _attend(q, out, first, last, slots, row, start, before, scale):
+def _attend(q, out, first, last, slots, row, start, before, scale, window=0):
     """``out[first:last]`` = causal attention of the queries ``q[first:last]`` (``[T, heads, D]`` buffers), positions
     ``before ..`` of ``row`` (its slots from ``start`` on; ``before``: the shared prefix's, ahead of them) over the
-    row's keys up to each. The kernel (``kernels/causal.c``) where it applies, else torch's attention with that mask
-    (query j sees keys 0 .. before + j)."""
+    row's keys up to each (the last ``window`` of them, where one is given). The kernel (``kernels/causal.c``) where
+    it applies, else torch's attention with that mask (query j sees keys 0 .. before + j)."""
     n = before + last - first
     keys, values = slots.keys[row, :, start : start + n], slots.values[row, :, start : start + n]  # [kv heads, n, D]
+    if window:
+        return _windowed(q[first:last], keys, values, out[first:last], before, scale, window)
     if kernels.causal_attention(q[first:last], keys, values, out[first:last], before, scale):
         return
     mine = q[first:last].transpose(0, 1)[None]
@@ -241,3 +259,19 @@ def _attend(q, out, first, last, slots, row, start, before, scale):
                                                            is_causal=not before, scale=scale,
                                                            enable_gqa=mine.shape[1] != keys.shape[0])
     out[first:last] = got[0].transpose(0, 1)
+
+
+def _windowed(q, keys, values, out, before, scale, window):
+    """``out`` = attention of the queries ``q`` ``[n, heads, D]`` at positions ``before ..`` over ``keys`` /
+    ``values`` ``[kv heads, before + n, D]``, query at position p seeing keys p - window + 1 .. p: torch's attention
+    over blocks of ``window`` queries, each over the keys its queries may see (a band, not the whole square)."""
+    for i in range(0, len(q), window):
+        p0, p1 = before + i, before + min(i + window, len(q))  # the block's positions
+        lo = max(0, p0 - window + 1)
+        pos, key = torch.arange(p0, p1)[:, None], torch.arange(lo, p1)[None, :]
+        mask = (key <= pos) & (pos - key < window)
+        mine = q[i : i + p1 - p0].transpose(0, 1)[None]
+        got = torch.nn.functional.scaled_dot_product_attention(
+            mine, keys[None, :, lo:p1], values[None, :, lo:p1], attn_mask=mask, scale=scale,
+            enable_gqa=mine.shape[1] != keys.shape[0])
+        out[i : i + p1 - p0] = got[0].transpose(0, 1)

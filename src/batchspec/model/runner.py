@@ -1,8 +1,9 @@
 """The model runner: owns every forward batchspec runs, and changes nothing anyone else can see.
 
 A ``Runner`` wraps one model. Its forwards go, in order of preference, through
-- the C layer (``kernels/llama.py``): fp32 Llama, Qwen2 and Qwen3 models on CPU, at most ``kernels.MAX_ROWS`` rows (batch x new
-  tokens): one call per decoder layer, between the model's own embedding, rotary tables, final norm and head;
+- the C layer (``kernels/llama.py``): fp32 Llama, Qwen2, Qwen3 and Gemma 3 models on CPU, at most
+  ``kernels.MAX_ROWS`` rows (batch x new tokens): one call per decoder layer, between the model's own embedding,
+  rotary tables, final norm and head (Gemma 3's windows applied inside it);
 - the runner's *private copy* of the model's module tree, which shares every parameter and buffer with the user's
   model (no memory cost) but has its own config and its own modules. Only that copy is changed: its linear layers
   run few rows as ``W @ x^T`` (or the skinny kernel), and its attention is ``slot_sdpa`` (grouped-query attention
@@ -194,7 +195,8 @@ class Runner:
         if budget < 0:
             budget = budget_bytes(default_mib(self.device))
         self.prefixes = PrefixCache(budget) if budget else None
-        self.windowed = bool(kv.windows(model))  # sliding windows: only the masked forwards of the model's own modules
+        # sliding windows: masked forwards of the model's own modules, where the C layer does not apply them
+        self.windowed = bool(kv.windows(model))
         self._static = None
         self._copy = self._key = None
         self._ends = ()
@@ -220,7 +222,7 @@ class Runner:
     def packed_rows(self) -> int:
         """How many rows (real new tokens) a forward with ``counts`` may have and still cost only those, as the C
         layer computes only them; 0 where forwards cost their whole rectangle."""
-        fused = self.static is None and not self.windowed and fused_llama.plan(self.model) is not None
+        fused = self.static is None and fused_llama.plan(self.model) is not None
         return fused_llama.MAX_ROWS if fused else 0
 
     @property
@@ -239,7 +241,7 @@ class Runner:
         embeddings), or None where that path does not apply or the C layer's few-row forwards are the cheaper way
         (at most ``packed_rows`` tokens computed in all): the caller then runs grouped forwards."""
         tokens = shared - (len(base) if base is not None else 0) + sum(len(p) - shared for p in prompts)
-        if self.static is not None or self.windowed or tokens <= self.packed_rows:
+        if self.static is not None or tokens <= self.packed_rows:
             return None
         return whole_prefill.prefill(self.model, prompts, shared, width, hidden, embeds, base)
 
@@ -267,7 +269,7 @@ class Runner:
             if out is not None:
                 return TargetOutput(*out)
         everything = visible if visible is not None else torch.ones_like(input_ids, dtype=torch.bool)
-        out = None if self.windowed else fused_llama.forward(  # the C layer has no windows
+        out = fused_llama.forward(  # only where it applies the model's windows (``fused_llama.covered``)
             self.model, cache, input_ids, position_ids, everything, logits_to_keep, hidden, embeds, counts)
         if out is not None:  # the C layer only reads the model
             return TargetOutput(*out)

@@ -6,7 +6,8 @@
   AVX-512), each row summed in one order whatever its block, so a token's outputs have the same bits in a
   verification block as in a decode step.
 - ``layer.c``: one Llama decoder layer per call (driven by ``llama.py``), attention over visible slots only; Qwen2's
-  and Qwen3's layers are the same layer with small hooks (q/k/v biases, RMS norms of each query and key head).
+  and Qwen3's layers are the same layer with small hooks (q/k/v biases, RMS norms of each query and key head);
+  Gemma 3's adds the norms of the attention's and the MLP's outputs, a GELU MLP and a window on its local layers.
 - ``match.c``: prompt lookup's matching, a row at a time (``lookup_match``).
 - ``causal.c``: causal attention of a prompt over its own keys, for the whole prefill (``model/prefill.py``):
   flash-style, each step of 32 keys and values read from the first-level cache by a tile of 24 queries of every head
@@ -56,7 +57,7 @@ SIGNATURES = {
     "skinny_linear": "void (ptr x, ptr w, ptr y, long M, long N, long K)",
     "skinny_avx512": "int (int on)",
     "llama_layers": "int (ptr x, ptr w, ptr cos, ptr sin, ptr kc, ptr vc, ptr vis, ptr dims, float eps, float scale, "
-                    "ptr first, ptr caps, long layers)",
+                    "ptr first, ptr caps, long layers, ptr rope, ptr windows)",
     "lookup_match": "void (ptr hist, ptr length, long rows, long width, long n_max, ptr match, ptr end)",
     "packed_linear": "int (ptr x, ptr w, ptr y, long M, long N, long K)",
     "packed_expand": "void (ptr w, long N, long K, ptr out)",

@@ -6,7 +6,8 @@
  * read once for all the query heads it serves, and the slots left of a row's first visible one are not read.
  * Elementwise steps follow Hugging Face's Llama in order of operations; sums run in another order, like any change of
  * batch size. Qwen2 and Qwen3 layers are this layer with ``hooks``: q/k/v biases, or RMS norms of each query and key
- * head. */
+ * head. Gemma 3's adds norms of the attention's and the MLP's outputs before their residual adds, norm weights kept as
+ * offsets from 1, a GELU (tanh) MLP and, on its local layers, a window of the row's last visible tokens. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -15,14 +16,18 @@
 #include "packed.h"
 #include "vexp.h"
 
-static void rmsnorm(const float *x, const float *w, float *out, long R, long H, float eps) {
+/* out = w * (x / rms(x)); with ``one`` (Gemma's norms, whose weights are offsets from 1), (1 + w) * (x / rms(x)). */
+static void rmsnorm(const float *x, const float *w, float *out, long R, long H, float eps, int one) {
     for (long r = 0; r < R; r++) {
         const float *xr = x + r * H;
         float *o = out + r * H;
         double ss = 0.0;
         for (long j = 0; j < H; j++) ss += (double)xr[j] * xr[j];
         float inv = 1.0f / sqrtf((float)(ss / H) + eps);
-        for (long j = 0; j < H; j++) o[j] = w[j] * (xr[j] * inv);
+        if (one)
+            for (long j = 0; j < H; j++) o[j] = (1.0f + w[j]) * (xr[j] * inv);
+        else
+            for (long j = 0; j < H; j++) o[j] = w[j] * (xr[j] * inv);
     }
 }
 
@@ -38,7 +43,7 @@ static void rope(float *v, const float *cs, const float *sn, long D) {
 /* The family's steps between a row's projections and its rotary embedding, each skipped where its weight is absent
  * (a NULL ``q``): the q/k/v biases (w[0..2], Qwen2's), added after the products as a biased linear adds them; the RMS
  * norms of each query and key head over its D dimensions (w[3], w[4], Qwen3's). A Llama layer has none of them. */
-static void hooks(float *qr, float *kr, float *vr, const packed_t *w, long nh, long nkv, long D, float eps) {
+static void hooks(float *qr, float *kr, float *vr, const packed_t *w, long nh, long nkv, long D, float eps, int one) {
     float *out[3] = {qr, kr, vr};
     long n[3] = {nh * D, nkv * D, nkv * D};
     for (int t = 0; t < 3; t++) {
@@ -46,8 +51,8 @@ static void hooks(float *qr, float *kr, float *vr, const packed_t *w, long nh, l
         if (bias)
             for (long j = 0; j < n[t]; j++) out[t][j] += bias[j];
     }
-    if (w[3].q) rmsnorm(qr, w[3].q, qr, nh, D, eps);
-    if (w[4].q) rmsnorm(kr, w[4].q, kr, nkv, D, eps);
+    if (w[3].q) rmsnorm(qr, w[3].q, qr, nh, D, eps, one);
+    if (w[4].q) rmsnorm(kr, w[4].q, kr, nkv, D, eps, one);
 }
 
 /* o[:64] = sum_t pn[t] V[t, :64] * inv, the sums in eight named registers */
@@ -142,19 +147,37 @@ static void values(const float *pn, long T, const float *V, long vst, long D, fl
 VALUES_Z(values6z, 6)
 VALUES_Z(values3z, 3)
 
+/* torch's GELU with the tanh approximation, in its order of operations */
+static inline float gelu_tanh(float x) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+    return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * (x * x * x))));
+}
+
 /* May query i (slot S + i) see slot s? */
 static inline int seen(const unsigned char *vis, long S, long i, long s) {
     return s <= S + i && (vis[s] || s == S + i);
 }
 
+/* The first slot query i may see under a window of W visible tokens (0: no window): the slots s with fewer than W
+ * visible ones in s + 1 .. S + i, as ``kv.attention_mask`` counts them (holes and padding not counted); lo when all. */
+static long window_from(const unsigned char *vis, long S, long i, long lo, long W) {
+    long s = S + i, c = 0;
+    if (!W) return lo;
+    while (s > lo && c + vis[s] < W) c += vis[s--];
+    return s;
+}
+
 /* Attention of the G query heads of key/value head g, for the q new tokens of row b (queries n = i * G + j), over
- * slots lo .. S + q - 1 (lo: the row's first visible slot; a hole after it is scored, then hidden). The scores of all
+ * slots lo .. S + q - 1 (lo: the row's first visible slot, or its first query's window's; a hole after it is scored,
+ * then hidden, as is a slot left of a later query's window, ``window_from``). The scores of all
  * the queries against those keys are one skinny product (``skinny.c``: each key read once per block of queries, and
  * every score summed in one order whatever the number of queries, so a token's attention has the same bits in a
  * verification block as in a decode step); then each query's visibility, softmax and weighted sum of values.
  * Scratch: p [q * G * (S + q)], Q and xi [q * G * D]. */
 static void attend(const float *qb, const float *K, const float *V, float *out, const unsigned char *vis, long S,
-                   long q, long nh, long G, long g, long D, float scale, long lo, float *p, float *Q, float *xi) {
+                   long q, long nh, long G, long g, long D, float scale, long lo, long W, float *p, float *Q,
+                   float *xi) {
+    lo = window_from(vis, S, 0, lo, W); /* the first query's window starts first */
     long T = S + q, nq = q * G, N = T - lo;
     for (long n = 0; n < nq; n++) memcpy(Q + n * D, qb + ((n / G) * nh + g * G + n % G) * D, D * sizeof(float));
     skinny_rows(Q, skinny_interleave(Q, xi, nq, D, 0) ? xi : NULL, 0, K + lo * D, p, nq, N, D, 0, N);
@@ -163,10 +186,10 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
     for (long n0 = 0, c; n0 < nq; n0 += c) {  /* queries in groups of 6, then 3, then one by one */
         c = !wide ? 1 : nq - n0 >= 6 ? 6 : nq - n0 >= 3 ? 3 : 1;
         for (long j = 0; j < c; j++) {
-            long n = n0 + j, i = n / G;
+            long n = n0 + j, i = n / G, from = window_from(vis, S, i, lo, W);
             float *pn = p + n * N, m = -INFINITY;
             for (long s = lo; s < T; s++) {
-                float v = seen(vis, S, i, s) ? pn[s - lo] * scale : -INFINITY;
+                float v = s >= from && seen(vis, S, i, s) ? pn[s - lo] * scale : -INFINITY;
                 pn[s - lo] = v;
                 m = v > m ? v : m;
             }
@@ -183,16 +206,20 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
 }
 
 /* w: input norm, Wq, Wk, Wv, Wo, post-attention norm, Wgate, Wup, Wdown (the norms fp32; the linears fp32 or packed),
- * then ``hooks``' q/k/v biases and query/key head norms (fp32, or a NULL ``q`` where the family has none).
+ * then ``hooks``' q/k/v biases and query/key head norms, then the norms of the attention's output and of the MLP's
+ * (Gemma's, applied before each residual add) (fp32, or a NULL ``q`` where the family has none).
  * x: [R, H], updated in place: R = B*q rows b * q + i, or, packed, the first count[b] new tokens of each row in order
  * (``first`` [B + 1]: row b's are rows first[b] .. first[b + 1] - 1; the other new slots are padding, not computed,
  * and their cache slots not written).
- * cos, sin: [R, D]. kc, vc: [B, nkv, cap, D] caches; slots S..S+q-1 are written. vis: [B, S+q].
- * dims: B, q, S, cap, H, nh, nkv, D, I, R. Returns 0, or -1 when scratch memory could not be had. */
+ * cos, sin: [R, D]. kc, vc: [B, nkv, cap, D] caches; slots S..S+q-1 are written. vis: [B, S+q]. W: the window of
+ * visible tokens each query sees (0: all).
+ * dims: B, q, S, cap, H, nh, nkv, D, I, R, the MLP's activation (0: SiLU, 1: GELU with tanh), norm weights as offsets
+ * from 1 (1: Gemma's). Returns 0, or -1 when scratch memory could not be had. */
 int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin, float *kc, float *vc,
-                const unsigned char *vis, const long *dims, float eps, float scale, const long *first) {
+                const unsigned char *vis, const long *dims, float eps, float scale, const long *first, long W) {
     long B = dims[0], q = dims[1], S = dims[2], cap = dims[3], H = dims[4], nh = dims[5], nkv = dims[6], D = dims[7],
-         I = dims[8], R = first ? first[B] : B * q, G = nh / nkv, T = S + q;
+         I = dims[8], R = first ? first[B] : B * q, G = nh / nkv, T = S + q, gelu = dims[10];
+    int one = (int)dims[11];
     float *h = malloc(sizeof(float) * R * (H + nh * D * 2 + nkv * D * 2 + I * 2));
     if (!h) return -1;
     float *qb = h + R * H, *att = qb + R * nh * D, *kb = att + R * nh * D, *vb = kb + R * nkv * D,
@@ -203,7 +230,7 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
     #pragma omp parallel /* one region for the layer: each step below is shared out, or run by one thread */
     {
         #pragma omp single
-        rmsnorm(x, w[0].q, h, R, H, eps);
+        rmsnorm(x, w[0].q, h, R, H, eps, one);
         packed_linears(h, &w[1], (float *[]){qb, kb, vb}, (long[]){nh * D, nkv * D, nkv * D}, 3, R, H, &xi);
         #pragma omp single
         for (long r = 0, b = 0; r < R; r++) {
@@ -211,7 +238,7 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
             long i = first ? r - first[b] : r % q;
             if (!first) b = r / q;
             const float *cs = cos + r * D, *sn = sin + r * D;
-            hooks(qb + r * nh * D, kb + r * nkv * D, vb + r * nkv * D, &w[9], nh, nkv, D, eps);
+            hooks(qb + r * nh * D, kb + r * nkv * D, vb + r * nkv * D, &w[9], nh, nkv, D, eps, one);
             for (long n = 0; n < nh; n++) rope(qb + (r * nh + n) * D, cs, sn, D);
             for (long g = 0; g < nkv; g++) {
                 float *kr = kb + (r * nkv + g) * D;
@@ -234,37 +261,44 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
                 const unsigned char *seen_from = memchr(vis + b * T, 1, S);
                 long lo = seen_from ? seen_from - (vis + b * T) : S;
                 attend(qb + r0 * nh * D, kc + base, vc + base, att + r0 * nh * D, vis + b * T, S, n, nh, G, g, D,
-                       scale, lo, p, Q, xa);
+                       scale, lo, W, p, Q, xa);
             }
         free(p);
         packed_linears(att, &w[4], (float *[]){h}, (long[]){H}, 1, R, nh * D, &xi);
         #pragma omp single
         {
+            if (w[14].q) rmsnorm(h, w[14].q, h, R, H, eps, one);
             for (long j = 0; j < R * H; j++) x[j] += h[j];
-            rmsnorm(x, w[5].q, h, R, H, eps);
+            rmsnorm(x, w[5].q, h, R, H, eps, one);
         }
         packed_linears(h, &w[6], (float *[]){gate, up}, (long[]){I, I}, 2, R, H, &xi);
         #pragma omp for schedule(static)
-        for (long j = 0; j < R * I; j++) gate[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+        for (long j = 0; j < R * I; j++)
+            gate[j] = (gelu ? gelu_tanh(gate[j]) : gate[j] / (1.0f + expf(-gate[j]))) * up[j];
         packed_linears(gate, &w[8], (float *[]){h}, (long[]){H}, 1, R, I, &xi);
         #pragma omp single
-        for (long j = 0; j < R * H; j++) x[j] += h[j];
+        {
+            if (w[15].q) rmsnorm(h, w[15].q, h, R, H, eps, one);
+            for (long j = 0; j < R * H; j++) x[j] += h[j];
+        }
     }
     free(h);
     return failed ? -1 : 0; /* failed: an attention's scratch could not be had (x is then not to be used) */
 }
 
-/* Every layer of a forward in one call: layer l over w[l] and the caches kc[l], vc[l] of capacity caps[l] (the
- * other arguments as llama_layer's, dims[3] unused). One call from Python where one a layer spent ~8 us of a
- * batch-1 step on its own bookkeeping (reserving, pointers, the call). Returns 0, or -1 as llama_layer. */
-int llama_layers(float *x, const packed_t *const *w, const float *cos, const float *sin, float *const *kc,
-                 float *const *vc, const unsigned char *vis, const long *dims, float eps, float scale,
-                 const long *first, const long *caps, long layers) {
-    long d[10];
+/* Every layer of a forward in one call: layer l over w[l], the rotary tables cos[rope[l]], sin[rope[l]], the
+ * caches kc[l], vc[l] of capacity caps[l] and the window windows[l] (the other arguments as llama_layer's, dims[3]
+ * unused). One call from Python where one a layer spent ~8 us of a batch-1 step on its own bookkeeping (reserving,
+ * pointers, the call). Returns 0, or -1 as llama_layer. */
+int llama_layers(float *x, const packed_t *const *w, const float *const *cos, const float *const *sin,
+                 float *const *kc, float *const *vc, const unsigned char *vis, const long *dims, float eps, float scale,
+                 const long *first, const long *caps, long layers, const long *rope, const long *windows) {
+    long d[12];
     memcpy(d, dims, sizeof d);
     for (long l = 0; l < layers; l++) {
         d[3] = caps[l];
-        if (llama_layer(x, w[l], cos, sin, kc[l], vc[l], vis, d, eps, scale, first)) return -1;
+        if (llama_layer(x, w[l], cos[rope[l]], sin[rope[l]], kc[l], vc[l], vis, d, eps, scale, first, windows[l]))
+            return -1;
     }
     return 0;
 }

@@ -9,8 +9,10 @@ final norm and the output head stay the model's own modules.
 
 Used for ``LlamaForCausalLM`` models in fp32 on CPU (SiLU MLP without biases, attention without biases, one
 projection per weight) when the kernels are built, and for the families whose layer is Llama's up to ``layer.c``'s
-hooks (``FAMILIES``): Qwen2 (q/k/v biases) and Qwen3 (RMS norms of each query and key head); anything else returns
-None and the caller runs the model.
+hooks (``FAMILIES``): Qwen2 (q/k/v biases), Qwen3 (RMS norms of each query and key head) and Gemma 3 (head norms,
+norms of the attention's and the MLP's outputs, norm weights as offsets from 1, a GELU MLP, a rotary table and a
+window per layer type: a local layer's queries see the row's last ``window`` visible tokens, as ``kv.attention_mask``
+counts them); anything else returns None and the caller runs the model.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ import ctypes
 import weakref
 
 import torch
+from transformers.activations import ACT2FN
+from transformers.models.gemma3 import modeling_gemma3 as gemma3
 from transformers.models.llama import modeling_llama as hf
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
+from .. import kv
 from .. import weights as packed
 from . import MAX_ROWS, Packed, _load, skinny_linear
 
@@ -33,19 +38,56 @@ FAMILIES = {
     hf.LlamaForCausalLM: (hf.LlamaDecoderLayer, hf.LlamaAttention, hf.LlamaMLP, hf.LlamaRMSNorm),
     qwen2.Qwen2ForCausalLM: (qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP, qwen2.Qwen2RMSNorm),
     qwen3.Qwen3ForCausalLM: (qwen3.Qwen3DecoderLayer, qwen3.Qwen3Attention, qwen3.Qwen3MLP, qwen3.Qwen3RMSNorm),
+    gemma3.Gemma3ForCausalLM: (gemma3.Gemma3DecoderLayer, gemma3.Gemma3Attention, gemma3.Gemma3MLP,
+                               gemma3.Gemma3RMSNorm),
 }
-WEIGHTS = 14  # a layer's weights as ``llama_layer`` takes them: the 9 of a Llama layer, then the 5 of the hooks
+WINDOWED = (gemma3.Gemma3ForCausalLM,)  # the families whose windows (``kv.windows``) the kernels apply
+UNIT_NORMS = (gemma3.Gemma3RMSNorm,)  # RMS norms whose weights are offsets from 1: x / rms(x) * (1 + w), in fp32
+ACTIVATIONS = {type(ACT2FN["silu"]): 0, torch.nn.SiLU: 0, type(ACT2FN["gelu_pytorch_tanh"]): 1}  # ``layer.c``'s codes
+WEIGHTS = 16  # a layer's weights as ``llama_layer`` takes them: the 9 of a Llama layer, the 5 of the hooks, the 2
+# norms of the attention's and the MLP's outputs
 
 
 def covered(model) -> bool:
-    """Whether ``model`` is of one of ``FAMILIES`` with its own classes in every layer and full attention (a query:
-    module types only)."""
+    """Whether ``model`` is of one of ``FAMILIES`` with its own classes in every layer, causal attention without
+    capped logits, and windows only where the family's are applied (a query: module types and config only)."""
     classes = FAMILIES.get(type(model))
-    if classes is None or not len(model.model.layers):
+    cfg = model.config
+    if classes is None or not len(model.model.layers) or getattr(cfg, "use_bidirectional_attention", False):
+        return False
+    if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "final_logit_softcapping", None):
+        return False
+    if kv.windows(model) and not isinstance(model, WINDOWED):
         return False
     layer, attention, mlp, _ = classes
+    windowed = isinstance(model, WINDOWED)
     return all(type(x) is layer and type(x.self_attn) is attention and type(x.mlp) is mlp
-               and getattr(x.self_attn, "sliding_window", None) is None for x in model.model.layers)
+               and (windowed or getattr(x.self_attn, "sliding_window", None) is None) for x in model.model.layers)
+
+
+def layer_types(model) -> list:
+    """Each layer's type (its rotary table and window), None for every layer where the model has one kind."""
+    types = getattr(model.model.rotary_emb, "layer_types", None) and model.config.layer_types
+    return list(types) if types else [None] * len(model.model.layers)
+
+
+def rotary(model, x, positions, kinds=None) -> dict:
+    """``{layer type: (cos, sin)}`` for ``layer_types`` (or its distinct ``kinds``, where known): Gemma 3's rotary
+    embedding has a base per layer type."""
+    emb = model.model.rotary_emb
+    kinds = dict.fromkeys(layer_types(model)) if kinds is None else kinds
+    return {t: emb(x, positions) if t is None else emb(x, positions, t) for t in kinds}
+
+
+def layer_windows(model) -> list[int]:
+    """Each layer's window of visible tokens (``kv.windows``), 0 where it attends to its whole history."""
+    windows = kv.windows(model)
+    return [windows.get(t) or 0 for t in layer_types(model)]
+
+
+def norm_eps(norm) -> float:
+    """An RMS norm's epsilon (Gemma's norms call it ``eps``)."""
+    return norm.eps if isinstance(norm, UNIT_NORMS) else norm.variance_epsilon
 
 
 class _Plan:
@@ -60,7 +102,14 @@ class _Plan:
         self.heads, self.kv_heads = a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim
         self.head_dim, self.hidden = a.head_dim, model.config.hidden_size
         self.inter = model.model.layers[0].mlp.gate_proj.out_features
-        self.eps, self.scale = model.model.layers[0].input_layernorm.variance_epsilon, a.scaling
+        self.eps, self.scale = norm_eps(model.model.layers[0].input_layernorm), a.scaling
+        self.act = ACTIVATIONS[type(model.model.layers[0].mlp.act_fn)]
+        self.unit = int(isinstance(model.model.layers[0].input_layernorm, UNIT_NORMS))
+        types = layer_types(model)
+        self.kinds = list(dict.fromkeys(types))  # the rotary tables, in ``rotary``'s order
+        self.rope = (ctypes.c_long * len(layers))(*(self.kinds.index(t) for t in types))  # each layer's table
+        self.tables = ctypes.c_void_p * len(self.kinds)
+        self.windows = (ctypes.c_long * len(layers))(*layer_windows(model))
 
 
 def _descriptor(w) -> Packed:
@@ -101,15 +150,20 @@ def _layer_weights(layer, norm) -> list | None:
     """A layer's ``WEIGHTS`` (absent hooks None), or None where the kernel does not compute it as the model does
     (``norm``: the family's RMS norm class)."""
     a, m = layer.self_attn, layer.mlp
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    pre = getattr(layer, "pre_feedforward_layernorm", None)  # Gemma's: then the post-attention norm is of the output
+    norms = [layer.input_layernorm, layer.post_attention_layernorm if pre is None else pre]
+    after = [] if pre is None else [layer.post_attention_layernorm, layer.post_feedforward_layernorm]
     heads = [n for n in (getattr(a, "q_norm", None), getattr(a, "k_norm", None)) if n is not None]  # Qwen3's
-    if len(heads) == 1 or any(type(n) is not norm for n in norms + heads):
+    if len(heads) == 1 or any(type(n) is not norm for n in norms + heads + after):
         return None
-    if len({n.variance_epsilon for n in norms + heads}) != 1:  # the kernel takes one epsilon
+    if len({norm_eps(n) for n in norms + heads + after}) != 1:  # the kernel takes one epsilon
+        return None
+    if type(m.act_fn) not in ACTIVATIONS:
         return None
     q, k, v = (_linear_weight(lin, biased=True) for lin in (a.q_proj, a.k_proj, a.v_proj))
     o, gate, up, down = (_linear_weight(lin) for lin in (a.o_proj, m.gate_proj, m.up_proj, m.down_proj))
     hooks = [lin.bias for lin in (a.q_proj, a.k_proj, a.v_proj)] + ([n.weight for n in heads] or [None, None])
+    hooks += [n.weight for n in after] or [None, None]
     ws = [norms[0].weight, q, k, v, o, norms[1].weight, gate, up, down]
     if any(w is None for w in ws) or any(_fp32(t) is None for t in [ws[0], ws[5]] + hooks if t is not None):
         return None
@@ -120,14 +174,14 @@ def _layer_weights(layer, norm) -> list | None:
 
 def _make_plan(model) -> _Plan | None:
     cfg = model.config
-    if (not covered(model) or cfg.hidden_act != "silu" or getattr(cfg, "pretraining_tp", 1) != 1
-            or _linear_weight(model.lm_head) is None):
+    if not covered(model) or getattr(cfg, "pretraining_tp", 1) != 1 or _linear_weight(model.lm_head) is None:
         return None
     layers = [_layer_weights(layer, FAMILIES[type(model)][3]) for layer in model.model.layers]
     if any(ws is None for ws in layers):
         return None
     scales = {layer.self_attn.scaling for layer in model.model.layers}
-    return _Plan(model, layers) if len(scales) == 1 else None
+    acts = {type(layer.mlp.act_fn) for layer in model.model.layers}
+    return _Plan(model, layers) if len(scales) == len(acts) == 1 else None
 
 
 _PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan | None]" = weakref.WeakKeyDictionary()
@@ -162,23 +216,26 @@ def forward(model, cache, input_ids, position_ids, visible, logits_to_keep=0, hi
         return None
     lib, inner = _load(), model.model
     x = inner.embed_tokens(input_ids) if embeds is None else embeds
-    cos, sin = inner.rotary_emb(x, position_ids)
+    tables = [t.reshape(b * q, -1).contiguous() for pair in rotary(model, x, position_ids, p.kinds).values()
+              for t in pair]
     x = x.reshape(b * q, p.hidden).contiguous() if embeds is None else embeds.reshape(b * q, p.hidden).clone()
-    cos, sin = cos.reshape(b * q, -1).contiguous(), sin.reshape(b * q, -1).contiguous()
     first = ptr = None
     if packed:  # the real tokens, in row order: one gather
         mine = (torch.arange(q)[None, :] < counts[:, None]).flatten()
         real = mine.nonzero().squeeze(1)
-        x, cos, sin = x[real], cos[real], sin[real]
+        x, tables = x[real], [t[real] for t in tables]
         first = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long().contiguous()
         ptr = first.data_ptr()
+    cos = p.tables(*(t.data_ptr() for t in tables[0::2]))  # one a layer type
+    sin = p.tables(*(t.data_ptr() for t in tables[1::2]))
     vis = visible.to(torch.uint8).contiguous()
     start = cache.layers[0].length
     like = x.new_empty((b, p.kv_heads, q, p.head_dim))
-    dims = (ctypes.c_long * 10)(b, q, start, 0, p.hidden, p.heads, p.kv_heads, p.head_dim, p.inter, rows)
+    dims = (ctypes.c_long * 12)(b, q, start, 0, p.hidden, p.heads, p.kv_heads, p.head_dim, p.inter, rows, p.act,
+                                p.unit)
     slots = _slots(cache, like, start + q)
-    if lib.llama_layers(x.data_ptr(), p.table, cos.data_ptr(), sin.data_ptr(), slots.keys, slots.values,
-                        vis.data_ptr(), dims, p.eps, p.scale, ptr, slots.caps, len(p.pointers)):
+    if lib.llama_layers(x.data_ptr(), p.table, cos, sin, slots.keys, slots.values, vis.data_ptr(), dims, p.eps,
+                        p.scale, ptr, slots.caps, len(p.pointers), p.rope, p.windows):
         raise MemoryError("batchspec's layer kernel could not allocate its scratch memory")
     for layer in cache.layers:
         layer.advance(start + q)
