@@ -60,6 +60,19 @@ class DraftPlan:
     sure: float | None = None
     most: int = 0
     rowwise: bool = False
+    forced: torch.Tensor | None = None
+    n_forced: torch.Tensor | None = None
+
+
+def with_forced(plan: DraftPlan | None, forced: torch.Tensor, counts: list[int], reason: str) -> DraftPlan:
+    """``plan`` (None: the round drafts nothing) with the tokens rows' grammars force (``batch.grammar.forced``):
+    they are each row's first drafts, its own ones after them kept only where they agree (``Drafter.propose``), and
+    the block widens to hold them. Rows with none keep their plan."""
+    n_forced = torch.tensor(counts, device=forced.device)
+    if plan is None:
+        plan = DraftPlan(Offer(len(counts), forced.device), None, torch.zeros_like(n_forced), 0, reason)
+    plan.forced, plan.n_forced, plan.width = forced, n_forced, max(plan.width, forced.shape[1])
+    return plan
 
 
 def likeliest(chance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
