@@ -221,6 +221,7 @@ def test_forced_keys_are_drafted_and_accepted(drafter, batch_size):
     assert s.forced_rounds > 0 and s.forced_drafted >= len(PROMPTS)  # every row's opening brace, at least
     assert s.forced_accepted == s.forced_drafted and s.accepted >= s.forced_accepted
     assert s.rounds < sum(map(len, want))  # rounds emitted several tokens a row
+    assert max(s.lengths) + 1 <= llm.memory.block  # the KV memory bound holds the widest block
     if drafter is None:
         assert s.lengths.keys() - {0}  # plain decoding, yet rounds verified drafts: the forced ones
 

@@ -169,12 +169,16 @@ class Planner:
 
     def learn(self, plan: DraftPlan, proposal, accepted: torch.Tensor, target) -> None:
         """What the round's drafts did (device only): the copies' acceptance per match length and index, and in a
-        round that ran the head both first drafts, whichever was drafted (the target's first token is known)."""
+        round that ran the head both first drafts, whichever was drafted (the target's first token is known). Rows
+        that drafted forced tokens teach nothing: those are no copies."""
         offer, width = plan.offer, proposal.drafts.shape[1]
         if offer.match is None or not width:
             return
         if plan.kind != "head":
-            self.copies.learn(offer.match, proposal.n_drafts, width, accepted, offer.keys)
+            offered = proposal.n_drafts
+            if plan.n_forced is not None:
+                offered = offered.masked_fill(plan.n_forced > 0, 0)
+            self.copies.learn(offer.match, offered, width, accepted, offer.keys)
             return
         token = target.tokens()[:, 0]
         count, use = offer.count, plan.use
