@@ -246,3 +246,27 @@ def test_forced_drafts_under_sampling_keep_plain_sampling(monkeypatch):
     outs = llm.generate(PROMPTS[:4], params)
     assert llm.stats.forced_accepted == llm.stats.forced_drafted > 0
     assert all(set(json.loads(o.text)) == {"name", "age"} for o in outs)
+
+
+def test_forced_drafts_come_first_and_teach_the_copies_nothing():
+    """Prompt lookup with a row's forced tokens: they are its first drafts, its own candidates after them only where
+    they agree (else cut); what the planner learns of copies' acceptance comes from the rows without forced ones."""
+    from types import SimpleNamespace
+
+    from batchspec.drafters.lookup import PromptLookup
+    from batchspec.speculation.budget import DraftBudget
+    from batchspec.speculation.plan import Planner, with_forced
+
+    rows = [[1, 2, 3, 4, 30, 31, 32, 1, 2, 3, 4]] * 3  # each copies 30 31 32 1 2 next
+    hist = torch.zeros((3, 24), dtype=torch.long)
+    hist[:, :11] = torch.tensor(rows)
+    seqs = SimpleNamespace(history=hist, length=torch.full((3,), 11), sampling=False)
+    drafter, planner = PromptLookup(), Planner()
+    plan = planner.plan(drafter.offer(seqs, None, 4), DraftBudget(4))
+    forced = torch.tensor([[30, 31, 0], [40, 0, 0], [0, 0, 0]])  # agrees with row 0's copies, not row 1's
+    plan = with_forced(plan, forced, [2, 1, 0], "fixed")
+    proposal = drafter.propose(seqs, None, plan)
+    assert proposal.n_drafts.tolist() == [4, 1, 4]
+    assert proposal.drafts[0].tolist() == [30, 31, 32, 1] and proposal.drafts[1, :1].tolist() == [40]
+    planner.learn(plan, proposal, torch.tensor([4, 1, 2]), None)
+    assert planner.copies.offered.sum() == 3 and planner.copies.hits.sum() == 2  # row 2's: 2 accepted, the 3rd not

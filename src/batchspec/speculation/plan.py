@@ -175,10 +175,10 @@ class Planner:
         if offer.match is None or not width:
             return
         if plan.kind != "head":
-            offered = proposal.n_drafts
+            offered, right = proposal.n_drafts, accepted
             if plan.n_forced is not None:
-                offered = offered.masked_fill(plan.n_forced > 0, 0)
-            self.copies.learn(offer.match, offered, width, accepted, offer.keys)
+                offered, right = offered.masked_fill(plan.n_forced > 0, 0), right.masked_fill(plan.n_forced > 0, 0)
+            self.copies.learn(offer.match, offered, width, right, offer.keys)
             return
         token = target.tokens()[:, 0]
         count, use = offer.count, plan.use
