@@ -150,6 +150,9 @@ def test_server_response_format_json_schema_and_400s():
 
         r = post(temperature=0, response_format=fmt)
         assert r.status_code == 200 and _valid(r.json()["choices"][0]["text"])
+        metrics = httpx.get(server.url + "/metrics").text  # the schema's keys were forced drafts, all accepted
+        counts = dict(re.findall(r"^batchspec_forced_(\w+)_tokens_total (\S+)$", metrics, re.M))
+        assert float(counts["drafted"]) == float(counts["accepted"]) > 0
         r = post(temperature=0.8, seed=3, response_format={"type": "json_object"})
         assert r.status_code == 200 and isinstance(json.loads(r.json()["choices"][0]["text"]), dict)
         bad = [(dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 5}}}),
@@ -160,3 +163,110 @@ def test_server_response_format_json_schema_and_400s():
         for body, param in bad:
             r = post(**body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+# keys spelled one character a token, each the only one its mask allows: forced; the values are the model's choice
+FORCED_SCHEMA = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+                 "properties": {"name": {"type": "string", "maxLength": 4},
+                                "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def _legal(m, vocab: int = tiny.VOCAB) -> list[int]:
+    """The tokens ``m``'s mask allows now."""
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    bits = allocate_token_bitmask(1, vocab)
+    fill_next_token_bitmask(m, bits)
+    return ((bits[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab].nonzero()[:, 0].tolist()
+
+
+def test_forced_tokens_are_the_only_legal_ones():
+    """``grammar.forced`` keeps a fast-forward token only while the mask allows it alone: the opening brace and each
+    key's characters with its closing quote, never the quote a key opens with (whitespace may come first) nor the
+    end-of-sequence token of a complete grammar; the row's own matcher stays where it was."""
+    from types import SimpleNamespace
+
+    from batchspec.batch.grammar import forced
+
+    grammars = _llm(None, 1).parts.grammars
+    m = grammars.matcher(SamplingParams(json_schema=FORCED_SCHEMA).structured())
+    seqs = SimpleNamespace(matchers=[None, m], grammar_rows=[1], length=torch.zeros(2, dtype=torch.long))
+    tokens, counts = forced(seqs, 8, tiny.VOCAB)
+    assert counts == [0, 1] and tokens[1, :1].tolist() == _ids("{")
+    for t in _ids('{"'):
+        assert m.consume_token(t)
+    tokens, counts = forced(seqs, 8, tiny.VOCAB)
+    assert tokens[1, : counts[1]].tolist() == _ids('name"') and _legal(m) == _ids("n")  # m did not move
+    assert forced(seqs, 2, tiny.VOCAB)[1] == [0, 2]  # at most the room
+    for t in _ids('name":'):
+        assert m.consume_token(t)
+    assert len(_legal(m)) > 1 and forced(seqs, 8, tiny.VOCAB) is None  # a value: the model's choice
+    for t in _ids('"ab","age":12}'):
+        assert m.consume_token(t)
+    assert _legal(m) == [0] and forced(seqs, 8, tiny.VOCAB) is None  # complete: only the end, never drafted
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("drafter", [None, "prompt-lookup", "draft"])
+def test_forced_keys_are_drafted_and_accepted(drafter, batch_size):
+    """Jump-forward as speculation: a schema's forced keys are drafted first (without a drafter too, in a wider
+    block), every one is accepted under greedy decoding with the mask, and the output is the batch-1 oracle's."""
+    params = SamplingParams(max_tokens=N, json_schema=FORCED_SCHEMA)
+    want = [_oracle(p, params.structured()) for p in PROMPTS]
+    llm = _llm(drafter, batch_size)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == want
+    assert all(o.finish_reason == "stop" and set(json.loads(o.text)) == {"name", "age"} for o in outs)
+    s = llm.stats
+    assert s.forced_rounds > 0 and s.forced_drafted >= len(PROMPTS)  # every row's opening brace, at least
+    assert s.forced_accepted == s.forced_drafted and s.accepted >= s.forced_accepted
+    assert s.rounds < sum(map(len, want))  # rounds emitted several tokens a row
+    assert max(s.lengths) + 1 <= llm.memory.block  # the KV memory bound holds the widest block
+    if drafter is None:
+        assert s.lengths.keys() - {0}  # plain decoding, yet rounds verified drafts: the forced ones
+
+
+def test_forced_drafts_under_sampling_keep_plain_sampling(monkeypatch):
+    """Sampled rows draft forced tokens too (one-hot: probability 1 under the mask, always accepted): without a
+    drafter the tokens are those of plain sampled decoding at batch 1, where the forced tokens are not drafted; with
+    a draft model (its own drafts sampled on from them) every forced draft is accepted."""
+    from batchspec.drafters.none import NoDrafter
+
+    params = [SamplingParams(max_tokens=N, json_schema=FORCED_SCHEMA, temperature=0.8, seed=i) for i in range(4)]
+    llm = _llm(None, 4)
+    outs = llm.generate(PROMPTS[:4], params)
+    assert llm.stats.forced_accepted == llm.stats.forced_drafted > 0
+    with monkeypatch.context() as m:
+        m.setattr(NoDrafter, "takes_forced", False)
+        plain = _llm(None, 1)
+        alone = [plain.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
+        assert plain.stats.forced_drafted == 0 and plain.stats.lengths.keys() == {0}
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    llm = _llm("draft", 4)
+    outs = llm.generate(PROMPTS[:4], params)
+    assert llm.stats.forced_accepted == llm.stats.forced_drafted > 0
+    assert all(set(json.loads(o.text)) == {"name", "age"} for o in outs)
+
+
+def test_forced_drafts_come_first_and_teach_the_copies_nothing():
+    """Prompt lookup with a row's forced tokens: they are its first drafts, its own candidates after them only where
+    they agree (else cut); what the planner learns of copies' acceptance comes from the rows without forced ones."""
+    from types import SimpleNamespace
+
+    from batchspec.drafters.lookup import PromptLookup
+    from batchspec.speculation.budget import DraftBudget
+    from batchspec.speculation.plan import Planner, with_forced
+
+    rows = [[1, 2, 3, 4, 30, 31, 32, 1, 2, 3, 4]] * 3  # each copies 30 31 32 1 2 next
+    hist = torch.zeros((3, 24), dtype=torch.long)
+    hist[:, :11] = torch.tensor(rows)
+    seqs = SimpleNamespace(history=hist, length=torch.full((3,), 11), sampling=False)
+    drafter, planner = PromptLookup(), Planner()
+    plan = planner.plan(drafter.offer(seqs, None, 4), DraftBudget(4))
+    forced = torch.tensor([[30, 31, 0], [40, 0, 0], [0, 0, 0]])  # agrees with row 0's copies, not row 1's
+    plan = with_forced(plan, forced, [2, 1, 0], "fixed")
+    proposal = drafter.propose(seqs, None, plan)
+    assert proposal.n_drafts.tolist() == [4, 1, 4]
+    assert proposal.drafts[0].tolist() == [30, 31, 32, 1] and proposal.drafts[1, :1].tolist() == [40]
+    planner.learn(plan, proposal, torch.tensor([4, 1, 2]), None)
+    assert planner.copies.offered.sum() == 3 and planner.copies.hits.sum() == 2  # row 2's: 2 accepted, the 3rd not

@@ -333,6 +333,11 @@ class Stats:
     full_accepts: int = 0  # row-rounds that accepted every proposed draft token (the bonus came after the last one)
     grouped_rounds: int = 0  # exspec: rounds whose batch had rows of one length (no realignment needed)
     fallback_rounds: int = 0  # exspec: rounds whose batch mixed lengths (the layout realigned it)
+    # structured output: rounds that drafted tokens a grammar forced (the one token its mask allows), those tokens
+    # (part of ``drafted``) and those accepted (part of ``accepted``)
+    forced_rounds: int = 0
+    forced_drafted: int = 0
+    forced_accepted: int = 0
     lengths: dict = field(default_factory=dict)  # drafts of the row that drafted most -> rounds
     decisions: dict = field(default_factory=dict)  # what decided a round's budget -> rounds (``speculation.REASONS``)
     kinds: dict = field(default_factory=dict)  # kind of drafting round (the head's "copy", "head") -> rounds

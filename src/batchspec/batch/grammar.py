@@ -3,7 +3,9 @@ in the state of its emitted tokens. Before verification a copy of it walks the r
 legal tokens at every position (position j after drafts 1..j) and cutting the drafts at the first one it forbids;
 after the round's host read the matcher consumes the tokens the row emitted (accepted drafts and the bonus), which
 is where rejection leaves it. Masks are the ones batch-1 decoding would apply, so greedy output stays the same.
-Rows without a grammar cost nothing: with none in the batch no code here runs."""
+Tokens a row's grammar forces (``forced``: the only token its mask allows, a schema's keys and punctuation, say) are
+drafted first at no drafter cost ("jump-forward" as speculation). Rows without a grammar cost nothing: with none in
+the batch no code here runs."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import torch
 from ..params import ParamError
 
 GRAMMAR = "grammar"  # the finish reason of a row whose grammar reached a dead end
+# the most forced tokens a row drafts in a round of an engine without a drafter (its K is 0): a schema's keys and
+# punctuation run a few tokens, a longer run goes on in the next rounds
+FORCED_MOST = 8
 
 
 class Grammars:
@@ -37,6 +42,39 @@ class Grammars:
             reason = m.get_error().splitlines()[0][:100]
             raise ParamError(param, f"the grammar cannot be followed with this vocabulary ({reason})")
         return m
+
+
+def forced(seqs, room: int, vocab: int) -> tuple[torch.Tensor, list[int]] | None:
+    """The tokens each row's grammar forces from its state, at most ``room`` a row: ``(tokens [B, F] on the
+    device (0 past a row's count), counts [B] on the host)``, None when no row has one. llguidance's fast-forward
+    tokens are one tokenization of the bytes the grammar forces, which other tokens may spell too: a token is kept only
+    while it is the one token the row's mask allows, so batch-1 decoding with the mask emits it whatever the logits
+    (greedy or sampled: its probability is 1, and drafted one-hot it is always accepted). The end-of-sequence token is
+    never among them. Each walk runs on a copy of the row's matcher."""
+    from llguidance.torch import fill_next_token_bitmask
+
+    rows = {}
+    bits = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
+    for i in seqs.grammar_rows:
+        m = seqs.matchers[i]
+        tokens = m.compute_ff_tokens()[:room] if not m.is_stopped() else []
+        if tokens:
+            m, kept = m.deep_copy(), []
+            for t in tokens:
+                fill_next_token_bitmask(m, bits)
+                if bits.count_nonzero() != 1 or int(bits[0, t // 32]) & 0xFFFFFFFF != 1 << (t % 32):
+                    break  # another token is legal here too (or none is)
+                kept.append(t)
+                m.consume_token(t)
+            if kept:
+                rows[i] = kept
+    if not rows:
+        return None
+    counts = [len(rows.get(i, ())) for i in range(len(seqs.matchers))]
+    tokens = torch.zeros((len(counts), max(counts)), dtype=torch.long)
+    for i, kept in rows.items():
+        tokens[i, : len(kept)] = torch.tensor(kept)
+    return tokens.to(seqs.length.device), counts
 
 
 def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, dict]:

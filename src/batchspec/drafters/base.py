@@ -45,6 +45,9 @@ class Drafter:
     # ``timing()`` -> (runner, input layer or None, hidden): what the cost profile times as one drafting forward, for
     # drafters with a model of their own (None: model-free, drafting costs nothing worth pricing)
     timing = None
+    # whether ``propose`` drafts a plan's forced tokens (``DraftPlan.forced``: those a grammar forces) first; a drafter
+    # that does not (the head) gets none
+    takes_forced = False
 
     def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None, joining: bool = False):
         """The state of rows starting with ``prompts`` (None for drafters that keep no per-row state). A drafter
@@ -61,6 +64,16 @@ class Drafter:
         """Exactly ``plan.drafts`` tokens per row, in a block ``plan.width`` (>= 1) wide (``speculation.plan``
         decided them from ``offer``); a round that drafts nothing does not ask."""
         raise NotImplementedError
+
+    def forced_first(self, plan: DraftPlan, drafts: torch.Tensor, n: torch.Tensor) -> Proposal:
+        """``drafts`` ``[B, plan.width]`` (``n`` ``[B]`` a row) with the plan's forced tokens first: a row keeps its
+        own drafts after them only where they agree with its forced ones (a model drafting on from them does)."""
+        if plan.forced is None:
+            return Proposal(drafts, n)
+        col, f = torch.arange(drafts.shape[1], device=n.device)[None, :], plan.n_forced[:, None]
+        forced = torch.nn.functional.pad(plan.forced, (0, drafts.shape[1] - plan.forced.shape[1]))
+        agree = ((drafts == forced) | (col >= f) | (col >= n[:, None])).all(1)
+        return Proposal(torch.where(col < f, forced, drafts), torch.where(agree, torch.maximum(n, f[:, 0]), f[:, 0]))
 
     def commit(self, state, proposal: Proposal, accepted: torch.Tensor, target) -> None:
         """After verification: row b accepted ``accepted[b]`` drafts; ``target`` is the verification's

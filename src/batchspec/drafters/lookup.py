@@ -24,6 +24,7 @@ class PromptLookup(Drafter):
     name = "prompt-lookup"
     sizes_own_drafts = True  # its offers carry candidates that speculation sizes rows by
     packs_rows = True
+    takes_forced = True
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -37,10 +38,12 @@ class PromptLookup(Drafter):
                      sampling=seqs.sampling)
 
     def propose(self, seqs, state, plan: DraftPlan) -> Proposal:
-        """The first ``plan.drafts`` of each row's candidates (deterministic: q is one-hot on the proposal)."""
-        w, n = plan.width, plan.drafts
-        drafts = plan.offer.candidates[:, :w]
-        return Proposal(torch.where(torch.arange(w, device=n.device)[None, :] < n[:, None], drafts, 0), n)
+        """The first ``plan.drafts`` of each row's candidates (deterministic: q is one-hot on the proposal), after
+        its forced tokens."""
+        w, n, c = plan.width, plan.drafts, plan.offer.candidates
+        drafts = n.new_zeros(len(n), w) if c is None else torch.nn.functional.pad(c[:, :w], (0, max(w - c.shape[1], 0)))
+        drafts = torch.where(torch.arange(w, device=n.device)[None, :] < n[:, None], drafts, 0)
+        return self.forced_first(plan, drafts, n)
 
     def candidates(self, seqs, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's candidates ``[B, k]`` (entries past its count are 0), their count ``[B]`` (0: no match) and

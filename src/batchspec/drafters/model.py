@@ -48,6 +48,7 @@ class DraftState:
 
 class ModelDrafter(Drafter):
     name = "model"
+    takes_forced = True
 
     def __init__(self, model, graphs: str = "auto"):
         self.model = model
@@ -62,7 +63,9 @@ class ModelDrafter(Drafter):
         return DraftState(prefill(self.runner, prompts, name="draft"), processed)
 
     def propose(self, seqs, state: DraftState, plan):
-        """``plan.width`` drafts a row (the plan's k for every row: a model's drafts are not known before it runs)."""
+        """``plan.width`` drafts a row (the plan's k for every row: a model's drafts are not known before it runs),
+        a row's forced tokens in place of its first ones (q one-hot on them), so that it drafts on from them and its
+        cache holds what the target verifies."""
         k, m = plan.width, state.catch_up
         at = seqs.length[:, None] - m + torch.arange(m, device=seqs.length.device)[None, :]  # ends at the pending token
         ids = seqs.history.gather(1, at.clamp(min=0))
@@ -81,7 +84,15 @@ class ModelDrafter(Drafter):
             else:  # sample from the warped draft distribution, keep it for the rejection sampler
                 qs.append(seqs.warp(x)[:, 0])
                 drafts.append(draw(qs[-1], u[:, i]))
-        return Proposal(torch.stack(drafts, 1), plan.drafts, torch.stack(qs, 1) if qs else None)
+            if plan.forced is not None and i < plan.forced.shape[1]:
+                here = i < plan.n_forced
+                drafts[-1] = torch.where(here, plan.forced[:, i], drafts[-1])
+                if qs:
+                    one_hot = torch.nn.functional.one_hot(drafts[-1], qs[-1].shape[-1]).to(qs[-1].dtype)
+                    qs[-1] = torch.where(here[:, None], one_hot, qs[-1])
+        drafts = torch.stack(drafts, 1)
+        proposal = self.forced_first(plan, drafts, plan.drafts)
+        return Proposal(drafts, proposal.n_drafts, torch.stack(qs, 1) if qs else None)
 
     def commit(self, state: DraftState, proposal: Proposal, accepted, target) -> None:
         k = proposal.drafts.shape[1]

@@ -25,6 +25,7 @@ from ..params import PROCESSORS, ParamError, Stats, TokenLogprob, check_prompt_l
 from ..sampling import Stream, greedy
 from ..speculation import FixedLength
 from ..speculation.budget import DRAFT, FIXED, NO_DRAFTER, NOT_WORTH, DraftBudget, Outcome, RoundView
+from ..speculation.plan import with_forced
 from .layouts.slotmask import SlotMask
 from .memory import KVMemory
 from .protocols import Drafter, Layout, Scheduler, SpeculationPolicy
@@ -165,6 +166,7 @@ class RoundResult:
     kind: str | None = None  # the kind of round, for drafters whose rounds come in kinds (``Proposal.kind``)
     logprobs: RoundLogprobs | None = None  # for the rows that asked (``Sequences.logprobs``)
     dead: dict = field(default_factory=dict)  # rows whose grammar reached a dead end -> its position (``grammar``)
+    forced: list[int] | None = None  # per row: the forced tokens it drafted first (``grammar.forced``), host
 
 
 @dataclass
@@ -175,15 +177,16 @@ class RoundPlan:
     rows: list[int] | None
     k_max: int
     budget: DraftBudget
+    room: int = 0  # the most forced tokens a row drafts (``grammar.forced``): k_max, or a few without a drafter
 
 
-def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBudget) -> RoundResult:
+def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBudget, room: int = 0) -> RoundResult:
     """One round on a batch: draft (the plan the policy makes of the drafter's offer within ``budget``: up to
-    ``budget.k`` tokens per row) -> verify -> accept -> hide rejected slots -> emit (with the log-probabilities of the
-    emitted tokens, for rows that asked)."""
+    ``budget.k`` tokens per row; first the tokens rows' grammars force, up to ``room``) -> verify -> accept -> hide
+    rejected slots -> emit (with the log-probabilities of the emitted tokens, for rows that asked)."""
     seqs, target, drafter = batch.seqs, batch.target, parts.drafter
-    with timer("draft"):  # the drafter offers, speculation plans, the drafter drafts exactly the plan
-        plan = parts.policy.plan(drafter.offer(seqs, batch.draft, budget.k), budget) if budget.k else None
+    with timer("draft"):  # the drafter offers, speculation plans, the drafter drafts exactly the plan (forced first)
+        plan, forced = _plan(parts, batch, budget, room)
         if plan is not None and plan.width:
             proposal = drafter.propose(seqs, batch.draft, plan)
         else:
@@ -220,15 +223,30 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
         seqs.rounds += 1
         seqs.drafted += n_drafts
         seqs.accepted += accepted
-    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind, logprobs, dead)
+    return RoundResult(finished, block, n, cut, accepted, n_drafts, proposal.kind, logprobs, dead, forced)
 
 
-def _room(parts: Parts, batch: Batch) -> int:
-    """The most tokens any row may draft this round: K, clipped so the block stays inside the context (a running
-    row always has room for one more position, as prompt + max_tokens fits the context)."""
-    if parts.context is None or not parts.k:
-        return parts.k
-    return max(1, min(parts.k, parts.context - max(batch.lengths)))
+def _plan(parts: Parts, batch: Batch, budget: DraftBudget, room: int) -> tuple:
+    """The round's ``DraftPlan`` (None: it drafts nothing) and the forced tokens each row drafts first (host counts,
+    None: none): the policy's plan of the drafter's offer, widened to the tokens rows' grammars force
+    (``grammar.forced``, up to ``room``) where the drafter takes them."""
+    seqs, drafter = batch.seqs, parts.drafter
+    plan = parts.policy.plan(drafter.offer(seqs, batch.draft, budget.k), budget) if budget.k else None
+    if not (seqs.grammar_rows and drafter.takes_forced and room):
+        return plan, None
+    forced = grammar.forced(seqs, room, parts.grammars.vocab)
+    if forced is None:
+        return plan, None
+    return with_forced(plan, *forced, budget.reason), forced[1]
+
+
+def _room(parts: Parts, batch: Batch, k: int | None = None) -> int:
+    """The most tokens any row may draft this round: K (or ``k``), clipped so the block stays inside the context (a
+    running row always has room for one more position, as prompt + max_tokens fits the context)."""
+    k = parts.k if k is None else k
+    if parts.context is None or not k:
+        return k
+    return max(1, min(k, parts.context - max(batch.lengths)))
 
 
 WINDOW = SlotMask(max_waste=0.5)
@@ -365,10 +383,11 @@ class Engine:
             self.stats.grouped_rounds += grouped
             self.stats.fallback_rounds += not grouped
         k_max = _room(self.parts, self.batch)
+        room = k_max if self.parts.k else _room(self.parts, self.batch, grammar.FORCED_MOST)
         if rows is None:
-            return outs, RoundPlan(rows, k_max, self._budget(self.batch, k_max))
+            return outs, RoundPlan(rows, k_max, self._budget(self.batch, k_max), room)
         # rounds drawn from a window keep every row's draft state in step: fixed length
-        return outs, RoundPlan(rows, k_max, DraftBudget(k_max, reason=FIXED))
+        return outs, RoundPlan(rows, k_max, DraftBudget(k_max, reason=FIXED), room)
 
     def _drop_aborted(self) -> list[StepOutput]:
         """Take the running rows whose request was aborted out of the batch; their results."""
@@ -382,8 +401,8 @@ class Engine:
     def _run(self, plan: RoundPlan) -> RoundResult:
         """The round itself: on every running row, or on the rows of the window the scheduler chose."""
         if plan.rows is None:
-            return speculative_round(self.parts, self.batch, self.timer, plan.budget)
-        return self._round_from_window(plan.rows, plan.budget)
+            return speculative_round(self.parts, self.batch, self.timer, plan.budget, plan.room)
+        return self._round_from_window(plan.rows, plan.budget, plan.room)
 
     def _postprocess(self, plan: RoundPlan, result: RoundResult) -> list[StepOutput]:
         """After the round: its one host read, the counters and the policy's observation, a ``StepOutput`` per row of
@@ -396,6 +415,8 @@ class Engine:
             # without drafting leaves them)
             estimates = policy.estimates(batch.seqs, self.parts.k) if plan.rows is None and plan.budget.k else None
             read = RoundReadback.read(batch.seqs, result, estimates)  # the one host read
+            if result.forced is not None:
+                _count_forced(stats, result.forced, read.emitted)
             if batch.seqs.grammar_rows:
                 self._grammar_ends(read, plan.rows, result.dead)
             batch.lengths = read.lengths
@@ -525,7 +546,7 @@ class Engine:
             self._prompt_lps[r.id] = self._prompt_unsent[r.id] = entries
             at += n
 
-    def _round_from_window(self, rows: list[int], budget: DraftBudget) -> RoundResult:
+    def _round_from_window(self, rows: list[int], budget: DraftBudget, room: int) -> RoundResult:
         """A round on ``rows`` of the window: copy them out (aligned by the layout), run the round, write them back.
         ``finished`` of the result is spread over every window row."""
         window = self.batch
@@ -534,7 +555,7 @@ class Engine:
             width = max(window.lengths[r] for r in rows) - 1
             for state in (part.target, *self.parts.drafter.states(part.draft)):
                 self.parts.layout.align(state, width)
-        result = speculative_round(self.parts, part, self.timer, budget)
+        result = speculative_round(self.parts, part, self.timer, budget, room)
         with self.timer("schedule"):
             window.put(rows, part)
             idx = torch.tensor(rows, device=result.finished.device)
@@ -575,6 +596,14 @@ def _tally(stats: Stats, read: RoundReadback) -> None:
     stats.rounds += 1
     stats.verify_calls += 1
     stats.row_rounds += len(read.emitted)
+
+
+def _count_forced(stats: Stats, forced: list[int], emitted: list[int]) -> None:
+    """Count the forced drafts the round verified and those its rows emitted (before any cut, a row's accepted
+    drafts are its emitted tokens but the bonus)."""
+    stats.forced_rounds += 1
+    stats.forced_drafted += sum(forced)
+    stats.forced_accepted += sum(min(f, n - 1) for f, n in zip(forced, emitted))
 
 
 def _count(stats: Stats, outcome: Outcome) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..batch import grammar
 from ..model.prefixes import available_bytes
 
 # default budget: a quarter of the memory available on the target's device when the engine is built. The budget
@@ -77,7 +78,8 @@ class KVMemory:
         waste = getattr(parts.layout, "max_waste", 0.0)
         if part is not None:
             waste = max(waste, part_waste)
-        return cls(per_token, budget, waste, parts.k + 1, part)
+        forced = grammar.FORCED_MOST if parts.grammars is not None else 0  # a block without a drafter widens for them
+        return cls(per_token, budget, waste, (parts.k or forced) + 1, part)
 
     def need(self, rows: int, ceiling: int) -> int:
         """Bytes of a rectangle of ``rows`` whose longest row ends at ``ceiling`` tokens, at its widest."""

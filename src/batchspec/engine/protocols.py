@@ -51,6 +51,7 @@ class Drafter(Protocol):
     needs_hidden: bool  # commit reads the target's final hidden states
     sizes_own_drafts: bool  # greedy offers carry candidates that speculation sizes each row by
     packs_rows: bool  # it may size each row on its own where the target's runner packs verification
+    takes_forced: bool  # propose drafts a plan's forced tokens (those a grammar forces) first
 
     def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None, joining: bool = False): ...
 

@@ -60,6 +60,19 @@ class DraftPlan:
     sure: float | None = None
     most: int = 0
     rowwise: bool = False
+    forced: torch.Tensor | None = None
+    n_forced: torch.Tensor | None = None
+
+
+def with_forced(plan: DraftPlan | None, forced: torch.Tensor, counts: list[int], reason: str) -> DraftPlan:
+    """``plan`` (None: the round drafts nothing) with the tokens rows' grammars force (``batch.grammar.forced``):
+    they are each row's first drafts, its own ones after them kept only where they agree (``Drafter.propose``), and
+    the block widens to hold them. Rows with none keep their plan."""
+    n_forced = torch.tensor(counts, device=forced.device)
+    if plan is None:
+        plan = DraftPlan(Offer(len(counts), forced.device), None, torch.zeros_like(n_forced), 0, reason)
+    plan.forced, plan.n_forced, plan.width = forced, n_forced, max(plan.width, forced.shape[1])
+    return plan
 
 
 def likeliest(chance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,12 +169,16 @@ class Planner:
 
     def learn(self, plan: DraftPlan, proposal, accepted: torch.Tensor, target) -> None:
         """What the round's drafts did (device only): the copies' acceptance per match length and index, and in a
-        round that ran the head both first drafts, whichever was drafted (the target's first token is known)."""
+        round that ran the head both first drafts, whichever was drafted (the target's first token is known). Rows
+        that drafted forced tokens teach nothing: those are no copies."""
         offer, width = plan.offer, proposal.drafts.shape[1]
         if offer.match is None or not width:
             return
         if plan.kind != "head":
-            self.copies.learn(offer.match, proposal.n_drafts, width, accepted, offer.keys)
+            offered, right = proposal.n_drafts, accepted
+            if plan.n_forced is not None:
+                offered, right = offered.masked_fill(plan.n_forced > 0, 0), right.masked_fill(plan.n_forced > 0, 0)
+            self.copies.learn(offer.match, offered, width, right, offer.keys)
             return
         token = target.tokens()[:, 0]
         count, use = offer.count, plan.use
