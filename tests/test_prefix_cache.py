@@ -323,3 +323,43 @@ def test_cached_prefixes_follow_the_weights_they_were_computed_with():
     t.to(torch.float32)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == oracle()
     assert len(kept) > 0 and all(b.keys.dtype == torch.float32 for b in kept._blocks.values())
+
+
+def test_a_prompts_log_probabilities_never_depend_on_what_else_was_prefilled_or_cached():
+    """fp32, the arithmetic of the C layer and of the whole prefill: a prompt's log-probabilities are bit for bit the
+    same fresh and alone, after another prompt planted its first blocks, and beside other prompts in one prefill;
+    a short prompt's (the few-row path's) too. Each prompt's path follows its own length: when it followed the
+    prefill's tokens in all, a prompt's last tokens after a cached start went through the C layer and the same
+    prompt fresh through the whole prefill."""
+    from batchspec.model.runner import FEW_TOKENS
+
+    t = tiny.target(dtype=torch.float32)
+    assert Runner(t).packed_rows and whole.supported(t)  # both paths run here
+    long_p, other, short = SYSTEM + TAILS[1] + TAILS[2] + TAILS[3], SYSTEM + TAILS[5], TAILS[4]
+    rows = Runner(t).packed_rows  # the case that differed: fresh, the whole prefill; after the hit, the C layer
+    assert len(short) - 1 <= FEW_TOKENS < len(long_p) - 1 and len(long_p) - 1 - HIT <= rows < len(long_p) - 1
+    sp = batchspec.SamplingParams(max_tokens=6, logprobs=3)
+
+    def run(first, prompts):
+        llm = batchspec.LLM(t, batch_size=4, scheduler="continuous")
+        if first:
+            llm.generate(first, sp)
+        return llm, [o.logprobs for o in llm.generate(prompts, sp)]
+
+    alone = [run(None, [p])[1][0] for p in (long_p, short)]
+    llm, after = run([other], [long_p])
+    assert llm.stats.prefix_hits == 1 and llm.stats.prefix_tokens == HIT
+    assert after[0] == alone[0]
+    llm, together = run(None, [short, long_p, other])
+    assert together[:2] == [alone[1], alone[0]]
+    assert [o.token_id for o in alone[0]] == tiny.oracle(t, long_p, 6)
+
+
+def test_the_whole_prefills_products_give_a_row_the_same_bits_however_few_rows_beside_it():
+    """torch's CPU product takes other paths for a few rows (``prefill.least_rows``): a prompt's last tokens after a
+    cached start are computed as they would be among many."""
+    lin = torch.nn.Linear(576, 576, bias=False).requires_grad_(False)
+    x = torch.randn(64, 576)
+    full = whole._linear(lin, x, torch.empty(64, 576), None)
+    for m in range(1, 13):
+        assert torch.equal(whole._linear(lin, x[:m], torch.empty(m, 576), None), full[:m]), m

@@ -104,14 +104,16 @@ def _prefill_group(runner, cached: list[list[int]], prefix, shared: int, hidden:
     return part, states.gather(1, index[..., None].expand(-1, -1, states.shape[-1])).masked_fill(hole[..., None], 0)
 
 
-def _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base=None):
+def _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base=None, few=False):
     """The prefill as one left-padded forward per group of rows (``prefill_groups``), after the shared prefix's own
     forward (from ``base`` on, a kept prefix of its first tokens); returns ``(cache, states)`` like
     ``Runner.prefill``: the hidden states ``[B, width, H]`` or None."""
     dev, states = runner.device, None
     cache = kv.new_cache(runner.model)
     prefix = _prefix(runner, prompts[0][:shared], hidden, base) if shared else None
-    for rows in prefill_groups([n - shared for n in lengths], overhead):
+    # ``few``: rows the C layer computes, each forward within the tokens it takes (``packed_rows``)
+    most = runner.packed_rows if few and runner.packed_rows else PREFILL_MAX_TOKENS
+    for rows in prefill_groups([n - shared for n in lengths], overhead, most):
         rows = [r for r in rows if lengths[r]]
         if not rows:
             continue
@@ -130,9 +132,10 @@ def _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, 
     return cache, states
 
 
-def _prefill(runner, prompts, lengths, width, overhead, hidden, embeds, base):
+def _prefill(runner, prompts, lengths, width, overhead, hidden, embeds, base, whole):
     """``(cache, states or None)`` of ``prompts`` (``lengths``: each one's cached tokens) right-aligned in ``width``
-    slots, every one starting from ``base`` (a cached ``Prefix`` of each, or None): ``prefill`` for one start."""
+    slots, every one starting from ``base`` (a cached ``Prefix`` of each, or None): ``prefill`` for one start and one
+    path (``whole``: ``Runner.whole`` of each; else the grouped forwards)."""
     # the prefix every prompt shares, up to each row's last cached token (every row keeps one of its own): computed
     # once where that saves more than a forward's overhead
     cached = [p[:n] for p, n in zip(prompts, lengths)]
@@ -152,8 +155,8 @@ def _prefill(runner, prompts, lengths, width, overhead, hidden, embeds, base):
                 out[r] = v
         return out
 
-    whole = runner.prefill(cached, shared, width, hidden, vectors if embeds is not None else None, base)
-    return whole or _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base)
+    done = runner.prefill(cached, shared, width, hidden, vectors if embeds is not None else None, base) if whole else None
+    return done or _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base, not whole)
 
 
 def _starts(store, runner, cached, chains, hidden) -> list:
@@ -172,19 +175,18 @@ def _starts(store, runner, cached, chains, hidden) -> list:
     return starts
 
 
-def _by_start(runner, prompts, lengths, width, overhead, hidden, starts):
-    """The prefill of rows with different cached starts: each group of rows sharing one (or none) prefilled from it
+def _by_group(runner, prompts, lengths, width, overhead, hidden, embeds, starts, paths, groups):
+    """The prefill of rows in several ``groups`` (a path and a cached start each): each prefilled from its start
     (``_prefill``), their rows copied into one rectangle of ``width`` slots."""
-    dev, groups = runner.device, {}
-    for r, s in enumerate(starts):
-        groups.setdefault(None if s is None else s.chain[-1], []).append(r)
+    dev = runner.device
     cache, states = kv.new_cache(runner.model), None
-    for rows in groups.values():
+    for rows in groups:
         n = max(lengths[r] for r in rows)
         if not n:
             continue
+        inputs = None if embeds is None else (lambda picked, m, rows=rows: embeds([rows[i] for i in picked], m))
         part, h = _prefill(runner, [prompts[r] for r in rows], [lengths[r] for r in rows], n, overhead, hidden,
-                           None, starts[rows[0]])
+                           inputs, starts[rows[0]], paths[rows[0]])
         index = torch.tensor(rows, device=dev)
         kv.place_rows(cache, index, part, len(prompts), width)
         if hidden:
@@ -193,6 +195,11 @@ def _by_start(runner, prompts, lengths, width, overhead, hidden, starts):
             states[index, width - n :] = h
         part.release()
     return cache, states
+
+
+def _few(salt: str | None) -> str:
+    """The salt of a row's block keys on the few-row path: its blocks apart from the whole prefill's."""
+    return (salt or "") + "\x00rows"
 
 
 def _keep(store, cache, states, cached, chains, width) -> None:
@@ -238,14 +245,27 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         overhead = PREFILL_OVERHEAD.get(dev.type, 1)
     store = runner.prefixes if embeds is None and prompts and not fresh else None
     starts = [None] * len(prompts)
+    paths = [runner.whole(n) for n in lengths]  # each row's arithmetic, from its own length alone
+    if any(lengths):  # a one-token prompt caches nothing: it goes with the others
+        first = paths[next(r for r, n in enumerate(lengths) if n)]
+        paths = [w if n else first for w, n in zip(paths, lengths)]
     if store is not None:
         cached = [p[:n] for p, n in zip(prompts, lengths)]
-        chains = [block_keys(c, s) for c, s in zip(cached, salts or [None] * len(prompts))]
+        # where the model has both paths, a block is kept under its path too: only a prompt computed the same way
+        # starts from it
+        both = runner.whole(PREFILL_MAX_TOKENS)
+        chains = [block_keys(c, s if whole or not both else _few(s))
+                  for c, s, whole in zip(cached, salts or [None] * len(prompts), paths)]
         starts = _starts(store, runner, cached, chains, hidden)
-    if len({id(s) for s in starts}) > 1:
-        cache, states = _by_start(runner, prompts, lengths, width, overhead, hidden, starts)
+    groups = {}  # rows by path and cached start
+    for r, s in enumerate(starts):
+        groups.setdefault((paths[r], None if s is None else s.chain[-1]), []).append(r)
+    if len(groups) > 1:
+        cache, states = _by_group(runner, prompts, lengths, width, overhead, hidden, embeds, starts, paths,
+                                  list(groups.values()))
     else:
-        cache, states = _prefill(runner, prompts, lengths, width, overhead, hidden, embeds, starts[0])
+        cache, states = _prefill(runner, prompts, lengths, width, overhead, hidden, embeds, starts[0],
+                                 paths[0] if prompts else False)
     if store is not None:
         for s in {id(s): s for s in starts if s is not None}.values():
             store.used(s, sum(t is s for t in starts))

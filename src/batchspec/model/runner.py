@@ -33,6 +33,9 @@ from .kernels import linear as fp32_linear
 from .kernels import llama as fused_llama
 from .prefixes import PrefixCache, budget_bytes, default_mib
 SLOT_SDPA = "batchspec_slot_sdpa"
+# a prompt of at most this many cached tokens is prefilled by the C layer's few-row forwards, a longer one whole: alone,
+# the whole prefill (every weight expanded once: ~55 ms for SmolLM2-135M at 2 threads) is slower only below ~32 tokens
+FEW_TOKENS = 32
 
 
 class TargetOutput:
@@ -234,14 +237,21 @@ class Runner:
             self._static = graphs.supported(self.model) and graphs.StaticRunner(self.model, self.graphs == "auto")
         return self._static or None
 
+    def whole(self, length: int) -> bool:
+        """Whether a prompt of ``length`` cached tokens is computed by the whole prefill (``prefill``), else by the C
+        layer's few-row forwards (``FEW_TOKENS``). A query of the prompt alone: each
+        path gives a token the same bits however its forward is cut (the rows beside it, its cached start), so a
+        prompt's keys, values and log-probabilities never depend on what else was prefilled or cached."""
+        return (self.static is None and length > min(FEW_TOKENS, self.packed_rows)
+                and whole_prefill.supported(self.model))
+
     def prefill(self, prompts: list[list[int]], shared: int, width: int, hidden: bool, embeds=None, base=None):
         """``(cache, states or None)`` of ``prompts`` cached right-aligned in ``width`` slots by one forward of their
         tokens end to end (``prefill.py``; ``shared`` leading tokens common to all computed once, or copied from
         ``base``, a kept prefix of the first of them; ``embeds()``: each row's input vectors in place of its tokens'
-        embeddings), or None where that path does not apply or the C layer's few-row forwards are the cheaper way
-        (at most ``packed_rows`` tokens computed in all): the caller then runs grouped forwards."""
-        tokens = shared - (len(base) if base is not None else 0) + sum(len(p) - shared for p in prompts)
-        if self.static is not None or tokens <= self.packed_rows:
+        embeddings), or None where that path does not apply: the caller then runs grouped forwards. The caller
+        sends the prompts ``whole`` says this path is for."""
+        if self.static is not None:
             return None
         return whole_prefill.prefill(self.model, prompts, shared, width, hidden, embeds, base)
 
