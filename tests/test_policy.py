@@ -164,13 +164,15 @@ def test_budget_is_a_query():
         assert _state(p) == before
 
 
-def _run(p, rounds, drafted=lambda n, b: 0, rows=8, k_max=5):
-    """Budgets of ``rounds`` rounds, each observed as drafting ``drafted(n, budget)`` in all."""
+def _run(p, rounds, drafted=lambda n, b: 0, rows=8, k_max=5, kind=None):
+    """Budgets of ``rounds`` rounds, each observed as drafting ``drafted(n, budget)`` in all (a round of ``kind``
+    where it drafted)."""
     out = []
     for n in range(rounds):
         b = p.budget(_view(rows, k_max))
         out.append(b)
-        p.observe(Outcome(rows, k_max, b, drafted(n, b)))
+        d = drafted(n, b)
+        p.observe(Outcome(rows, k_max, b, d, kind if d else None))
     return out
 
 
@@ -203,8 +205,23 @@ def test_a_dry_drafter_is_asked_every_few_rounds():
     assert asked == list(range(DRY_ROUNDS)) + [DRY_ROUNDS + LOOK_EVERY * j - 1 for j in (1, 2, 3)]
     assert all(b.reason == DRY for b in budgets if not b.k)
     budgets = _run(p, 3, lambda n, b: 2 if b.k else 0)  # asked next at the 4th, verifies: every round again
-    assert [b.k > 0 for b in _run(p, 4, lambda n, b: 2)] == [True] * 4
+    assert [b.k > 0 for b in _run(p, 4, lambda n, b: 2, kind="head")] == [True] * 4
     assert not p.dry()
+
+
+def test_rows_joining_after_a_round_without_the_head_leave_their_prompt_waiting():
+    """The head ran in the last round: rows joining cache their prompt's pairs; a round that ran no head (copies
+    only, or a plain step: nothing promised it at this batch) has them wait for its next catch-up, which the plan
+    prices, until a round runs the head again."""
+    p = _policy(0.5, synthetic(), sizes_own=True)
+    _run(p, 2, lambda n, b: 3, kind="head")
+    assert not p.dry()
+    _run(p, 1, lambda n, b: 3, kind="copy")
+    assert p.dry() and p.unverified == 0
+    _run(p, 1, lambda n, b: 3, kind="head")
+    assert not p.dry()
+    _run(p, 1)  # a round that drafted nothing
+    assert p.dry()
 
 
 def test_sized_budgets_carry_costs_per_row_or_per_width():

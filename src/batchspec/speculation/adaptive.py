@@ -48,6 +48,7 @@ class AdaptiveLength(Plans):
         self.idle = 0  # rounds in a row whose chosen length was 0 (a draft model's)
         self.interval = PROBE_EVERY  # rounds of 0 between probes
         self.unverified = 0  # rounds in a row that verified nothing (a drafter sizing its own rounds)
+        self.headless = 0  # rounds in a row in which its head (a drafter with one) did not run
 
     def bind(self, target_runner, drafter, batch_size: int) -> None:
         """Price rounds for ``drafter`` over ``target_runner`` at up to ``batch_size`` rows (the profile is measured
@@ -73,10 +74,11 @@ class AdaptiveLength(Plans):
         return DraftBudget(best, reason=DRAFT)
 
     def dry(self) -> bool:
-        """A drafter sizing its own rounds that verified nothing for ``DRY_ROUNDS`` rounds in a row (a query): rows
-        joining now leave their prompt's pairs for its next catch-up (caching them cost ~8% of their prefill at 4
-        rows, for a head that may not run again while they do: a server at 16 clients drafts nothing)."""
-        return self.sizes_own and self.unverified >= DRY_ROUNDS
+        """A drafter sizing its own rounds whose head did not run in the last round, or that verified nothing for
+        ``DRY_ROUNDS`` rounds in a row (a query): rows joining now leave their prompt's pairs for its next catch-up,
+        which the plan prices (caching them cost ~8% of their prefill at 4 rows, for a head that may not run again
+        while they do: a server at 16 clients on long prompts drafts nothing)."""
+        return self.sizes_own and (self.headless > 0 or self.unverified >= DRY_ROUNDS)
 
     def _resting(self) -> bool:
         """Past ``DRY_ROUNDS`` rounds that verified nothing, the drafter is asked every ``LOOK_EVERY``-th round."""
@@ -124,6 +126,7 @@ class AdaptiveLength(Plans):
             self.acceptance.update(outcome.values, b.k > 0)
         if self.sizes_own:
             self.unverified = 0 if outcome.drafted else self.unverified + 1
+            self.headless = 0 if outcome.kind == "head" else self.headless + 1
             return
         if b.reason == PROBE:  # a probe that changed nothing: wait twice as long for the next one
             still = self.best_length(outcome.rows, outcome.k_max) == 0
