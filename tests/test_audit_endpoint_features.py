@@ -70,6 +70,10 @@ class _Forward(servekit.JsonHandler):
         answer = r.json()
         if fake.mode == "bad-json" and "response_format" in body:
             answer["choices"][0]["message"]["content"] = EVIL
+        if fake.mode == "cut-json" and "response_format" in body:  # what max_tokens leaves of a long answer
+            answer["choices"][0].update(finish_reason="length")
+            answer["choices"][0]["message"]["content"] = '{"a": 1, "b'
+            answer["choices"][0].pop("token_ids", None)
         self.send_json(r.status_code, answer)
 
 
@@ -114,6 +118,18 @@ def test_a_broken_feature_is_invalid_and_fails_the_audit(server, prompts, tmp_pa
     assert f"| {feature} | 1 | {status} |" in (out / "audit.md").read_text()
     html = (out / "audit.html").read_text()
     assert "<script>" not in html and ("&lt;script&gt;alert(1)" in html) == (mode == "bad-json")
+
+
+def test_json_cut_short_by_max_tokens_proves_little_and_is_not_invalid(server, prompts, tmp_path):
+    """vLLM's server at --max-tokens 32 ended every JSON answer mid-object: the audit's own limit, not the server's
+    fault, so the cell could not be audited (exit 2), with the reason, never "invalid" (exit 1)."""
+    with Proxy(server.url, "cut-json") as proxy:
+        rc, cells, out = audit(proxy.url, prompts, tmp_path, "json,stop")
+    assert rc == 2
+    assert [cells["json", c]["status"] for c in (1, 4)] == ["could not audit"] * 2
+    assert cells["json", 1]["cut"] == len(PROMPTS) and cells["json", 1]["checked"] == 0
+    assert [cells["stop", c]["status"] for c in (1, 4)] == ["clean", "clean"]
+    assert "a larger --max-tokens may let it finish" in (out / "audit.md").read_text()
 
 
 def test_ignored_penalties_are_inexact_against_a_reference(server, prompts, tmp_path):

@@ -19,7 +19,8 @@ its own per feature:
 Requests go to the chat API (tools exist only there), unstreamed, with ``return_token_ids``: the output compared is
 the token ids when both answers have them, else the text (or the tool calls). An HTTP 400 to every request of a
 feature at a level (or to the reference's) makes it ``unsupported`` there, not a failure. A cell (feature x level)
-is the first of ``unsupported``, ``could not audit`` (every request failed), ``invalid``, ``inexact``,
+is the first of ``unsupported``, ``could not audit`` (every request failed, or every JSON answer or tool call was
+cut short by ``max_tokens``: the audit's limit, not a fault), ``invalid``, ``inexact``,
 ``incomplete`` (some requests failed or had no reference answer), ``clean``; for ``seed``: ``deterministic`` or
 ``not deterministic`` instead of the last four."""
 
@@ -36,6 +37,7 @@ from .logprob_checks import answer_faults, positions
 
 FEATURES = ("json", "tools", "penalties", "logit_bias", "stop", "logprobs", "n", "seed")
 CLEAN, INEXACT, INVALID, INCOMPLETE = "clean", "inexact", "invalid", "incomplete"
+CUT = "cut"  # an answer max_tokens ended before its feature's check could judge it
 UNSUPPORTED, COULD_NOT_AUDIT = "unsupported", "could not audit"
 DETERMINISTIC, NOT_DETERMINISTIC = "deterministic", "not deterministic"
 UNCHECKED = "unchecked"  # an answer whose feature has no check, or that lacks what the check needs
@@ -109,16 +111,10 @@ def same(a: dict, b: dict) -> bool:
     return x == y
 
 
-def _cut(choice: dict) -> str:
-    """A note for an answer that ``max_tokens`` cut short."""
-    return " (finish_reason 'length': a larger --max-tokens may let it finish)" if choice.get(
-        "finish_reason") == "length" else ""
-
-
 def _tool_problem(choice: dict) -> str | None:
     calls = (choice.get("message") or {}).get("tool_calls")
     if not isinstance(calls, list) or not calls or not isinstance(calls[0], dict):
-        return "no tool_calls in the answer" + _cut(choice)
+        return "no tool_calls in the answer"
     fn = calls[0].get("function") or {}
     if fn.get("name") != TOOL["function"]["name"]:
         return f"the call names {display(fn.get('name'))!r}, not {TOOL['function']['name']!r}"
@@ -132,7 +128,7 @@ def _json_problem(choice: dict) -> str | None:
     try:
         return schema_problem(json.loads(choice_text(choice)))
     except (TypeError, ValueError):
-        return f"the answer is not JSON: {display(choice_text(choice))}" + _cut(choice)
+        return f"the answer is not JSON: {display(choice_text(choice))}"
 
 
 def _stop_problem(choice: dict, stop: str) -> str | None:
@@ -162,12 +158,12 @@ def _logprob_problem(choice: dict, rel_tol: float) -> str | None:
 
 def problem(feature: str, reply: Reply, plan: dict, rel_tol: float) -> str | None:
     """Why an answer fails its feature's check: None when it passes, ``UNCHECKED`` when the feature has no check or
-    the answer lacks what it needs (token ids)."""
+    the answer lacks what it needs (token ids), ``CUT`` for a JSON answer or tool call that ``max_tokens`` ended
+    before it could be whole (the audit's own limit, not the server's fault)."""
     first = reply.choices[0]
-    if feature == "json":
-        return _json_problem(first)
-    if feature == "tools":
-        return _tool_problem(first)
+    if feature in ("json", "tools"):
+        why = _json_problem(first) if feature == "json" else _tool_problem(first)
+        return CUT if why is not None and first.get("finish_reason") == "length" else why
     if feature == "stop":
         return _stop_problem(first, plan["stop"])
     if feature == "logit_bias":
@@ -286,6 +282,7 @@ class Cell:
     valid: int = 0
     pairs: int = 0
     agreeing: int = 0
+    cut: int = 0
     problems: list = field(default_factory=list)
     status: str = CLEAN
 
@@ -302,6 +299,8 @@ class Cell:
             self.status = COULD_NOT_AUDIT
         elif self.feature == "seed":
             self.status = DETERMINISTIC if self.pairs and self.agreeing == self.pairs else NOT_DETERMINISTIC
+        elif self.cut and not self.checked:  # every answer cut short: nothing judged
+            self.status = COULD_NOT_AUDIT
         elif self.valid < self.checked:
             self.status = INVALID
         elif self.exact < self.compared:
@@ -335,7 +334,10 @@ class Cell:
                 self.note(i, "inexact", f"the answer differs from the reference's: {_shown(reply)} where the "
                                         f"reference has {_shown(ref)}")
         why = problem(self.feature, reply, plan, rel_tol)
-        if why != UNCHECKED:
+        if why == CUT:
+            self.cut += 1
+            self.note(i, "cut", "max_tokens ended the answer first: a larger --max-tokens may let it finish")
+        elif why != UNCHECKED:
             self.checked += 1
             self.valid += why is None
             if why is not None:
