@@ -456,3 +456,91 @@ def test_move_rows_is_indexing(rows):
     got = kv.move_rows(t, torch.tensor(rows))
     assert torch.equal(got, want)
     assert (got.data_ptr() == t.data_ptr()) == (rows in ([0, 4, 2], [3, 1], [0, 1, 2]))
+
+
+def _cache(rows: int, slots: int, seed: int, capacity: int | None = None):
+    """A 2-layer ``SlotCache`` of ``rows`` random rows and ``slots`` used slots (buffers of ``capacity`` slots)."""
+    from batchspec.model import kv
+
+    g = torch.Generator().manual_seed(seed)
+    cache = kv.SlotCache(2)
+    for layer in cache.layers:
+        k, v = (torch.randn(rows, 2, slots, 4, generator=g) for _ in range(2))
+        layer.lazy_initialization(k, v)
+        layer.fresh(k, v, rows, slots)
+        if capacity is not None:
+            layer._ensure(k, v, capacity)
+        layer.keys.copy_(k)
+        layer.values.copy_(v)
+    return cache
+
+
+@pytest.mark.parametrize("mine,theirs,in_place", [
+    ((5, 9), (3, 9), True),  # as wide, 8 rows in a buffer of 8 (``row_capacity(5)``)
+    ((5, 9), (2, 4), True),  # narrower rows join
+    ((3, 9), (2, 5), False),  # 5 rows do not fit a buffer of 4
+    ((5, 6), (2, 9), False),  # wider rows join: the running rows move right, into new buffers
+])
+def test_join_rows_is_stack_rows_written_in_place_where_there_is_room(mine, theirs, in_place):
+    """``kv.join_rows`` gives what ``kv.stack_rows`` gives (each cache right-aligned in the wider width, padding zeros),
+    writing the joining rows into the running cache's own buffers where they have room for them (rows and slots, and
+    the running rows at least as wide), else into new buffers; slots a joining row's place held before are zeroed."""
+    from batchspec.model import kv
+
+    (r1, s1), (r2, s2) = mine, theirs
+    width = max(s1, s2)
+    want = kv.stack_rows([(_cache(r1, s1, 0), r1), (_cache(r2, s2, 1), r2)], width, 2)
+    running = _cache(r1, s1, 0)
+    for layer in running.layers:  # stale values where a joining row will go (a row that left)
+        kv.whole_buffer(layer._k)[r1:].fill_(7.0)
+        kv.whole_buffer(layer._v)[r1:].fill_(7.0)
+    before = running.layers[0]._k.data_ptr()
+    got = kv.join_rows(running, r1, _cache(r2, s2, 1), r2, width)
+    assert (got is running and got.layers[0]._k.data_ptr() == before) == in_place
+    for a, b in zip(got.layers, want.layers):
+        assert a.length == b.length == width
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert a._k.is_contiguous() and a._k.shape[0] == r1 + r2
+
+
+def test_rows_join_a_wider_running_batch_in_place_and_stay_exact(monkeypatch):
+    """Short prompts joining a running batch of long ones go into its buffers (no copy of the running rows), long ones
+    into new buffers; every output equals HF batch-1 greedy (a draft model: its cache joins the same way)."""
+    from batchspec.model import kv
+
+    seen = []
+    join = kv.join_rows
+
+    def spy(cache, rows, other, more, width):
+        out = join(cache, rows, other, more, width)
+        seen.append(out is cache)
+        return out
+
+    monkeypatch.setattr(kv, "join_rows", spy)
+    t = tiny.target("llama")
+    llm = tiny.fixed_llm(t, draft=tiny.draft("llama"), num_draft_tokens=3, batch_size=8, scheduler="continuous",
+                         check_invariants=True)
+    early = tiny.prompts(3, seed=31, lo=30, hi=40)
+    late = tiny.prompts(2, seed=32, lo=3, hi=8) + tiny.prompts(1, seed=33, lo=60, hi=70)
+    engine = llm.engine()
+    want = {}
+    _, reqs = llm.requests(early, [batchspec.SamplingParams(max_tokens=12)] * 3)
+    for r, p in zip(reqs, early):
+        want[engine.add_request(r)] = tiny.oracle(t, p, 12)
+    got = {}
+
+    def step():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    step()
+    _, reqs = llm.requests(late, [batchspec.SamplingParams(max_tokens=10)] * 3)
+    for r, p in zip(reqs, late):
+        r.id = None
+        want[engine.add_request(r)] = tiny.oracle(t, p, 10)
+        step()
+    while engine.has_work():
+        step()
+    assert got == want
+    assert llm.stats.joined_running >= 3
+    assert True in seen and False in seen, f"joins in place / into new buffers: {seen}"

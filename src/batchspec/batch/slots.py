@@ -146,9 +146,10 @@ class SlotState:
         self.width = width
 
     def merge(self, other: "SlotState") -> "SlotState":
-        """Rows of this state then rows of ``other`` in one left-padded state (the narrower is padded on the left)."""
+        """Rows of this state then rows of ``other`` in one left-padded state (the narrower is padded on the left); this
+        state's cache is taken over (``kv.join_rows``): use the result, not this state."""
         width = max(self.width, other.width)
-        cache = kv.stack_rows([(self.cache, len(self)), (other.cache, len(other))], width, len(self.cache.layers))
+        cache = kv.join_rows(self.cache, len(self), other.cache, len(other), width)
 
         def pad(name):
             fill = self._FILL[name]

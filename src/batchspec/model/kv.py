@@ -5,8 +5,9 @@ A transformers upgrade should only ever need changes here. The engine sees:
 - ``SlotCache``: a KV cache whose per-layer buffers are preallocated (grown geometrically, rarely) and written in
   place; ``SlotLayer.reserve`` / ``advance`` are the public way for a kernel to write slots itself;
 - ``attention_mask``: a ready 4D mask built from a per-slot visibility mask (HF's mask builders are bypassed);
-- ``gather_slots`` / ``select_rows`` / ``stack_rows`` / ``take_rows`` / ``put_rows`` / ``place_rows``: one gather per
-  cache for realignment, row removal, splicing, moving rows between a window and a batch, and assembling a prefill;
+- ``gather_slots`` / ``select_rows`` / ``stack_rows`` / ``join_rows`` / ``take_rows`` / ``put_rows`` /
+  ``place_rows``: one gather per cache for realignment, row removal, splicing, rows joining a running batch, moving
+  rows between a window and a batch, and assembling a prefill;
 - ``windows``: each attention layer type's sliding window, which ``attention_mask`` applies over visible tokens;
 - ``check_supported``: refuses models whose attention this engine cannot address by slot;
 - ``rebuild_buffers``: the buffers of a model built on the meta device (its rotary tables), computed by
@@ -336,6 +337,35 @@ def stack_rows(parts: list[tuple[SlotCache | None, int]], width: int, num_layers
             parts_k.append(torch.nn.functional.pad(k, (0, 0, width - k.shape[-2], 0)))
             parts_v.append(torch.nn.functional.pad(v, (0, 0, width - v.shape[-2], 0)))
         layer.set(torch.cat(parts_k), torch.cat(parts_v))
+    return out
+
+
+def join_rows(cache: SlotCache, rows: int, other: SlotCache, more: int, width: int) -> SlotCache:
+    """``cache``'s ``rows`` rows then ``other``'s ``more`` rows, each right-aligned in ``width`` slots: what
+    ``stack_rows`` makes of the two, but written into ``cache``'s own buffers where they have room (rows joining a
+    running batch that is at least as wide as they are: its rows stay where they are), else into new buffers with
+    room to grow; either way every row is copied at most once (a 16-row batch of 1,000 slots is ~0.9 GB of keys and
+    values, which padding and concatenating copied three times at every join). ``cache`` is taken over: use the
+    result."""
+    if not cache.length or not other.length or cache.length > width or other.length > width:
+        return stack_rows([(cache, rows), (other, more)], width, len(cache.layers))
+    first = cache.layers[0]._k
+    whole = whole_buffer(first)
+    fits = (cache.length == width and whole.shape[0] >= rows + more and whole.shape[2] >= width
+            and whole.is_contiguous() and not whole.storage_offset())
+    out = cache if fits else SlotCache(len(cache.layers))
+    for mine, theirs, dst in zip(cache.layers, other.layers, out.layers):
+        n, bufs = theirs.length, []
+        for t, new in ((mine._k, theirs.keys), (mine._v, theirs.values)):
+            if fits:
+                buf = whole_buffer(t)[: rows + more]
+                buf[rows:, :, : width - n] = 0  # the joining rows' left padding (their rows held other slots)
+            else:
+                buf = _rows_buffer(t, rows + more, width + max(64, width // 2), t.shape[-1])
+                buf[:rows, :, width - mine.length : width] = t[:rows, :, : mine.length]
+            buf[rows:, :, width - n : width] = new
+            bufs.append(buf)
+        dst._adopt(*bufs, width)
     return out
 
 
