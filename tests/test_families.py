@@ -1,9 +1,10 @@
-"""Qwen2, Qwen3 and Gemma 3 on the CPU fast paths: the C layer (``kernels/llama.py``, ``layer.c``'s hooks: Qwen2's q/k/v
-biases, Qwen3's RMS norms of each query and key head, Gemma 3's output norms, GELU MLP and local layers' windows) and
-the whole prefill (``model/prefill.py``). The C path's logits, hidden states and cache equal the model's own forward
-(fp32, to its rounding); the whole prefill leaves the grouped prefill's state (float64); generation is HF ``generate``
-at batch size 1, plain, with prompt lookup and with a draft model, at batch 1 and 8, with the kernel's entry point
-seen to run; Gemma 3's rows cross the window inside a round, with ragged acceptance."""
+"""Qwen2, Qwen3, Gemma 3 and Mistral on the CPU fast paths: the C layer (``kernels/llama.py``, ``layer.c``'s hooks:
+Qwen2's q/k/v biases, Qwen3's RMS norms of each query and key head, Gemma 3's output norms, GELU MLP and local layers'
+windows, Mistral's window on every layer) and the whole prefill (``model/prefill.py``). The C path's logits, hidden
+states and cache equal the model's own forward (fp32, to its rounding); the whole prefill leaves the grouped prefill's
+state (float64); generation is HF ``generate`` at batch size 1, plain, with prompt lookup and with a draft model, at
+batch 1 and 8, with the kernel's entry point seen to run; Gemma 3's and Mistral's rows cross the window inside a round,
+with ragged acceptance."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from batchspec.model import prefill as whole
 from batchspec.model.kernels import llama as fused
 from batchspec.model.runner import Runner
 
-ARCHS = ["qwen2", "qwen3", "gemma3"]
+ARCHS = ["qwen2", "qwen3", "gemma3", "mistral"]
 needs_kernel = pytest.mark.skipif(kernels.library() is None, reason="the C kernels are not built here")
 
 
@@ -191,11 +192,12 @@ def test_packed_weights_give_the_fp32_bits(layer_calls, arch):
 @needs_kernel
 @pytest.mark.parametrize("drafter", ["prompt-lookup", "draft"])
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_gemma3s_windows_in_the_c_layer(monkeypatch, layer_calls, batch_size, drafter):
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_windows_in_the_c_layer(monkeypatch, layer_calls, arch, batch_size, drafter):
     """Rows whose visible tokens cross the local layers' window inside a forward of several new tokens (its first
     queries see the row's first token, its last ones do not), acceptance ragged: HF ``generate``'s tokens, every
     few-token forward in the C layer."""
-    t, real, crossed, ran = model("gemma3"), fused.forward, [], []
+    t, real, crossed, ran = model(arch), fused.forward, [], []
 
     def spy(m, cache, input_ids, position_ids, visible, *a, **k):
         q = input_ids.shape[1]
@@ -207,7 +209,7 @@ def test_gemma3s_windows_in_the_c_layer(monkeypatch, layer_calls, batch_size, dr
         return out
 
     monkeypatch.setattr(fused, "forward", spy)
-    draft = {"prompt-lookup": "prompt-lookup", "draft": model("gemma3", draft=True)}[drafter]
+    draft = {"prompt-lookup": "prompt-lookup", "draft": model(arch, draft=True)}[drafter]
     prompts = tiny.prompts(6, seed=5, lo=2, hi=12) + [[7], [5, 9]]
     llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=3, batch_size=batch_size, check_invariants=True)
     outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=20))

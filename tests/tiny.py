@@ -6,10 +6,11 @@ import functools
 
 import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 VOCAB = 96
-WINDOW = 8  # the tiny Gemma 3's local layers' window
+WINDOW = 8  # the tiny Gemma 3's local layers' window, and the tiny Mistral's
 
 
 def _build(arch: str, seed: int, dtype, attn: str):
@@ -40,6 +41,13 @@ def _build(arch: str, seed: int, dtype, attn: str):
             layer_types=[local, full, local, full], query_pre_attn_scalar=8,
         )
         model = Gemma3ForCausalLM(cfg)
+    elif arch == "mistral":  # Llama's layer with a window on every layer
+        cfg = MistralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=WINDOW,
+            tie_word_embeddings=False,
+        )
+        model = MistralForCausalLM(cfg)
     elif arch == "gpt2":
         cfg = GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2,

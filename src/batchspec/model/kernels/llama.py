@@ -9,10 +9,11 @@ final norm and the output head stay the model's own modules.
 
 Used for ``LlamaForCausalLM`` models in fp32 on CPU (SiLU MLP without biases, attention without biases, one
 projection per weight) when the kernels are built, and for the families whose layer is Llama's up to ``layer.c``'s
-hooks (``FAMILIES``): Qwen2 (q/k/v biases), Qwen3 (RMS norms of each query and key head) and Gemma 3 (head norms,
+hooks (``FAMILIES``): Qwen2 (q/k/v biases), Qwen3 (RMS norms of each query and key head), Gemma 3 (head norms,
 norms of the attention's and the MLP's outputs, norm weights as offsets from 1, a GELU MLP, a rotary table and a
 window per layer type: a local layer's queries see the row's last ``window`` visible tokens, as ``kv.attention_mask``
-counts them); anything else returns None and the caller runs the model.
+counts them) and Mistral (Llama's layer with one window on every layer); anything else returns None and the caller
+runs the model.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from transformers.activations import ACT2FN
 from transformers.models.gemma3 import modeling_gemma3 as gemma3
 from transformers.models.llama import modeling_llama as hf
+from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
@@ -40,8 +42,11 @@ FAMILIES = {
     qwen3.Qwen3ForCausalLM: (qwen3.Qwen3DecoderLayer, qwen3.Qwen3Attention, qwen3.Qwen3MLP, qwen3.Qwen3RMSNorm),
     gemma3.Gemma3ForCausalLM: (gemma3.Gemma3DecoderLayer, gemma3.Gemma3Attention, gemma3.Gemma3MLP,
                                gemma3.Gemma3RMSNorm),
+    mistral.MistralForCausalLM: (mistral.MistralDecoderLayer, mistral.MistralAttention, mistral.MistralMLP,
+                                 mistral.MistralRMSNorm),
 }
-WINDOWED = (gemma3.Gemma3ForCausalLM,)  # the families whose windows (``kv.windows``) the kernels apply
+# the families whose windows (``kv.windows``) the kernels apply: Gemma 3's per layer type, Mistral's on every layer
+WINDOWED = (gemma3.Gemma3ForCausalLM, mistral.MistralForCausalLM)
 UNIT_NORMS = (gemma3.Gemma3RMSNorm,)  # RMS norms whose weights are offsets from 1: x / rms(x) * (1 + w), in fp32
 ACTIVATIONS = {type(ACT2FN["silu"]): 0, torch.nn.SiLU: 0, type(ACT2FN["gelu_pytorch_tanh"]): 1}  # ``layer.c``'s codes
 WEIGHTS = 16  # a layer's weights as ``llama_layer`` takes them: the 9 of a Llama layer, the 5 of the hooks, the 2
@@ -80,9 +85,12 @@ def rotary(model, x, positions, kinds=None) -> dict:
 
 
 def layer_windows(model) -> list[int]:
-    """Each layer's window of visible tokens (``kv.windows``), 0 where it attends to its whole history."""
-    windows = kv.windows(model)
-    return [windows.get(t) or 0 for t in layer_types(model)]
+    """Each layer's window of visible tokens (``kv.windows``), 0 where it attends to its whole history; a model with
+    one kind of layer and a window (Mistral's) has it on every layer."""
+    windows, types = kv.windows(model), getattr(model.config.get_text_config(), "layer_types", None)
+    if not types:
+        return [windows.get("sliding_attention") or 0] * len(model.model.layers)
+    return [windows.get(t) or 0 for t in types]
 
 
 def norm_eps(norm) -> float:
