@@ -363,3 +363,39 @@ def test_the_whole_prefills_products_give_a_row_the_same_bits_however_few_rows_b
     full = whole._linear(lin, x, torch.empty(64, 576), None)
     for m in range(1, 13):
         assert torch.equal(whole._linear(lin, x[:m], torch.empty(m, 576), None), full[:m]), m
+
+
+@pytest.mark.parametrize("drafter", ["none", "model", "eagle"])
+def test_long_prompts_join_a_running_batch_a_chunk_at_a_time(drafter):
+    """While rows run, a prompt longer than the step's prompt-token budget is prefilled a budget's worth a step into
+    the kept prefixes, each chunk from where the last one ended, and joins when what is left fits: the running rows
+    stream tokens between its chunks, and every output is HF batch-1's (the head's features come from the chunks)."""
+    t = tiny.target()
+    draft = {"model": tiny.draft(), "eagle": tiny.eagle(), "none": None}[drafter]
+    llm = tiny.fixed_llm(t, draft=draft, num_draft_tokens=3, batch_size=4, scheduler="continuous",
+                         check_invariants=True, prefix_cache=8)
+    short = tiny.prompts(2, seed=70, lo=5, hi=9)
+    long = tiny.prompts(2, seed=71, lo=100, hi=120)
+    engine = llm.engine(prefill_tokens=32)
+    _, reqs = llm.requests(short + long, [batchspec.SamplingParams(max_tokens=40)] * 2 +
+                           [batchspec.SamplingParams(max_tokens=8)] * 2)
+    for r in reqs[:2]:
+        engine.add_request(r)
+    got, steps = {}, []
+    while engine.has_work():
+        outs = engine.step()
+        if not steps:  # the short ones run: the long ones arrive
+            for r in reqs[2:]:
+                engine.add_request(r)
+        steps.append((len(engine.waiting), {o.request_id for o in outs if o.new_token_ids}))
+        for o in outs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    want = {r.id: tiny.oracle(t, p, r.max_tokens) for r, p in zip(reqs, short + long)}
+    assert {rid: got.get(rid, []) for rid in want} == want
+    # each long prompt: ~110 tokens at 32 a step, three chunks ahead and its last ones prefilled as it joins
+    assert llm.stats.prefill_chunks == 6
+    assert any(waiting and {reqs[0].id, reqs[1].id} <= streamed for waiting, streamed in steps), \
+        "the running rows did not stream while a long prompt waited in chunks"
+    assert llm.stats.prefix_hits >= 6  # every chunk after the first, and each join, started from the kept ones
+    if draft is not None:
+        assert llm.stats.accepted > 0

@@ -329,6 +329,7 @@ class Stats:
     prefix_hits: int = 0  # prompts whose prefill started from cached blocks (``Runner.prefixes``)
     prefix_tokens: int = 0  # their prompt tokens taken from the cache, not computed
     prefix_evictions: int = 0  # cached blocks dropped for room
+    prefill_chunks: int = 0  # chunks of long prompts prefilled into the kept prefixes before they joined
     dropped_after_stop: int = 0  # verified tokens discarded because a stop token came earlier in the same round
     full_accepts: int = 0  # row-rounds that accepted every proposed draft token (the bonus came after the last one)
     grouped_rounds: int = 0  # exspec: rounds whose batch had rows of one length (no realignment needed)

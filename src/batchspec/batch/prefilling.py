@@ -202,6 +202,22 @@ def _few(salt: str | None) -> str:
     return (salt or "") + "\x00rows"
 
 
+def _salt(runner, whole: bool, salt: str | None) -> str | None:
+    """The salt of a row's block keys (``whole``: ``Runner.whole`` of its length): where the model has both paths, a
+    block is kept under its path too, so only a prompt computed the same way starts from it."""
+    return salt if whole or not runner.whole(PREFILL_MAX_TOKENS) else _few(salt)
+
+
+def kept_tokens(runner, prompt: list[int], salt: str | None, hidden: bool) -> int:
+    """How many leading tokens of ``prompt`` its prefill would take from the runner's kept prefixes (whole blocks,
+    with hidden states when ``hidden``; 0 where nothing is kept). A query."""
+    n, store = len(prompt) - 1, getattr(runner, "prefixes", None)
+    if store is None or n < 2:
+        return 0
+    chain = block_keys(prompt[:n], _salt(runner, runner.whole(n), salt))
+    return min(store.held(chain, hidden), (n - 1) // BLOCK) * BLOCK
+
+
 def _keep(store, cache, states, cached, chains, width) -> None:
     """Every row's whole blocks into ``store`` (those not cached yet, with hidden states where ``states`` has them)."""
     for r, (tokens, chain) in enumerate(zip(cached, chains)):
@@ -251,11 +267,8 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         paths = [w if n else first for w, n in zip(paths, lengths)]
     if store is not None:
         cached = [p[:n] for p, n in zip(prompts, lengths)]
-        # where the model has both paths, a block is kept under its path too: only a prompt computed the same way
-        # starts from it
-        both = runner.whole(PREFILL_MAX_TOKENS)
-        chains = [block_keys(c, s if whole or not both else _few(s))
-                  for c, s, whole in zip(cached, salts or [None] * len(prompts), paths)]
+        chains = [block_keys(c, _salt(runner, whole, s)) for c, s, whole in zip(cached, salts or [None] * len(prompts),
+                                                                                 paths)]
         starts = _starts(store, runner, cached, chains, hidden)
     groups = {}  # rows by path and cached start
     for r, s in enumerate(starts):

@@ -17,9 +17,10 @@ import torch
 
 from ..batch import Batch, InvariantError, RoundLogprobs, Sequences, check_invariants, grammar, prefill
 from ..batch.grammar import Grammars
-from ..batch.prefilling import prompt_scores
+from ..batch.prefilling import kept_tokens, prompt_scores
 from ..drafters.base import Proposal
 from ..model.loading import vocab_size
+from ..model.prefixes import BLOCK
 from ..model.runner import Runner
 from ..params import PROCESSORS, ParamError, Stats, TokenLogprob, check_prompt_logprobs, check_sampling
 from ..sampling import Stream, greedy
@@ -298,6 +299,7 @@ class Engine:
         self._prompt_lps: dict[int, list] = {}  # per running request that asked: its prompt tokens' (for ``Finished``)
         self._prompt_unsent: dict[int, list] = {}  # ... until its first ``StepOutput`` carries them
         self._ends: dict[int, str] = {}  # finish reasons of rows their grammar ended, until they leave
+        self._chunked: dict[int, int] = {}  # waiting requests prefilled in chunks: the tokens kept so far (``_ahead``)
         model = getattr(parts.target, "model", None)
         self._vocab = vocab_size(model) if model is not None else None
         scheduler.forget([])
@@ -329,6 +331,7 @@ class Engine:
         for r in self.waiting:
             if r.id == request_id:
                 self.waiting.remove(r)
+                self._chunked.pop(r.id, None)
                 lps = None if r.logprobs is None else []
                 self._done.append(StepOutput(r.id, [], Finished(r.id, [], "abort", logprobs=lps), lps))
                 return True
@@ -347,7 +350,7 @@ class Engine:
         self._aborted.clear()
         self._done = []
         self._logprobs, self._prompt_lps, self._prompt_unsent = {}, {}, {}
-        self._ends = {}
+        self._ends, self._chunked = {}, {}
         self.scheduler.forget([])
 
     # ---------------------------------------------------------------------------------------------- the loop
@@ -484,16 +487,27 @@ class Engine:
         return (self.batch.target, *self.parts.drafter.states(self.batch.draft))
 
     def _admit(self) -> None:
-        """Prefill the waiting requests the scheduler admits and merge them into the running batch."""
+        """Prefill the waiting requests the scheduler admits and merge them into the running batch (or the first one's
+        next chunk, ``_ahead``); what the kept prefixes gave counted in ``Stats``."""
+        kept = getattr(self.parts.target, "prefixes", None)
+        before = (kept.hits, kept.reused, kept.evictions) if kept is not None else None
+        self._join()
+        if before is not None:
+            self.stats.prefix_hits += kept.hits - before[0]
+            self.stats.prefix_tokens += kept.reused - before[1]
+            self.stats.prefix_evictions += kept.evictions - before[2]
+
+    def _join(self) -> None:
+        """The admission itself: the scheduler's count (within the KV budget) joins, prefilled and merged."""
         running = len(self.batch) if self.batch is not None else 0
         fits = self.memory.admits(self.batch.request_ids if self.batch is not None else [], self.waiting)
         n = self.scheduler.admit(running, _PromptLengths(self.waiting), self.batch_size, self.prefill_tokens, fits)
-        if n <= 0:
+        if n <= 0 or (self.batch is not None and self._ahead(self.waiting[0])):
             return
         joins = [self.waiting.popleft() for _ in range(n)]
+        for r in joins:
+            self._chunked.pop(r.id, None)
         self.memory.joined(joins)
-        kept = getattr(self.parts.target, "prefixes", None)
-        before = (kept.hits, kept.reused, kept.evictions) if kept is not None else None
         # joining a running batch: cached now, unless the drafter is dry (then caught up when it next runs)
         joining = self.batch is not None and not self.parts.policy.dry()
         with self.timer("prefill"):
@@ -507,10 +521,30 @@ class Engine:
             else:
                 self.stats.joined_running += n
                 self.batch = self.batch.merge(new)
-        if before is not None:
-            self.stats.prefix_hits += kept.hits - before[0]
-            self.stats.prefix_tokens += kept.reused - before[1]
-            self.stats.prefix_evictions += kept.evictions - before[2]
+
+    def _ahead(self, r: Request) -> bool:
+        """Whether the first waiting request was prefilled a chunk further instead of joining: while rows run, a
+        prompt whose tokens not kept yet exceed the step's budget (``prefill_tokens``) has the next budget's worth
+        computed into the target's kept prefixes (``Runner.prefixes``: from its longest kept start, so each chunk
+        starts where the last one ended, with the bits one piece would give), and joins at the step where what is left
+        fits. A long prompt then holds the running rows back a chunk at a time. Not for prompts scored in full, where
+        nothing is kept, nor once a chunk was not kept (no room: the prompt joins whole)."""
+        budget, target = self.prefill_tokens, self.parts.target
+        if not budget or r.prompt_logprobs is not None or getattr(target, "prefixes", None) is None:
+            return False
+        hidden = self.parts.drafter.needs_hidden
+        have = kept_tokens(target, r.prompt, r.cache_salt, hidden)
+        if len(r.prompt) - 1 - have <= budget or have < self._chunked.get(r.id, 0):
+            return False
+        upto = (have + budget) // BLOCK * BLOCK
+        if upto <= have:  # a budget under one block
+            return False
+        with self.timer("prefill"):
+            state = self.parts.prefill(target, [r.prompt[: upto + 1]], hidden=hidden, salts=[r.cache_salt])
+            (state[0] if hidden else state).cache.release()
+        self._chunked[r.id] = upto  # where the next chunk must start: kept blocks dropped meanwhile end the chunking
+        self.stats.prefill_chunks += 1
+        return True
 
     def _prefilled(self, joins: list[Request], scored: bool, joining: bool) -> Batch:
         """The rows of ``joins`` prefilled (target and drafter). ``scored``: they asked for prompt log-probabilities,

@@ -42,7 +42,7 @@ from .worker import EngineWorker, QueueFull, Unavailable
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 POLL = 0.25  # seconds between checks for a vanished client or a stopped engine while waiting for tokens
-DEFAULT_MAX_BODY_BYTES = P.DEFAULT_MAX_BODY_BYTES
+DEFAULT_MAX_BODY_BYTES, MAX_PREFILL_TOKENS = P.DEFAULT_MAX_BODY_BYTES, P.MAX_PREFILL_TOKENS
 
 log = logging.getLogger("batchspec.serve")
 
@@ -74,7 +74,7 @@ def default_model_name(llm) -> str:
 def create_app(llm, model_name: str | None = None, api_key: str | None = None, max_queue: int = 64,
                default_max_tokens: int = 256, default_temperature: float = 1.0, retries: int = 1,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts=None, allowed_origins=None,
-               docs: bool = False, prefill_tokens: int | None = None) -> FastAPI:
+               docs: bool = False, prefill_tokens: int | None = MAX_PREFILL_TOKENS) -> FastAPI:
     """The server app over ``llm`` (build it with ``scheduler="continuous"`` for continuous batching). The engine
     thread starts with the app (its lifespan) and stops with it; ``app.state.worker`` is the ``EngineWorker``;
     ``app.state.shutdown(grace, done)`` winds the server down gracefully (``_Gate``), then calls ``done``.
@@ -87,7 +87,8 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
     any), checked on loopback connections and, once given, on all; ``allowed_origins``: web origins
     (``http://host:port``, ``"*"``) whose pages may call the server (also given CORS headers); others get 403. ``docs``:
     serve ``/docs``, ``/redoc`` and ``/openapi.json`` (off by default). ``prefill_tokens``: while rows run, the prompt
-    tokens one engine step prefills at most (``Engine``; None: every request that fits joins at once)."""
+    tokens one engine step prefills at most, a longer prompt a chunk a step (``Engine``; None: every request that
+    fits joins at once, whole)."""
     if api_key is not None and not api_key.strip():
         raise ValueError("the API key is empty: give a key, or none to leave the server open")
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:

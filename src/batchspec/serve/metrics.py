@@ -44,6 +44,7 @@ class _EngineCollector:
             ("batchspec_prefix_cache_tokens", "Prompt tokens taken from cached blocks, not computed",
              s.prefix_tokens),
             ("batchspec_prefix_cache_evictions", "Cached prompt blocks dropped for room", s.prefix_evictions),
+            ("batchspec_prefill_chunks", "Chunks of long prompts prefilled ahead while rows ran", s.prefill_chunks),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)

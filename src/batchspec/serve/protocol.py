@@ -60,6 +60,12 @@ from ..text import TextStream  # noqa: F401  (the server's stop strings, shared 
 # The largest request body by default (413 beyond): a full context of 128k tokens, as ids or as escaped text, takes
 # about 1 MB.
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+# the prompt tokens one step prefills at most while rows run: ~1.5 s of prefill for the default model on 2 cores, so a
+# stream waits about that long, not the whole prompt's prefill, when a long prompt arrives (one chunk of a 5,600-token
+# prompt); prompts of up to this many tokens join whole, as without a bound
+MAX_PREFILL_TOKENS = 2048
+
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256  # each stop string; the held-back text is checked against every prefix of each stop string
 # A text prompt longer than this many characters for each position of the context cannot fit it: refused before it is
