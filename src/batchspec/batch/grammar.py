@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..params import ParamError
+from ..sampling import greedy
 
 GRAMMAR = "grammar"  # the finish reason of a row whose grammar reached a dead end
 # the most forced tokens a row drafts in a round of an engine without a drafter (its K is 0): a schema's keys and
@@ -77,33 +78,74 @@ def forced(seqs, room: int, vocab: int) -> tuple[torch.Tensor, list[int]] | None
     return tokens.to(seqs.length.device), counts
 
 
-def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The round's legal tokens ``[B, W, vocab]`` bool (W = drafts + 1; unconstrained rows allow all), the drafts
-    each row verifies (cut before the first one its grammar forbids) and the dead ends: row -> the first position
-    where its grammar allows nothing (left unmasked there; the row ends if it emits a token at it). One host read of
-    the drafts; each constrained row's walk runs on a copy of its matcher, which stays as it was."""
+class Legal:
+    """The legal tokens of a round's constrained positions: position ``(rows[p], cols[p])`` of the block allows the
+    tokens set in ``bits[p]`` (llguidance's packed mask: bit t % 32 of word t // 32), every position not listed allows
+    every token. Only those positions are expanded and masked, so rows without a grammar (and a constrained row's
+    positions past its walk) cost nothing, and a greedy round never masks a copy of the whole block's logits."""
+
+    def __init__(self, rows: torch.Tensor, cols: torch.Tensor, bits: torch.Tensor, vocab: int):
+        self.rows, self.cols, self.bits, self.vocab = rows, cols, bits, vocab
+
+    def allowed(self) -> torch.Tensor:
+        """``[P, vocab]`` bool: the listed positions' masks, expanded a byte at a time (the words' bytes in memory
+        order, lowest first: little-endian, as every device torch runs on here)."""
+        table = _BYTE_BITS.get(self.bits.device)
+        if table is None:
+            table = _BYTE_BITS[self.bits.device] = ((torch.arange(256, device=self.bits.device)[:, None]
+                                                     >> torch.arange(8, device=self.bits.device)) & 1).bool()
+        p = self.bits.shape[0]
+        return table[self.bits.view(torch.uint8).int()].view(p, self.bits.shape[1] * 32)[:, : self.vocab]
+
+    def _masked_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[self.rows, self.cols].masked_fill(~self.allowed(), float("-inf"))
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of ``logits`` ``[B, W, vocab]`` with each listed position's illegal tokens at -inf."""
+        out = logits.clone()
+        out[self.rows, self.cols] = self._masked_rows(logits)
+        return out
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """``greedy(self.masked(logits))`` ``[B, W]`` without the copy: the argmax of every position, the listed ones'
+        taken again over their legal tokens."""
+        tokens = greedy(logits)
+        tokens[self.rows, self.cols] = greedy(self._masked_rows(logits))
+        return tokens
+
+
+_BYTE_BITS: dict = {}  # device -> [256, 8] bool: the bits of each byte value, lowest first
+
+
+def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tuple[Legal, torch.Tensor, dict]:
+    """The round's legal tokens (``Legal``: the constrained rows' positions up to their last verified draft;
+    unconstrained rows allow all), the drafts each row verifies (cut before the first one its grammar forbids) and
+    the dead ends: row -> the first position where its grammar allows nothing (left unmasked there; the row ends if
+    it emits a token at it). One host read of the drafts; each constrained row's walk runs on a copy of its matcher,
+    which stays as it was."""
     from llguidance.torch import fill_next_token_bitmask
 
-    b, w = drafts.shape[0], drafts.shape[1] + 1
-    words = (vocab + 31) // 32
-    bits = torch.full((b, w, words), -1, dtype=torch.int32)
+    w = drafts.shape[1] + 1
+    bits = torch.empty((len(seqs.grammar_rows) * w, (vocab + 31) // 32), dtype=torch.int32)
     d, n = drafts.tolist(), n_drafts.tolist()
-    dead = {}
+    rows, cols, dead = [], [], {}
     for i in seqs.grammar_rows:
         m, j = seqs.matchers[i].deep_copy(), 0
         while True:  # a complete grammar's mask allows only the end-of-sequence token: the walk stops there
-            fill_next_token_bitmask(m, bits[i], j)
+            fill_next_token_bitmask(m, bits, len(rows))
             if m.is_error():  # nothing continues the grammar here
-                bits[i, j], dead[i] = -1, j
+                dead[i] = j
                 break
+            rows.append(i)
+            cols.append(j)
             if m.is_stopped() or j == n[i] or not m.try_consume_tokens([d[i][j]]):
                 break
             j += 1
         n[i] = j
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bits[..., None] >> shifts) & 1).flatten(2)[..., :vocab].bool()
     device = drafts.device
-    return allowed.to(device), torch.tensor(n, dtype=n_drafts.dtype, device=device), dead
+    index = torch.tensor([rows, cols], dtype=torch.long).to(device)
+    legal = Legal(index[0], index[1], bits[: len(rows)].to(device), vocab)
+    return legal, torch.tensor(n, dtype=n_drafts.dtype, device=device), dead
 
 
 def advance(seqs, rows: list[int], emitted: list[int], block: list[list[int]], dead: dict) -> dict[int, tuple]:
