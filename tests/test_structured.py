@@ -289,22 +289,22 @@ def test_masks_list_only_the_constrained_positions():
     rows = [_ids('{"nam'), _ids("abcde"), _ids('{"x"}'), _ids('bc",x')]
     legal, n, dead = masks(seqs, torch.tensor(rows), torch.tensor([5, 3, 5, 2]), tiny.VOCAB)
     assert n.tolist() == [5, 3, 2, 2] and dead == {}
-    logits = torch.randn(4, 6, tiny.VOCAB)
-    want = logits.clone()
+    blocked = torch.zeros(4, 6, tiny.VOCAB, dtype=torch.bool)
     for i, m in enumerate(seqs.matchers):
         if m is None:
             continue
         m = m.deep_copy()
         for j in range(n[i] + 1):
-            blocked = torch.ones(tiny.VOCAB, dtype=torch.bool)
-            blocked[_legal(m)] = False
-            want[i, j, blocked] = float("-inf")
+            blocked[i, j] = True
+            blocked[i, j, _legal(m)] = False
             if j < n[i]:
                 assert m.consume_token(rows[i][j])
-    assert sorted(zip(legal.rows.tolist(), legal.cols.tolist())) == [(0, j) for j in range(6)] + [
-        (2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2)]
-    assert torch.equal(legal.masked(logits), want) and torch.equal(legal.greedy(logits), greedy(want))
-    assert (want != logits).any() and not torch.equal(greedy(want), greedy(logits))  # the masks change tokens
+    assert sorted(legal.positions.tolist()) == [0, 1, 2, 3, 4, 5, 12, 13, 14, 18, 19, 20]  # rows 0, 2, 3 of 6
+    for dtype in (torch.float32, torch.bfloat16):  # masked on the floats' bits: the values masked_fill gives
+        logits = torch.randn(4, 6, tiny.VOCAB).to(dtype)
+        want = logits.masked_fill(blocked, float("-inf"))
+        assert torch.equal(legal.masked(logits), want) and torch.equal(legal.greedy(logits), greedy(want))
+        assert not torch.equal(greedy(want), greedy(logits))  # the masks change tokens
 
 
 def test_processors_and_sampling_beside_grammars_as_alone():

@@ -79,42 +79,53 @@ def forced(seqs, room: int, vocab: int) -> tuple[torch.Tensor, list[int]] | None
 
 
 class Legal:
-    """The legal tokens of a round's constrained positions: position ``(rows[p], cols[p])`` of the block allows the
-    tokens set in ``bits[p]`` (llguidance's packed mask: bit t % 32 of word t // 32), every position not listed allows
-    every token. Only those positions are expanded and masked, so rows without a grammar (and a constrained row's
-    positions past its walk) cost nothing, and a greedy round never masks a copy of the whole block's logits."""
+    """The legal tokens of a round's constrained positions: flat position ``positions[p]`` of the ``[B, W]`` block
+    allows the tokens set in ``bits[p]`` (llguidance's packed mask: bit t % 32 of word t // 32); every position not
+    listed allows every token. Only the listed positions' logits are copied and masked, so rows without a grammar cost
+    nothing and a greedy round never copies the whole block's logits."""
 
-    def __init__(self, rows: torch.Tensor, cols: torch.Tensor, bits: torch.Tensor, vocab: int):
-        self.rows, self.cols, self.bits, self.vocab = rows, cols, bits, vocab
-
-    def allowed(self) -> torch.Tensor:
-        """``[P, vocab]`` bool: the listed positions' masks, expanded a byte at a time (the words' bytes in memory
-        order, lowest first: little-endian, as every device torch runs on here)."""
-        table = _BYTE_BITS.get(self.bits.device)
-        if table is None:
-            table = _BYTE_BITS[self.bits.device] = ((torch.arange(256, device=self.bits.device)[:, None]
-                                                     >> torch.arange(8, device=self.bits.device)) & 1).bool()
-        p = self.bits.shape[0]
-        return table[self.bits.view(torch.uint8).int()].view(p, self.bits.shape[1] * 32)[:, : self.vocab]
+    def __init__(self, positions: torch.Tensor, bits: torch.Tensor, vocab: int):
+        self.positions, self.bits, self.vocab = positions, bits, vocab
 
     def _masked_rows(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[self.rows, self.cols].masked_fill(~self.allowed(), float("-inf"))
+        """``[P, vocab]``: the listed positions' logits, illegal tokens at -inf. Masked on the floats' bits (kept
+        where legal, -inf's bits where not, from per-byte tables of the packed words: little-endian, as every device
+        torch runs on here), the same values ``masked_fill`` gives ~4x faster on CPU."""
+        x = logits.reshape(-1, self.vocab).index_select(0, self.positions)
+        keep, fill = _tables(x.device, x.dtype)
+        byte, shape = self.bits.view(torch.uint8).long().view(-1), (x.shape[0], self.bits.shape[1] * 32)
+        ints = x.view(keep.dtype)
+        ints &= keep.index_select(0, byte).view(shape)[:, : self.vocab]
+        ints |= fill.index_select(0, byte).view(shape)[:, : self.vocab]
+        return x
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of ``logits`` ``[B, W, vocab]`` with each listed position's illegal tokens at -inf."""
         out = logits.clone()
-        out[self.rows, self.cols] = self._masked_rows(logits)
+        out.view(-1, self.vocab).index_copy_(0, self.positions, self._masked_rows(logits))
         return out
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """``greedy(self.masked(logits))`` ``[B, W]`` without the copy: the argmax of every position, the listed ones'
         taken again over their legal tokens."""
         tokens = greedy(logits)
-        tokens[self.rows, self.cols] = greedy(self._masked_rows(logits))
+        tokens.view(-1).index_copy_(0, self.positions, greedy(self._masked_rows(logits)))
         return tokens
 
 
-_BYTE_BITS: dict = {}  # device -> [256, 8] bool: the bits of each byte value, lowest first
+_TABLES: dict = {}  # (device, float dtype) -> its (keep, fill) tables (``_tables``)
+
+
+def _tables(device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[256, 8]`` integers as wide as ``dtype``, per byte value and bit (lowest first): ``keep`` all ones where the
+    bit is set (0 where not), ``fill`` the bits of -inf where it is not (0 where it is)."""
+    tables = _TABLES.get((device, dtype))
+    if tables is None:
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.finfo(dtype).bits // 8]
+        keep = -((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1).to(ints)
+        inf = torch.tensor(float("-inf"), dtype=dtype, device=device).view(ints)
+        tables = _TABLES[(device, dtype)] = keep, ~keep & inf
+    return tables
 
 
 def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tuple[Legal, torch.Tensor, dict]:
@@ -143,8 +154,8 @@ def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tup
             j += 1
         n[i] = j
     device = drafts.device
-    index = torch.tensor([rows, cols], dtype=torch.long).to(device)
-    legal = Legal(index[0], index[1], bits[: len(rows)].to(device), vocab)
+    positions = torch.tensor([i * w + j for i, j in zip(rows, cols)], dtype=torch.long).to(device)
+    legal = Legal(positions, bits[: len(rows)].to(device), vocab)
     return legal, torch.tensor(n, dtype=n_drafts.dtype, device=device), dead
 
 
