@@ -88,16 +88,16 @@ class Legal:
         self.positions, self.bits, self.vocab = positions, bits, vocab
 
     def _masked_rows(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[P, vocab]``: the listed positions' logits, illegal tokens at -inf. Masked on the floats' bits (kept
-        where legal, -inf's bits where not, from per-byte tables of the packed words: little-endian, as every device
-        torch runs on here), the same values ``masked_fill`` gives ~4x faster on CPU."""
+        """``[P, vocab]``: a copy of the listed positions' logits, illegal tokens at -inf. The packed words expand a
+        byte at a time from a table (their bytes in memory order, lowest first: little-endian, as on every device torch
+        runs on here): a bool a token, no wider temporary."""
+        table = _BLOCKED.get(self.bits.device)
+        if table is None:
+            bit = torch.arange(8, device=self.bits.device)
+            table = _BLOCKED[self.bits.device] = ((torch.arange(256, device=self.bits.device)[:, None] >> bit) & 1) == 0
+        blocked = table.index_select(0, self.bits.view(torch.uint8).view(-1).int())
         x = logits.reshape(-1, self.vocab).index_select(0, self.positions)
-        keep, fill = _tables(x.device, x.dtype)
-        byte, shape = self.bits.view(torch.uint8).long().view(-1), (x.shape[0], self.bits.shape[1] * 32)
-        ints = x.view(keep.dtype)
-        ints &= keep.index_select(0, byte).view(shape)[:, : self.vocab]
-        ints |= fill.index_select(0, byte).view(shape)[:, : self.vocab]
-        return x
+        return x.masked_fill_(blocked.view(x.shape[0], -1)[:, : self.vocab], float("-inf"))
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of ``logits`` ``[B, W, vocab]`` with each listed position's illegal tokens at -inf."""
@@ -113,19 +113,7 @@ class Legal:
         return tokens
 
 
-_TABLES: dict = {}  # (device, float dtype) -> its (keep, fill) tables (``_tables``)
-
-
-def _tables(device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[256, 8]`` integers as wide as ``dtype``, per byte value and bit (lowest first): ``keep`` all ones where the
-    bit is set (0 where not), ``fill`` the bits of -inf where it is not (0 where it is)."""
-    tables = _TABLES.get((device, dtype))
-    if tables is None:
-        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.finfo(dtype).bits // 8]
-        keep = -((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1).to(ints)
-        inf = torch.tensor(float("-inf"), dtype=dtype, device=device).view(ints)
-        tables = _TABLES[(device, dtype)] = keep, ~keep & inf
-    return tables
+_BLOCKED: dict = {}  # device -> [256, 8] bool: per byte value, which of its bits (lowest first) are not set
 
 
 def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tuple[Legal, torch.Tensor, dict]:
