@@ -275,7 +275,8 @@ def test_forced_drafts_come_first_and_teach_the_copies_nothing():
 def test_masks_list_only_the_constrained_positions():
     """``grammar.masks`` on a batch mixing constrained and unconstrained rows with drafts: each constrained row's
     drafts are cut before the first one its grammar forbids, and ``Legal`` masks exactly its positions up to there
-    (each with the tokens its matcher allows after the drafts before it); every other position keeps its logits."""
+    (each with the tokens its matcher allows after the drafts before it); every other position keeps its logits.
+    Its greedy tokens are the masked logits' argmax, kept from the unmasked argmax wherever the mask allows it."""
     from types import SimpleNamespace
 
     from batchspec.batch.grammar import masks
@@ -300,11 +301,15 @@ def test_masks_list_only_the_constrained_positions():
             if j < n[i]:
                 assert m.consume_token(rows[i][j])
     assert sorted(legal.positions.tolist()) == [0, 1, 2, 3, 4, 5, 12, 13, 14, 18, 19, 20]  # rows 0, 2, 3 of 6
-    for dtype in (torch.float32, torch.bfloat16):  # masked on the floats' bits: the values masked_fill gives
+    for dtype in (torch.float32, torch.bfloat16):
         logits = torch.randn(4, 6, tiny.VOCAB).to(dtype)
+        logits[0, 0, _ids("{")] = 9.0  # its argmax is legal there: kept without masking
         want = logits.masked_fill(blocked, float("-inf"))
-        assert torch.equal(legal.masked(logits), want) and torch.equal(legal.greedy(logits), greedy(want))
-        assert not torch.equal(greedy(want), greedy(logits))  # the masks change tokens
+        assert torch.equal(legal.masked(logits), want)
+        assert torch.equal(legal.greedy(greedy(logits), lambda: logits), greedy(want))
+        assert torch.equal(legal.greedy(greedy(want), None), greedy(want))  # every argmax legal: no logits read
+        kept = (greedy(want) == greedy(logits)).view(-1)[legal.positions]
+        assert kept.any() and not kept.all()  # some argmaxes kept, some taken again under the masks
 
 
 def test_processors_and_sampling_beside_grammars_as_alone():

@@ -81,35 +81,43 @@ def forced(seqs, room: int, vocab: int) -> tuple[torch.Tensor, list[int]] | None
 class Legal:
     """The legal tokens of a round's constrained positions: flat position ``positions[p]`` of the ``[B, W]`` block
     allows the tokens set in ``bits[p]`` (llguidance's packed mask: bit t % 32 of word t // 32); every position not
-    listed allows every token. Only the listed positions' logits are copied and masked, so rows without a grammar cost
-    nothing and a greedy round never copies the whole block's logits."""
+    listed allows every token. Only listed positions are masked, and under greedy decoding only those whose argmax
+    the mask forbids, so rows without a grammar cost nothing and a greedy round rarely masks at all."""
 
     def __init__(self, positions: torch.Tensor, bits: torch.Tensor, vocab: int):
         self.positions, self.bits, self.vocab = positions, bits, vocab
 
-    def _masked_rows(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[P, vocab]``: a copy of the listed positions' logits, illegal tokens at -inf. The packed words expand a
-        byte at a time from a table (their bytes in memory order, lowest first: little-endian, as on every device torch
-        runs on here): a bool a token, no wider temporary."""
+    def _masked_rows(self, logits: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """``[len(which), vocab]``: a copy of the logits of listed positions ``which``, illegal tokens at -inf. The
+        packed words expand a byte at a time from a table (their bytes in memory order, lowest first: little-endian,
+        as on every device torch runs on here): a bool a token, no wider temporary."""
         table = _BLOCKED.get(self.bits.device)
         if table is None:
             bit = torch.arange(8, device=self.bits.device)
             table = _BLOCKED[self.bits.device] = ((torch.arange(256, device=self.bits.device)[:, None] >> bit) & 1) == 0
-        blocked = table.index_select(0, self.bits.view(torch.uint8).view(-1).int())
-        x = logits.reshape(-1, self.vocab).index_select(0, self.positions)
+        blocked = table.index_select(0, self.bits.index_select(0, which).view(torch.uint8).view(-1).int())
+        x = logits.reshape(-1, self.vocab).index_select(0, self.positions.index_select(0, which))
         return x.masked_fill_(blocked.view(x.shape[0], -1)[:, : self.vocab], float("-inf"))
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of ``logits`` ``[B, W, vocab]`` with each listed position's illegal tokens at -inf."""
         out = logits.clone()
-        out.view(-1, self.vocab).index_copy_(0, self.positions, self._masked_rows(logits))
+        every = torch.arange(len(self.positions), device=self.positions.device)
+        out.view(-1, self.vocab).index_copy_(0, self.positions, self._masked_rows(logits, every))
         return out
 
-    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """``greedy(self.masked(logits))`` ``[B, W]`` without the copy: the argmax of every position, the listed ones'
-        taken again over their legal tokens."""
-        tokens = greedy(logits)
-        tokens.view(-1).index_copy_(0, self.positions, greedy(self._masked_rows(logits)))
+    def greedy(self, tokens: torch.Tensor, logits) -> torch.Tensor:
+        """``greedy(self.masked(logits()))`` ``[B, W]`` from ``tokens``, each position's argmax without the masks
+        (``logits()``: the block's logits, computed only when needed). Where the mask allows that token it stays, as
+        the first largest logit of all, being legal, is the first of the legal ones; elsewhere the argmax is taken
+        again over the legal tokens. One host read (which positions need it)."""
+        best = tokens.view(-1).index_select(0, self.positions)
+        word = self.bits.gather(1, (best // 32)[:, None])[:, 0].long()
+        redo = (((word >> best % 32) & 1) == 0).nonzero()[:, 0]
+        if not len(redo):
+            return tokens
+        tokens = tokens.clone()
+        tokens.view(-1).index_copy_(0, self.positions[redo], greedy(self._masked_rows(logits(), redo)))
         return tokens
 
 

@@ -209,10 +209,9 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
             target_p = seqs.warp(out.logits if processed is None else processed)
             accepted, bonus = parts.sample(target_p, proposal.q, drafts, n_drafts, u_accept, u_target)
         else:
-            if legal is not None:  # the argmax under the masks, taken again only at the positions they constrain
-                tokens = legal.greedy(out.logits if processed is None else processed)
-            else:
-                tokens = out.tokens() if processed is None else greedy(processed)
+            tokens = out.tokens() if processed is None else greedy(processed)
+            if legal is not None:  # taken again under the masks where they forbid the argmax
+                tokens = legal.greedy(tokens, lambda: out.logits if processed is None else processed)
             accepted, bonus = parts.accept(tokens, drafts, n_drafts)
     with timer("align"):
         target.hide_tail(k + 1, accepted + 1)
