@@ -135,23 +135,21 @@ def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tup
     w = drafts.shape[1] + 1
     bits = torch.empty((len(seqs.grammar_rows) * w, (vocab + 31) // 32), dtype=torch.int32)
     d, n = drafts.tolist(), n_drafts.tolist()
-    rows, cols, dead = [], [], {}
+    at, dead = [], {}  # the flat positions masked, in the order of their masks
     for i in seqs.grammar_rows:
         m, j = seqs.matchers[i].deep_copy(), 0
         while True:  # a complete grammar's mask allows only the end-of-sequence token: the walk stops there
-            fill_next_token_bitmask(m, bits, len(rows))
+            fill_next_token_bitmask(m, bits, len(at))
             if m.is_error():  # nothing continues the grammar here
                 dead[i] = j
                 break
-            rows.append(i)
-            cols.append(j)
+            at.append(i * w + j)
             if m.is_stopped() or j == n[i] or not m.try_consume_tokens([d[i][j]]):
                 break
             j += 1
         n[i] = j
     device = drafts.device
-    positions = torch.tensor([i * w + j for i, j in zip(rows, cols)], dtype=torch.long).to(device)
-    legal = Legal(positions, bits[: len(rows)].to(device), vocab)
+    legal = Legal(torch.tensor(at, dtype=torch.long).to(device), bits[: len(at)].to(device), vocab)
     return legal, torch.tensor(n, dtype=n_drafts.dtype, device=device), dead
 
 
