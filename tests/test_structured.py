@@ -270,3 +270,58 @@ def test_forced_drafts_come_first_and_teach_the_copies_nothing():
     assert proposal.drafts[0].tolist() == [30, 31, 32, 1] and proposal.drafts[1, :1].tolist() == [40]
     planner.learn(plan, proposal, torch.tensor([4, 1, 2]), None)
     assert planner.copies.offered.sum() == 3 and planner.copies.hits.sum() == 2  # row 2's: 2 accepted, the 3rd not
+
+
+def test_masks_list_only_the_constrained_positions():
+    """``grammar.masks`` on a batch mixing constrained and unconstrained rows with drafts: each constrained row's
+    drafts are cut before the first one its grammar forbids, and ``Legal`` masks exactly its positions up to there
+    (each with the tokens its matcher allows after the drafts before it); every other position keeps its logits.
+    Its greedy tokens are the masked logits' argmax, kept from the unmasked argmax wherever the mask allows it."""
+    from types import SimpleNamespace
+
+    from batchspec.batch.grammar import masks
+    from batchspec.sampling import greedy
+
+    grammars = _llm(None, 1).parts.grammars
+    matchers = [grammars.matcher(SamplingParams(json_schema=FORCED_SCHEMA).structured()) for _ in range(3)]
+    for t in _ids('{"name":"a'):
+        assert matchers[2].consume_token(t)
+    seqs = SimpleNamespace(matchers=[matchers[0], None, matchers[1], matchers[2]], grammar_rows=[0, 2, 3])
+    rows = [_ids('{"nam'), _ids("abcde"), _ids('{"x"}'), _ids('bc",x')]
+    legal, n, dead = masks(seqs, torch.tensor(rows), torch.tensor([5, 3, 5, 2]), tiny.VOCAB)
+    assert n.tolist() == [5, 3, 2, 2] and dead == {}
+    blocked = torch.zeros(4, 6, tiny.VOCAB, dtype=torch.bool)
+    for i, m in enumerate(seqs.matchers):
+        if m is None:
+            continue
+        m = m.deep_copy()
+        for j in range(n[i] + 1):
+            blocked[i, j] = True
+            blocked[i, j, _legal(m)] = False
+            if j < n[i]:
+                assert m.consume_token(rows[i][j])
+    assert sorted(legal.positions.tolist()) == [0, 1, 2, 3, 4, 5, 12, 13, 14, 18, 19, 20]  # rows 0, 2, 3 of 6
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(4, 6, tiny.VOCAB).to(dtype)
+        logits[0, 0, _ids("{")] = 9.0  # its argmax is legal there: kept without masking
+        want = logits.masked_fill(blocked, float("-inf"))
+        assert torch.equal(legal.masked(logits), want)
+        assert torch.equal(legal.greedy(greedy(logits), lambda: logits), greedy(want))
+        assert torch.equal(legal.greedy(greedy(want), None), greedy(want))  # every argmax legal: no logits read
+        kept = (greedy(want) == greedy(logits)).view(-1)[legal.positions]
+        assert kept.any() and not kept.all()  # some argmaxes kept, some taken again under the masks
+
+
+def test_processors_and_sampling_beside_grammars_as_alone():
+    """Grammar rows with logits processors or sampling beside unconstrained ones (greedy and sampled) under a draft
+    model: each row's tokens are those it gets alone at batch 1."""
+    schema = FORCED_SCHEMA
+    params = [SamplingParams(max_tokens=N, json_schema=schema, repetition_penalty=1.3),
+              SamplingParams(max_tokens=12, presence_penalty=0.5),
+              SamplingParams(max_tokens=N, json_schema=schema, temperature=0.8, seed=1),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=2),
+              SamplingParams(max_tokens=N, regex=r"[a-c]{2,5}-[0-9]{3}", logit_bias={_ids("b")[0]: 3.0})]
+    alone = [_llm("draft", 1).generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
+    outs = _llm("draft", 5).generate(PROMPTS[:5], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    assert set(json.loads(outs[0].text)) == set(json.loads(outs[2].text)) == {"name", "age"}

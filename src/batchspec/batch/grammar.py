@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..params import ParamError
+from ..sampling import greedy
 
 GRAMMAR = "grammar"  # the finish reason of a row whose grammar reached a dead end
 # the most forced tokens a row drafts in a round of an engine without a drafter (its K is 0): a schema's keys and
@@ -77,33 +78,79 @@ def forced(seqs, room: int, vocab: int) -> tuple[torch.Tensor, list[int]] | None
     return tokens.to(seqs.length.device), counts
 
 
-def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The round's legal tokens ``[B, W, vocab]`` bool (W = drafts + 1; unconstrained rows allow all), the drafts
-    each row verifies (cut before the first one its grammar forbids) and the dead ends: row -> the first position
-    where its grammar allows nothing (left unmasked there; the row ends if it emits a token at it). One host read of
-    the drafts; each constrained row's walk runs on a copy of its matcher, which stays as it was."""
+class Legal:
+    """The legal tokens of a round's constrained positions: flat position ``positions[p]`` of the ``[B, W]`` block
+    allows the tokens set in ``bits[p]`` (llguidance's packed mask: bit t % 32 of word t // 32); every position not
+    listed allows every token. Only listed positions are masked, and under greedy decoding only those whose argmax
+    the mask forbids, so rows without a grammar cost nothing and a greedy round rarely masks at all."""
+
+    def __init__(self, positions: torch.Tensor, bits: torch.Tensor, vocab: int):
+        self.positions, self.bits, self.vocab = positions, bits, vocab
+
+    def _masked_rows(self, logits: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """``[len(which), vocab]``: a copy of the logits of listed positions ``which``, illegal tokens at -inf. The
+        packed words expand a byte at a time from a table (their bytes in memory order, lowest first: little-endian,
+        as on every device torch runs on here): a bool a token, no wider temporary."""
+        table = _BLOCKED.get(self.bits.device)
+        if table is None:
+            bit = torch.arange(8, device=self.bits.device)
+            table = _BLOCKED[self.bits.device] = ((torch.arange(256, device=self.bits.device)[:, None] >> bit) & 1) == 0
+        blocked = table.index_select(0, self.bits.index_select(0, which).view(torch.uint8).view(-1).int())
+        x = logits.reshape(-1, self.vocab).index_select(0, self.positions.index_select(0, which))
+        return x.masked_fill_(blocked.view(x.shape[0], -1)[:, : self.vocab], float("-inf"))
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of ``logits`` ``[B, W, vocab]`` with each listed position's illegal tokens at -inf."""
+        out = logits.clone()
+        every = torch.arange(len(self.positions), device=self.positions.device)
+        out.view(-1, self.vocab).index_copy_(0, self.positions, self._masked_rows(logits, every))
+        return out
+
+    def greedy(self, tokens: torch.Tensor, logits) -> torch.Tensor:
+        """``greedy(self.masked(logits()))`` ``[B, W]`` from ``tokens``, each position's argmax without the masks
+        (``logits()``: the block's logits, computed only when needed). Where the mask allows that token it stays, as
+        the first largest logit of all, being legal, is the first of the legal ones; elsewhere the argmax is taken
+        again over the legal tokens. One host read (which positions need it)."""
+        best = tokens.view(-1).index_select(0, self.positions)
+        word = self.bits.gather(1, (best // 32)[:, None])[:, 0].long()
+        redo = (((word >> best % 32) & 1) == 0).nonzero()[:, 0]
+        if not len(redo):
+            return tokens
+        tokens = tokens.clone()
+        tokens.view(-1).index_copy_(0, self.positions[redo], greedy(self._masked_rows(logits(), redo)))
+        return tokens
+
+
+_BLOCKED: dict = {}  # device -> [256, 8] bool: per byte value, which of its bits (lowest first) are not set
+
+
+def masks(seqs, drafts: torch.Tensor, n_drafts: torch.Tensor, vocab: int) -> tuple[Legal, torch.Tensor, dict]:
+    """The round's legal tokens (``Legal``: the constrained rows' positions up to their last verified draft;
+    unconstrained rows allow all), the drafts each row verifies (cut before the first one its grammar forbids) and
+    the dead ends: row -> the first position where its grammar allows nothing (left unmasked there; the row ends if
+    it emits a token at it). One host read of the drafts; each constrained row's walk runs on a copy of its matcher,
+    which stays as it was."""
     from llguidance.torch import fill_next_token_bitmask
 
-    b, w = drafts.shape[0], drafts.shape[1] + 1
-    words = (vocab + 31) // 32
-    bits = torch.full((b, w, words), -1, dtype=torch.int32)
+    w = drafts.shape[1] + 1
+    bits = torch.empty((len(seqs.grammar_rows) * w, (vocab + 31) // 32), dtype=torch.int32)
     d, n = drafts.tolist(), n_drafts.tolist()
-    dead = {}
+    at, dead = [], {}  # the flat positions masked, in the order of their masks
     for i in seqs.grammar_rows:
         m, j = seqs.matchers[i].deep_copy(), 0
         while True:  # a complete grammar's mask allows only the end-of-sequence token: the walk stops there
-            fill_next_token_bitmask(m, bits[i], j)
+            fill_next_token_bitmask(m, bits, len(at))
             if m.is_error():  # nothing continues the grammar here
-                bits[i, j], dead[i] = -1, j
+                dead[i] = j
                 break
+            at.append(i * w + j)
             if m.is_stopped() or j == n[i] or not m.try_consume_tokens([d[i][j]]):
                 break
             j += 1
         n[i] = j
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bits[..., None] >> shifts) & 1).flatten(2)[..., :vocab].bool()
     device = drafts.device
-    return allowed.to(device), torch.tensor(n, dtype=n_drafts.dtype, device=device), dead
+    legal = Legal(torch.tensor(at, dtype=torch.long).to(device), bits[: len(at)].to(device), vocab)
+    return legal, torch.tensor(n, dtype=n_drafts.dtype, device=device), dead
 
 
 def advance(seqs, rows: list[int], emitted: list[int], block: list[list[int]], dead: dict) -> dict[int, tuple]:

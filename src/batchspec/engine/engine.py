@@ -203,14 +203,17 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
                             counts=n_drafts + 1)
         # each position's logits through the rows' processors, as at batch 1 (None: no row of the batch uses any)
         processed = seqs.process(out.logits, drafts) if seqs.processors else None
-        if legal is not None:
-            processed = (out.logits if processed is None else processed).masked_fill(~legal, float("-inf"))
         if seqs.sampling:
+            if legal is not None:  # the grammars' masks over a copy of the logits, at the positions they constrain
+                processed = legal.masked(out.logits if processed is None else processed)
             u_accept, u_target = seqs.uniforms(k, Stream.ACCEPT), seqs.uniforms(k + 1, Stream.TARGET)
             target_p = seqs.warp(out.logits if processed is None else processed)
             accepted, bonus = parts.sample(target_p, proposal.q, drafts, n_drafts, u_accept, u_target)
         else:
-            accepted, bonus = parts.accept(out.tokens() if processed is None else greedy(processed), drafts, n_drafts)
+            tokens = out.tokens() if processed is None else greedy(processed)
+            if legal is not None:  # taken again under the masks where they forbid the argmax
+                tokens = legal.greedy(tokens, lambda: out.logits if processed is None else processed)
+            accepted, bonus = parts.accept(tokens, drafts, n_drafts)
     with timer("align"):
         target.hide_tail(k + 1, accepted + 1)
         drafter.commit(batch.draft, proposal, accepted, out)
