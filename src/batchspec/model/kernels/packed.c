@@ -206,23 +206,35 @@ static inline void kq_scales(const uint8_t *s, int g, float *dsc, float *dm) {
     } while (0)
 #define Q5_K_PART(c, P)                                                                                       \
     KQ_AFFINE(c, P, _mm256_or_si256(KQ_NIB(c, P), KQ_HIGH(qh[c] + 8 * (P % 4), shift[c] + P / 4, 1)))
+/* q6_k's codes are put together 32 at a time at the group's setup, as bytes q - 32 (shifts and masks on 32 bytes at
+ * once, q8[c][h]: weights 32h .. 32h + 31), and a part sign-extends 8 of them: five vector operations a weight where
+ * putting each part's codes together in 32-bit lanes took eleven (the same integers, so the same values) */
 #define Q6_K_AT(c, P)
 #define Q6_K_GROUP 64
-#define Q6_K_DECL KQ_DECL
+#define Q6_K_DECL                                                                                             \
+    KQ_DECL                                                                                                   \
+    __m256i q8[C_][2];                                                                                        \
+    (void)low, (void)qs;
 #define Q6_K_SETUP(c) /* a half of 128: 64 bytes of low nibbles (then high), 32 of 2-bit fields (bits 0, 2, 4, 6) */ \
     do {                                                                                                      \
         KQ_SETUP(c, Q6_K_BYTES);                                                                              \
         float d = half_at(s + 208);                                                                           \
         for (int k = 0; k < 4; k++) dsc[c][k] = d * (float)(int8_t)s[192 + 4 * g + k];                        \
-        qs[c] = s + 64 * (g / 2), qh[c] = s + 128 + 32 * (g / 2), shift[c] = 4 * (g % 2);                     \
+        const uint8_t *ql = s + 64 * (g / 2);                                                                 \
+        __m128i sh = _mm_cvtsi32_si128(4 * (g % 2));                                                          \
+        __m256i nib = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);       \
+        __m256i hi = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(s + 128 + 32 * (g / 2))), sh);     \
+        for (int h = 0; h < 2; h++) {                                                                         \
+            __m256i lo = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * h)), sh), nib); \
+            __m256i up = _mm256_and_si256(h ? _mm256_slli_epi16(hi, 2) : _mm256_slli_epi16(hi, 4), two);      \
+            q8[c][h] = _mm256_sub_epi8(_mm256_or_si256(lo, up), k32);                                         \
+        }                                                                                                     \
     } while (0)
-#define Q6_K_PART(c, P)                                                                                       \
-    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(                                                        \
-                      _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(KQ_BYTES(qs[c] + 8 * P),              \
-                                                                        _mm_cvtsi32_si128(shift[c])), low),   \
-                                      KQ_HIGH(qh[c] + 8 * (P % 4), shift[c] + 2 * (P / 4), 3)),               \
-                      _mm256_set1_epi32(32))),                                                                \
-                  _mm256_set1_ps(dsc[c][P / 2]))
+/* the 8 bytes of part P: in the low or high lane of q8[c][P / 4], the low or high half of it */
+#define Q6_K_CODES(c, P)                                                                                      \
+    _mm256_cvtepi8_epi32(P % 2 ? _mm_unpackhi_epi64(Q6_K_LANE(c, P), Q6_K_LANE(c, P)) : Q6_K_LANE(c, P))
+#define Q6_K_LANE(c, P) (P % 4 < 2 ? _mm256_castsi256_si128(q8[c][P / 4]) : _mm256_extracti128_si256(q8[c][P / 4], 1))
+#define Q6_K_PART(c, P) _mm256_mul_ps(_mm256_cvtepi32_ps(Q6_K_CODES(c, P)), _mm256_set1_ps(dsc[c][P / 2]))
 
 /* super-block ``s`` of a K-quant as fp32 into out[256], with the kernel's arithmetic (the expansion's reference) */
 static void kq_expand(long kind, const uint8_t *s, float *out) {
