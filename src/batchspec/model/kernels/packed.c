@@ -266,6 +266,19 @@ static inline void q6_scales(const uint8_t *s, float *dsc) {
 #define Q6_K_LANE(c, P) (P % 4 < 2 ? _mm256_castsi256_si128(q8[c][P / 4]) : _mm256_extracti128_si256(q8[c][P / 4], 1))
 #define Q6_K_PART(c, P) _mm256_mul_ps(_mm256_cvtepi32_ps(Q6_K_CODES(c, P)), _mm256_set1_ps(sc[c][P / 2]))
 
+/* q6_k two parts at a time (AVX-512): a sub-block's 16 weights share a scale, so its two parts are sign-extended,
+ * converted and scaled in one 16-lane register (WQ6_K_AT, at the even part), each half the 8 lanes the part above
+ * gives: the same values in fewer instructions */
+#define WQ6_K_GROUP 64
+#define WQ6_K_DECL                                                                                            \
+    Q6_K_DECL                                                                                                 \
+    __m512 wz[C_];
+#define WQ6_K_SETUP(c) Q6_K_SETUP(c)
+#define WQ6_K_AT(c, P)                                                                                        \
+    if (P % 2 == 0)                                                                                           \
+    wz[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Q6_K_LANE(c, P))), _mm512_set1_ps(sc[c][P / 2]))
+#define WQ6_K_PART(c, P) (P % 2 ? _mm512_extractf32x8_ps(wz[c], 1) : _mm512_castps512_ps256(wz[c]))
+
 /* super-block ``s`` of a K-quant as fp32 into out[256], with the kernel's arithmetic (the expansion's reference) */
 static void kq_expand(long kind, const uint8_t *s, float *out) {
     float dsc[8], dm[8];
@@ -446,8 +459,14 @@ PBLOCK_T(LQ4_K_r1, LQ4_K, 1, 4, LTARGET)
 PBLOCK_T(LQ4_K_r2, LQ4_K, 2, 4, LTARGET)
 static const kind_t Q4_K_wide[9] = {[1] = {LQ4_K_r1, 4}, [2] = {LQ4_K_r2, 4}};
 PBLOCKS_AVX2(Q5_K)
+/* q6_k: two parts a register at 1 and 2 rows of x, against 2 and 4 weight rows (0.91x and 0.90x the AVX2 blocks'
+ * time on Zen 4; 4 rows even) */
 PBLOCKS_AVX2(Q6_K)
-static const kind_t KQ_wide[9]; /* the K-quants: the AVX2 blocks at every row count */
+#define WTARGET __attribute__((target("avx512f,avx512dq,avx512vl")))
+PBLOCK_T(WQ6_K_r1, WQ6_K, 1, 2, WTARGET)
+PBLOCK_T(WQ6_K_r2, WQ6_K, 2, 4, WTARGET)
+static const kind_t Q6_K_wide[9] = {[1] = {WQ6_K_r1, 2}, [2] = {WQ6_K_r2, 4}};
+static const kind_t KQ_wide[9]; /* q5_k: the AVX2 blocks at every row count */
 
 /* Rows of x from which a chunk of weight rows is expanded once, into fp32 in a buffer of the thread's, and then read
  * by skinny.c's fp32 kernel against every row of x; below it, the blocks above expand each weight again for every 8
@@ -513,7 +532,7 @@ static void rows_of(const float *x, const packed_t *w, float *y, long M, long N,
         case W_Q4_0: avx2 = Q4_0_avx2, wide = Q4_0_wide; break;
         case W_Q4_K: avx2 = Q4_K_avx2, wide = Q4_K_wide; break;
         case W_Q5_K: avx2 = Q5_K_avx2, wide = KQ_wide; break;
-        case W_Q6_K: avx2 = Q6_K_avx2, wide = KQ_wide; break;
+        case W_Q6_K: avx2 = Q6_K_avx2, wide = Q6_K_wide; break;
         default: avx2 = Q4_1_avx2, wide = Q4_1_wide; break;
     }
     long blocks = (M + 7) / 8, r;
