@@ -221,9 +221,27 @@ static inline void q6_scales(const uint8_t *s, float *dsc) {
 #define LQ4_K_SETUP(c) Q4_K_SETUP(c)
 #define LQ4_K_VALUES(c, P, io) _mm256_fmsub_ps(io, _mm256_set1_ps(sc[c][P / 4]), _mm256_set1_ps(mn[c][P / 4]))
 #define LQ4_K_AT(c, P) if (P % 4 == 0) tab[c][0] = LQ4_K_VALUES(c, P, iota0), tab[c][1] = LQ4_K_VALUES(c, P, iota8)
-#define LQ4_K_PART(c, P)                                                                                      \
-    _mm256_permutex2var_ps(tab[c][0], P < 4 ? KQ_BYTES(qs[c] + 8 * P) : _mm256_srli_epi32(KQ_BYTES(qs[c] + 8 * (P - 4)), 4), \
-                           tab[c][1])
+#define LQ4_K_CODES(c, P) (P < 4 ? KQ_BYTES(qs[c] + 8 * P) : _mm256_srli_epi32(KQ_BYTES(qs[c] + 8 * (P - 4)), 4))
+#define LQ4_K_PART(c, P) _mm256_permutex2var_ps(tab[c][0], LQ4_K_CODES(c, P), tab[c][1])
+/* the same lookup in 16 lanes (AVX-512): a sub-block's 16 values in one register, one permute gives two parts (16
+ * weights a load of 16 bytes), each half the 8 lanes the lookup above gives */
+#define LQ4_K16_GROUP 64
+#define LQ4_K16_DECL                                                                                          \
+    KQ_DECL                                                                                                   \
+    const __m512 iota16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);               \
+    __m512 tz[C_], wz[C_];                                                                                    \
+    (void)low;
+#define LQ4_K16_SETUP(c) Q4_K_SETUP(c)
+#define LQ4_K16_AT(c, P)                                                                                      \
+    do {                                                                                                      \
+        if (P % 4 == 0)                                                                                       \
+            tz[c] = _mm512_fmsub_ps(iota16, _mm512_set1_ps(sc[c][P / 4]), _mm512_set1_ps(mn[c][P / 4]));      \
+        if (P % 2 == 0) {                                                                                     \
+            __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs[c] + 8 * (P % 4))));        \
+            wz[c] = _mm512_permutexvar_ps(P < 4 ? i : _mm512_srli_epi32(i, 4), tz[c]);                        \
+        }                                                                                                     \
+    } while (0)
+#define LQ4_K16_PART(c, P) (P % 2 ? _mm512_extractf32x8_ps(wz[c], 1) : _mm512_castps512_ps256(wz[c]))
 #define Q5_K_AT(c, P)
 #define Q5_K_GROUP 64
 #define Q5_K_DECL KQ_DECL
@@ -255,7 +273,8 @@ static inline void q6_scales(const uint8_t *s, float *dsc) {
         __m256i nib = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);       \
         __m256i hi = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(s + 128 + 32 * (g / 2))), sh);     \
         for (int h = 0; h < 2; h++) {                                                                         \
-            __m256i lo = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * h)), sh), nib); \
+            __m256i lo = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * h)), sh);            \
+            lo = _mm256_and_si256(lo, nib);                                                                   \
             __m256i up = _mm256_and_si256(h ? _mm256_slli_epi16(hi, 2) : _mm256_slli_epi16(hi, 4), two);      \
             q8[c][h] = _mm256_sub_epi8(_mm256_or_si256(lo, up), k32);                                         \
         }                                                                                                     \
@@ -437,6 +456,7 @@ typedef struct {
  * 5): 0.82x the time at 1 row (against 2 weight rows: 1.1x; 3: 1.04x; 6: 1.4x, registers spill), 0.84x at 2, even at
  * 3, 0.90x at 4, 0.86x at 5; even at 6 and 1.06x at 8 (so 6-8 rows keep the AVX2 blocks) */
 #define LTARGET __attribute__((target("avx512f,avx512vl")))
+#define WTARGET __attribute__((target("avx512f,avx512dq,avx512vl")))
 #define PBLOCKS4(F)                                                                                           \
     PBLOCKS_AVX2(F)                                                                                           \
     PBLOCK_T(L##F##_r1, L##F, 1, 4, LTARGET)                                                                  \
@@ -452,17 +472,18 @@ PBLOCKS(F16)
 PBLOCKS(Q8_0)
 PBLOCKS4(Q4_0)
 PBLOCKS4(Q4_1)
-/* q4_k: lookups at 1 and 2 rows of x, against 4 weight rows a block (Gemma 3 270M's matrices on Zen 4, against the
- * AVX2 blocks: 0.77x the time at 1 row, 0.92-0.96x at 2; 3-5 rows even or slower, where the AVX2 blocks stay) */
+/* q4_k: lookups at 1-3 rows of x, against 4, 4, 3 weight rows a block: in 8 lanes at 1 row, in 16 at 2-3 (Gemma 3
+ * 270M's matrices in cache on Zen 4, against the AVX2 blocks: 0.77x the time at 1 row (16 lanes: 1.02x that), 0.8x
+ * at 2 (8 lanes: 0.92x), 0.9x at 3; 4-5 rows even, where the AVX2 blocks stay) */
 PBLOCKS_AVX2(Q4_K)
 PBLOCK_T(LQ4_K_r1, LQ4_K, 1, 4, LTARGET)
-PBLOCK_T(LQ4_K_r2, LQ4_K, 2, 4, LTARGET)
-static const kind_t Q4_K_wide[9] = {[1] = {LQ4_K_r1, 4}, [2] = {LQ4_K_r2, 4}};
+PBLOCK_T(LQ4_K16_r2, LQ4_K16, 2, 4, WTARGET)
+PBLOCK_T(LQ4_K16_r3, LQ4_K16, 3, 3, WTARGET)
+static const kind_t Q4_K_wide[9] = {[1] = {LQ4_K_r1, 4}, [2] = {LQ4_K16_r2, 4}, [3] = {LQ4_K16_r3, 3}};
 PBLOCKS_AVX2(Q5_K)
 /* q6_k: two parts a register at 1 and 2 rows of x, against 2 and 4 weight rows (0.91x and 0.90x the AVX2 blocks'
  * time on Zen 4; 4 rows even) */
 PBLOCKS_AVX2(Q6_K)
-#define WTARGET __attribute__((target("avx512f,avx512dq,avx512vl")))
 PBLOCK_T(WQ6_K_r1, WQ6_K, 1, 2, WTARGET)
 PBLOCK_T(WQ6_K_r2, WQ6_K, 2, 4, WTARGET)
 static const kind_t Q6_K_wide[9] = {[1] = {WQ6_K_r1, 2}, [2] = {WQ6_K_r2, 4}};
