@@ -376,7 +376,7 @@ def test_long_prompts_join_a_running_batch_a_chunk_at_a_time(drafter):
                          check_invariants=True, prefix_cache=8)
     short = tiny.prompts(2, seed=70, lo=5, hi=9)
     long = tiny.prompts(2, seed=71, lo=100, hi=120)
-    engine = llm.engine(prefill_tokens=32)
+    engine = llm.engine(prefill_chunk=32)
     _, reqs = llm.requests(short + long, [batchspec.SamplingParams(max_tokens=40)] * 2 +
                            [batchspec.SamplingParams(max_tokens=8)] * 2)
     for r in reqs[:2]:

@@ -217,11 +217,11 @@ class LLM:
             for i, (p, sp, stop, seed) in enumerate(zip(ids, params, stops, seeds))
         ]
 
-    def engine(self, prefill_tokens: int | None = None) -> Engine:
+    def engine(self, prefill_tokens: int | None = None, prefill_chunk: int | None = None) -> Engine:
         """A step-able engine over this LLM's models and components (``add_request`` / ``step`` / ``abort``);
-        ``prefill_tokens``: see ``Engine``."""
+        ``prefill_tokens``, ``prefill_chunk``: see ``Engine``."""
         return Engine(self.parts, self.scheduler, self.batch_size, self.stats, self.check_invariants, self.profile,
-                      prefill_tokens, self.memory.budget)
+                      prefill_tokens, self.memory.budget, prefill_chunk)
 
     def output(self, prompt_ids: list[int], f, stream: TextStream | None = None) -> RequestOutput:
         """A ``RequestOutput`` from an engine's ``Finished``; cut before its stop string when ``stream`` (its text

@@ -280,13 +280,15 @@ class Engine:
 
     def __init__(self, parts: Parts, scheduler: Scheduler, batch_size: int, stats: Stats | None = None,
                  check: bool = False, profile: bool = False, prefill_tokens: int | None = None,
-                 kv_memory: int | None = None):
+                 kv_memory: int | None = None, prefill_chunk: int | None = None):
         """``prefill_tokens``: while rows are running, the prompt tokens a step prefills at most (the scheduler's
         ``admit`` token budget: at least one request joins; None: every request the scheduler has room for).
+        ``prefill_chunk``: while rows are running, a prompt with more tokens not kept yet is prefilled this many a
+        step before it joins (``_ahead``; None: whole).
         ``kv_memory``: bytes of keys and values the running rows may take at their widest (``memory.KVMemory``:
         requests wait until they fit, one that never could is refused; None: no bound)."""
         self.parts, self.batch_size, self.check = parts, batch_size, check
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens, self.prefill_chunk = prefill_tokens, prefill_chunk
         self.scheduler = copy.deepcopy(scheduler)  # a scheduler may remember rows: one per engine
         windowed = scheduler.room(0, batch_size) > batch_size  # rounds drawn from a window of rows
         self.memory = KVMemory.of(parts, kv_memory, batch_size if windowed else None, WINDOW.max_waste)
@@ -505,7 +507,8 @@ class Engine:
         running = len(self.batch) if self.batch is not None else 0
         fits = self.memory.admits(self.batch.request_ids if self.batch is not None else [], self.waiting)
         n = self.scheduler.admit(running, _PromptLengths(self.waiting), self.batch_size, self.prefill_tokens, fits)
-        if n <= 0 or (self.batch is not None and self._ahead(self.waiting[0])):
+        n = self._ahead(n) if n > 0 else 0
+        if n <= 0:
             return
         joins = [self.waiting.popleft() for _ in range(n)]
         for r in joins:
@@ -525,29 +528,39 @@ class Engine:
                 self.stats.joined_running += n
                 self.batch = self.batch.merge(new)
 
-    def _ahead(self, r: Request) -> bool:
-        """Whether the first waiting request was prefilled a chunk further instead of joining: while rows run, a
-        prompt whose tokens not kept yet exceed the step's budget (``prefill_tokens``) has the next budget's worth
-        computed into the target's kept prefixes (``Runner.prefixes``: from its longest kept start, so each chunk
-        starts where the last one ended, with the bits one piece would give), and joins at the step where what is left
-        fits. A long prompt then holds the running rows back a chunk at a time. Not for prompts scored in full, where
-        nothing is kept, nor once a chunk was not kept (no room: the prompt joins whole)."""
-        budget, target = self.prefill_tokens, self.parts.target
-        if not budget or r.prompt_logprobs is not None or getattr(target, "prefixes", None) is None:
-            return False
-        hidden = self.parts.drafter.needs_hidden
-        have = kept_tokens(target, r.prompt, r.cache_salt, hidden)
-        if len(r.prompt) - 1 - have <= budget or have < self._chunked.get(r.id, 0):
-            return False
+    def _ahead(self, n: int) -> int:
+        """How many of the ``n`` requests the scheduler admits join now, after prefilling the first one a chunk further
+        where it is long (0: it was). While rows run, a prompt whose tokens not kept yet exceed ``prefill_chunk`` has
+        the next chunk computed into the target's kept prefixes (``Runner.prefixes``: from its longest kept start, so
+        each chunk starts where the last one ended, with the bits one piece would give), and joins at the step where
+        what is left fits; the requests behind it join only up to the next such prompt. A long prompt then holds the
+        running rows back a chunk at a time."""
+        if self.batch is None or not self.prefill_chunk:
+            return n
+        upto = self._chunk(self.waiting[0])
+        if upto is not None:
+            with self.timer("prefill"):
+                r, hidden = self.waiting[0], self.parts.drafter.needs_hidden
+                state = self.parts.prefill(self.parts.target, [r.prompt[: upto + 1]], hidden=hidden,
+                                           salts=[r.cache_salt])
+                (state[0] if hidden else state).cache.release()
+            self._chunked[r.id] = upto  # where its next chunk starts: blocks dropped meanwhile end the chunking
+            self.stats.prefill_chunks += 1
+            return 0
+        return next((i for i in range(1, n) if self._chunk(self.waiting[i]) is not None), n)
+
+    def _chunk(self, r: Request) -> int | None:
+        """Where the next chunk of ``r``'s prompt ends (its tokens kept up to there), or None where it joins whole: a
+        prompt with at most ``prefill_chunk`` tokens not kept, one scored in full, one whose last chunk was not kept
+        (no room), and wherever nothing is kept. A query."""
+        target, budget = self.parts.target, self.prefill_chunk
+        if r.prompt_logprobs is not None or getattr(target, "prefixes", None) is None:
+            return None
+        have = kept_tokens(target, r.prompt, r.cache_salt, self.parts.drafter.needs_hidden)
         upto = (have + budget) // BLOCK * BLOCK
-        if upto <= have:  # a budget under one block
-            return False
-        with self.timer("prefill"):
-            state = self.parts.prefill(target, [r.prompt[: upto + 1]], hidden=hidden, salts=[r.cache_salt])
-            (state[0] if hidden else state).cache.release()
-        self._chunked[r.id] = upto  # where the next chunk must start: kept blocks dropped meanwhile end the chunking
-        self.stats.prefill_chunks += 1
-        return True
+        if len(r.prompt) - 1 - have <= budget or have < self._chunked.get(r.id, 0) or upto <= have:
+            return None
+        return upto
 
     def _prefilled(self, joins: list[Request], scored: bool, joining: bool) -> Batch:
         """The rows of ``joins`` prefilled (target and drafter). ``scored``: they asked for prompt log-probabilities,

@@ -42,7 +42,7 @@ from .worker import EngineWorker, QueueFull, Unavailable
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 POLL = 0.25  # seconds between checks for a vanished client or a stopped engine while waiting for tokens
-DEFAULT_MAX_BODY_BYTES, MAX_PREFILL_TOKENS = P.DEFAULT_MAX_BODY_BYTES, P.MAX_PREFILL_TOKENS
+DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK = P.DEFAULT_MAX_BODY_BYTES, P.PREFILL_CHUNK
 
 log = logging.getLogger("batchspec.serve")
 
@@ -74,7 +74,8 @@ def default_model_name(llm) -> str:
 def create_app(llm, model_name: str | None = None, api_key: str | None = None, max_queue: int = 64,
                default_max_tokens: int = 256, default_temperature: float = 1.0, retries: int = 1,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts=None, allowed_origins=None,
-               docs: bool = False, prefill_tokens: int | None = MAX_PREFILL_TOKENS) -> FastAPI:
+               docs: bool = False, prefill_tokens: int | None = None,
+               prefill_chunk: int | None = PREFILL_CHUNK) -> FastAPI:
     """The server app over ``llm`` (build it with ``scheduler="continuous"`` for continuous batching). The engine
     thread starts with the app (its lifespan) and stops with it; ``app.state.worker`` is the ``EngineWorker``;
     ``app.state.shutdown(grace, done)`` winds the server down gracefully (``_Gate``), then calls ``done``.
@@ -87,15 +88,17 @@ def create_app(llm, model_name: str | None = None, api_key: str | None = None, m
     any), checked on loopback connections and, once given, on all; ``allowed_origins``: web origins
     (``http://host:port``, ``"*"``) whose pages may call the server (also given CORS headers); others get 403. ``docs``:
     serve ``/docs``, ``/redoc`` and ``/openapi.json`` (off by default). ``prefill_tokens``: while rows run, the prompt
-    tokens one engine step prefills at most, a longer prompt a chunk a step (``Engine``; None: every request that
-    fits joins at once, whole)."""
+    tokens of whole requests one engine step prefills at most (``Engine``; None: every request that fits joins at
+    once); ``prefill_chunk``: while rows run, a prompt with more tokens not kept yet is prefilled this many a step
+    before it joins (None: whole)."""
     if api_key is not None and not api_key.strip():
         raise ValueError("the API key is empty: give a key, or none to leave the server open")
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
     name = model_name or default_model_name(llm)
     info = model_info(llm, name, default_max_tokens, default_temperature)
-    worker = EngineWorker(llm, max_queue=max_queue, retries=retries, prefill_tokens=prefill_tokens)
+    worker = EngineWorker(llm, max_queue=max_queue, retries=retries, prefill_tokens=prefill_tokens,
+                          prefill_chunk=prefill_chunk)
     metrics = ServerMetrics(worker, llm)
     created = P.now()
     texts = P.TokenTexts(llm.tokenizer)  # each token's own text, for log-probabilities (decoded once per server)

@@ -73,9 +73,9 @@ class Job:
 
 class EngineWorker:
     def __init__(self, llm, max_queue: int = 64, retries: int = 1, idle_wait: float = 0.05,
-                 prefill_tokens: int | None = None):
+                 prefill_tokens: int | None = None, prefill_chunk: int | None = None):
         self.llm = llm
-        self.engine = llm.engine(prefill_tokens)
+        self.engine = llm.engine(prefill_tokens, prefill_chunk)
         # The engine steps on its own thread: this thread's idle OpenMP workers (it loaded the model) would make every
         # parallel op there wake its workers through the kernel (model/threads.py).
         release_idle_workers()
