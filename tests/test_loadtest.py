@@ -46,7 +46,7 @@ def test_poisson_load_report(server, tmp_path, api):
                  "accepted_not_completed": 0}
     assert summary["model"] == "tiny"  # found through /v1/models
     assert summary["throughput"]["output_tokens"] == 80  # the usage the server reported: 8 tokens each
-    for key in ("ttft_s", "tpot_s", "e2e_s", "in_flight_at_arrival"):
+    for key in ("ttft_s", "tpot_s", "gap_s", "e2e_s", "in_flight_at_arrival"):
         s = summary[key]
         assert s["n"] == 10 and 0 < s["p50"] <= s["p90"] <= s["p99"]
     assert all(r["ttft"] <= r["e2e"] for r in summary["records"])

@@ -63,3 +63,19 @@ def test_endpoint_audit_settings_are_checked_before_anything_is_sent():
             audit_endpoint("http://127.0.0.1:9", **{"prompts": ["a"], **bad})
     with pytest.raises(TypeError):
         audit_endpoint("http://127.0.0.1:9", prompts=["a"], concurrency_levels=[1])
+
+
+def test_a_streamed_answer_times_its_first_output_and_its_longest_gap(monkeypatch):
+    """``first``: when the first output came (the role-only chunk before it does not count); ``gap``: the longest
+    wait between two outputs after it (what a stream held back by other requests' prefill shows)."""
+    from batchspec.serve import client
+
+    clock = iter([1.0, 1.5, 4.0, 4.25])
+    monkeypatch.setattr(client.time, "perf_counter", lambda: next(clock))
+    a = StreamedAnswer()
+    event = lambda delta: "data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]})  # noqa: E731
+    a.feed(event({"role": "assistant", "content": ""}))
+    for text in ("a", "b", "c", "d"):
+        a.feed(event({"content": text}))
+    assert a.first == 1.0 and a.gap == 2.5
+    assert a.feed("data: [DONE]") and a.done

@@ -507,10 +507,12 @@ class Engine:
         running = len(self.batch) if self.batch is not None else 0
         fits = self.memory.admits(self.batch.request_ids if self.batch is not None else [], self.waiting)
         n = self.scheduler.admit(running, _PromptLengths(self.waiting), self.batch_size, self.prefill_tokens, fits)
-        n = self._ahead(n) if n > 0 else 0
+        skip, n = self._ahead(n) if n > 0 else (0, 0)
         if n <= 0:
             return
+        held = [self.waiting.popleft() for _ in range(skip)]  # a long prompt prefilled a chunk further: it waits
         joins = [self.waiting.popleft() for _ in range(n)]
+        self.waiting.extendleft(held)
         for r in joins:
             self._chunked.pop(r.id, None)
         self.memory.joined(joins)
@@ -528,16 +530,16 @@ class Engine:
                 self.stats.joined_running += n
                 self.batch = self.batch.merge(new)
 
-    def _ahead(self, n: int) -> int:
-        """How many of the ``n`` requests the scheduler admits join now, after prefilling the first one a chunk further
-        where it is long (0: it was). While rows run, a prompt whose tokens not kept yet exceed ``prefill_chunk`` has
-        the next chunk computed into the target's kept prefixes (``Runner.prefixes``: from its longest kept start, so
-        each chunk starts where the last one ended, with the bits one piece would give), and joins at the step where
-        what is left fits; the requests behind it join only up to the next such prompt. A long prompt then holds the
-        running rows back a chunk at a time."""
+    def _ahead(self, n: int) -> tuple[int, int]:
+        """Of the ``n`` requests the scheduler admits, ``(skip, join)``: the first ``skip`` (0 or 1) wait, prefilled a
+        chunk further, and the next ``join`` join now. While rows run, a prompt whose tokens not kept yet exceed
+        ``prefill_chunk`` has its next chunk computed into the target's kept prefixes (``Runner.prefixes``: from its
+        longest kept start, so each chunk starts where the last one ended, with the bits one piece would give) and
+        joins at the step where what is left fits; the requests behind it join meanwhile, up to the next such prompt.
+        A long prompt then holds the running rows back a chunk at a time."""
         if self.batch is None or not self.prefill_chunk:
-            return n
-        upto = self._chunk(self.waiting[0])
+            return 0, n
+        skip, upto = 0, self._chunk(self.waiting[0])
         if upto is not None:
             with self.timer("prefill"):
                 r, hidden = self.waiting[0], self.parts.drafter.needs_hidden
@@ -546,8 +548,9 @@ class Engine:
                 (state[0] if hidden else state).cache.release()
             self._chunked[r.id] = upto  # where its next chunk starts: blocks dropped meanwhile end the chunking
             self.stats.prefill_chunks += 1
-            return 0
-        return next((i for i in range(1, n) if self._chunk(self.waiting[i]) is not None), n)
+            skip = 1
+        stop = next((i for i in range(1, n) if self._chunk(self.waiting[i]) is not None), n)
+        return skip, stop - skip
 
     def _chunk(self, r: Request) -> int | None:
         """Where the next chunk of ``r``'s prompt ends (its tokens kept up to there), or None where it joins whole: a

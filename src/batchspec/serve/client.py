@@ -181,7 +181,8 @@ class StreamedAnswer:
     without choices has none. An error event raises ``StreamError``. Per choice with token ids: ``token_chunks`` and
     ``logprob_chunks`` (its ``token_ids`` and ``logprobs`` as sent); per choice: its text in ``texts`` ("" when not a
     string) and counted in ``text_chunks`` when not empty. ``first``: ``time.perf_counter()`` when the first choice
-    with output (text or token ids) was read; ``usage``: the last usage sent."""
+    with output (text or token ids) was read, ``gap`` the longest wait between two of them (a stream held back by
+    other requests' prefill); ``usage``: the last usage sent."""
 
     strict: bool = True
     token_chunks: list = field(default_factory=list)
@@ -192,7 +193,9 @@ class StreamedAnswer:
     finish_reason: object = None
     usage: object = None
     first: float | None = None
+    gap: float = 0.0
     done: bool = False
+    _last: float | None = None
 
     def feed(self, line: str) -> bool:
         msg = sse_data(line)
@@ -217,8 +220,13 @@ class StreamedAnswer:
             self.logprob_chunks.append(ch.get("logprobs"))
         if ch.get("prompt_token_ids") is not None:
             self.prompt_ids = ch["prompt_token_ids"]
-        if (text or ids) and self.first is None:
-            self.first = time.perf_counter()
+        if text or ids:
+            now = time.perf_counter()
+            if self.first is None:
+                self.first = now
+            else:
+                self.gap = max(self.gap, now - self._last)
+            self._last = now
         self.text_chunks += bool(text)
         self.texts.append(text if isinstance(text, str) else "")
         self.finish_reason = ch.get("finish_reason") or self.finish_reason

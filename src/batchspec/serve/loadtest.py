@@ -66,6 +66,7 @@ class Record:
     http_status: int | None = None
     ttft: float | None = None
     tpot: float | None = None
+    gap: float | None = None  # the longest wait between two streamed outputs after the first
     e2e: float | None = None
     output_tokens: int = 0
     finish_reason: str | None = None
@@ -133,7 +134,7 @@ async def _one(client, cfg: LoadConfig, model: str, index: int, prompt, t0: floa
     usage_tokens = usage.get("completion_tokens")
     rec.output_tokens = usage_tokens if usage_tokens is not None else streamed_ids or answer.text_chunks
     if answer.first is not None:
-        rec.ttft = answer.first - start
+        rec.ttft, rec.gap = answer.first - start, answer.gap
         if rec.output_tokens > 1:
             rec.tpot = (end - answer.first) / (rec.output_tokens - 1)
     return rec, text
@@ -289,12 +290,13 @@ def summarize(cfg: LoadConfig, model: str, records: list[Record], sent: int, wal
 
 
 def _latencies(ok: list[Record], wall: float) -> dict:
-    """Throughput (over ``wall``) and the TTFT, TPOT and end-to-end percentiles of the completed requests ``ok``."""
+    """Throughput (over ``wall``) and the TTFT, TPOT, longest-gap and end-to-end percentiles of the completed
+    requests ``ok``."""
     tokens = sum(r.output_tokens for r in ok)
     return {"throughput": {"requests_per_s": len(ok) / wall if wall > 0 else 0.0,
                            "output_tokens_per_s": tokens / wall if wall > 0 else 0.0, "output_tokens": tokens},
             "ttft_s": percentiles(r.ttft for r in ok), "tpot_s": percentiles(r.tpot for r in ok),
-            "e2e_s": percentiles(r.e2e for r in ok)}
+            "gap_s": percentiles(r.gap for r in ok), "e2e_s": percentiles(r.e2e for r in ok)}
 
 
 def write_report(summary: dict, out, write=None) -> tuple[Path, Path]:
@@ -353,7 +355,8 @@ def rich_table(summary: dict):
     for col in ("metric", "P50", "P90", "P99", "mean", "n"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     rows = [(summary, key, label, scale, unit) for key, label, scale, unit in (
-        ("ttft_s", "TTFT", 1000, "ms"), ("tpot_s", "TPOT", 1000, "ms"), ("e2e_s", "end-to-end", 1, "s"),
+        ("ttft_s", "TTFT", 1000, "ms"), ("tpot_s", "TPOT", 1000, "ms"), ("gap_s", "longest gap", 1000, "ms"),
+        ("e2e_s", "end-to-end", 1, "s"),
         ("in_flight_at_arrival", "in flight", 1, "req"))]
     for n, turn in summary.get("turns", {}).items():
         rows += [(turn, "ttft_s", f"TTFT turn {n}", 1000, "ms"), (turn, "tpot_s", f"TPOT turn {n}", 1000, "ms")]
