@@ -557,8 +557,8 @@ class Engine:
         prompt with at most ``prefill_chunk`` tokens not kept, one scored in full, one whose last chunk was not kept
         (no room), and wherever nothing is kept. A query."""
         target, budget = self.parts.target, self.prefill_chunk
-        if r.prompt_logprobs is not None or getattr(target, "prefixes", None) is None:
-            return None
+        if len(r.prompt) - 1 <= budget or r.prompt_logprobs is not None or getattr(target, "prefixes", None) is None:
+            return None  # (a short prompt's blocks are not even looked up)
         have = kept_tokens(target, r.prompt, r.cache_salt, self.parts.drafter.needs_hidden)
         upto = (have + budget) // BLOCK * BLOCK
         if len(r.prompt) - 1 - have <= budget or have < self._chunked.get(r.id, 0) or upto <= have:
