@@ -64,15 +64,18 @@ def test_narrowest_format_wins_and_others_stay_fp32():
     assert W.pack(x.double()) is None and W.pack(x[0]) is None  # only 2-D fp32 tensors are packed
 
 
-@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("blocks", ["full", "avx512", "avx2"])
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "bf16", "f16"])
-def test_packed_linear_gives_the_fp32_kernels_bits(kind, avx512):
+def test_packed_linear_gives_the_fp32_kernels_bits(kind, blocks):
     """Packed against the fp32 kernel over the weights' values, bit for bit, at every block shape; where the CPU has
-    AVX-512, the packed blocks of that kind (two weight rows a register; the 4-bit formats' lookups) against the fp32
-    kernel's AVX2 blocks."""
+    AVX-512, the packed blocks of that kind (two weight rows a register; the 4-bit formats' lookups), those chosen for
+    CPUs that run 512-bit operations as two halves and the 16-lane blocks at every row count (``full``, and no
+    expansion once over many rows), against the fp32 kernel's AVX2 blocks."""
     lib = kernels.library()
+    avx512 = blocks != "avx2"
     if avx512 and not lib.skinny_avx512(1):
         pytest.skip("this CPU has no AVX-512")
+    was = lib.packed_full_width(-1)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(77, 192, generator=g) * 0.1
     v = gguf_values(x, kind) if kind in GGUF else (x.bfloat16() if kind == "bf16" else x.half()).float()
@@ -81,12 +84,14 @@ def test_packed_linear_gives_the_fp32_kernels_bits(kind, avx512):
     a = torch.randn(80, 192, generator=g)
     try:
         lib.skinny_avx512(int(avx512))
+        lib.packed_full_width(int(blocks == "full"))
         got = {rows: lin(a[:rows]) for rows in [*range(1, 22), 33, 64]}  # every block shape of the packed kernel
         lib.skinny_avx512(0)
         for rows, y in got.items():  # 77 weight rows: a thread's last 5, so a short block ends every kind's pass
             assert torch.equal(bits(y), bits(kernels.skinny_linear(a[:rows], v))), rows
     finally:
         lib.skinny_avx512(1)
+        lib.packed_full_width(was)
     for many in (a.repeat(2, 1), a.repeat(4, 1)):  # past the kernel's rows: as the runner's fp32 linear, both ways
         assert torch.equal(bits(lin(many)), bits(kernels.linear(many, v)))
     assert torch.equal(bits(lin(a[:6].view(2, 3, 192))), bits(kernels.skinny_linear(a[:6], v)).view(2, 3, 77))

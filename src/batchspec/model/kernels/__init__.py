@@ -56,6 +56,7 @@ _log = logging.getLogger("batchspec.kernels")
 SIGNATURES = {
     "skinny_linear": "void (ptr x, ptr w, ptr y, long M, long N, long K)",
     "skinny_avx512": "int (int on)",
+    "packed_full_width": "int (int on)",
     "llama_layers": "int (ptr x, ptr w, ptr cos, ptr sin, ptr kc, ptr vc, ptr vis, ptr dims, float eps, float scale, "
                     "ptr first, ptr caps, long layers, ptr rope, ptr windows)",
     "lookup_match": "void (ptr hist, ptr length, long rows, long width, long n_max, ptr match, ptr end)",
