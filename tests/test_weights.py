@@ -277,12 +277,15 @@ def test_kquant_blocks_expand_to_gguf_values(kind):
     assert W.pack(v[:, :256], given=p) is None  # nor blocks of another shape
 
 
-@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("blocks", ["full", "avx512", "avx2"])
 @pytest.mark.parametrize("kind", list(KQUANT))
-def test_packed_kquant_linear_gives_the_fp32_kernels_bits(kind, avx512):
+def test_packed_kquant_linear_gives_the_fp32_kernels_bits(kind, blocks):
+    """As ``test_packed_linear_gives_the_fp32_kernels_bits``, for the K-quants' blocks."""
     lib = kernels.library()
+    avx512 = blocks != "avx2"
     if avx512 and not lib.skinny_avx512(1):
         pytest.skip("this CPU has no AVX-512")
+    was = lib.packed_full_width(-1)
     raw = kquant_blocks(kind, 77, 512, seed=1)
     v = kquant_values(raw, kind)
     lin = W.PackedLinear(W.pack(v, given=W.PackedWeight(kind, (77, 512), torch.from_numpy(raw))))
@@ -290,12 +293,14 @@ def test_packed_kquant_linear_gives_the_fp32_kernels_bits(kind, avx512):
     a = torch.randn(80, 512, generator=torch.Generator().manual_seed(3))
     try:
         lib.skinny_avx512(int(avx512))
+        lib.packed_full_width(int(blocks == "full"))
         got = {rows: lin(a[:rows]) for rows in [*range(1, 17), 33, 64]}
         lib.skinny_avx512(0)
         for rows, y in got.items():
             assert torch.equal(bits(y), bits(kernels.skinny_linear(a[:rows], v))), rows
     finally:
         lib.skinny_avx512(1)
+        lib.packed_full_width(was)
     many = a.repeat(2, 1)  # past the kernel's rows: the expanded weight, as the runner's fp32 linear
     assert torch.equal(bits(lin(many)), bits(kernels.linear(many, v)))
 

@@ -268,21 +268,25 @@ static inline void q6_scales(const uint8_t *s, float *dsc) {
     KQ_DECL                                                                                                   \
     __m256i q8[C_][2];                                                                                        \
     (void)low, (void)qs, (void)dm;
-#define Q6_K_SETUP(c) /* a half of 128: 64 bytes of low nibbles (then high), 32 of 2-bit fields (bits 0, 2, 4, 6) */ \
+/* q6_k group g of super-block s: its codes - 32 as bytes, weights 0-31 in q8[0], 32-63 in q8[1] (a half of 128: 64
+ * bytes of low nibbles (then high), 32 of 2-bit fields (bits 0, 2, 4, 6)) */
+static inline void q6_group(const uint8_t *s, int g, __m256i *q8) {
+    const uint8_t *ql = s + 64 * (g / 2);
+    __m128i sh = _mm_cvtsi32_si128(4 * (g % 2));
+    __m256i nib = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+    __m256i hi = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(s + 128 + 32 * (g / 2))), sh);
+    for (int h = 0; h < 2; h++) {
+        __m256i lo = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * h)), sh), nib);
+        __m256i up = _mm256_and_si256(h ? _mm256_slli_epi16(hi, 2) : _mm256_slli_epi16(hi, 4), two);
+        q8[h] = _mm256_sub_epi8(_mm256_or_si256(lo, up), k32);
+    }
+}
+#define Q6_K_SETUP(c)                                                                                         \
     do {                                                                                                      \
         KQ_SETUP(c, Q6_K_BYTES);                                                                              \
         if (g == 0) q6_scales(s, dsc[c]);                                                                     \
         sc[c] = dsc[c] + 4 * g;                                                                               \
-        const uint8_t *ql = s + 64 * (g / 2);                                                                 \
-        __m128i sh = _mm_cvtsi32_si128(4 * (g % 2));                                                          \
-        __m256i nib = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);       \
-        __m256i hi = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(s + 128 + 32 * (g / 2))), sh);     \
-        for (int h = 0; h < 2; h++) {                                                                         \
-            __m256i lo = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * h)), sh);            \
-            lo = _mm256_and_si256(lo, nib);                                                                   \
-            __m256i up = _mm256_and_si256(h ? _mm256_slli_epi16(hi, 2) : _mm256_slli_epi16(hi, 4), two);      \
-            q8[c][h] = _mm256_sub_epi8(_mm256_or_si256(lo, up), k32);                                         \
-        }                                                                                                     \
+        q6_group(s, g, q8[c]);                                                                                \
     } while (0)
 /* the 8 bytes of part P: in the low or high lane of q8[c][P / 4], the low or high half of it */
 #define Q6_K_CODES(c, P)                                                                                      \
@@ -444,6 +448,69 @@ static void kq_expand(long kind, const uint8_t *s, float *out) {
 #define ZLQ4_1_VALUES(b) _mm512_fmadd_ps(iota, _mm512_set1_ps(dp[b]), _mm512_set1_ps(mp[b]))
 #define ZLQ4_1_AT(c, P) ZLQ4_AT(c, P, ZLQ4_1_VALUES)
 #define ZLQ4_1_PART(c, P) ZLQ4_PART(c, P)
+/* The K-quants, two weight rows a register: each row's super-block, scales and codes as above (KQ_SETUP's), the
+ * pair's values side by side. q4_k by lookup as ZLQ4 (a sub-block's 16 values, by row, with the expansion's own fused
+ * multiply-subtract), q6_k sign-extended and scaled as Q6_K_PART, 16 lanes at once. */
+#define ZKQ_DECL                                                                                              \
+    const uint8_t *blocks = (const uint8_t *)w->q;                                                            \
+    int zg = 0; /* the group's place in its super-block (0..3) */
+/* the super-block of group kb / 64 of row h of pair c as ``zs``, prefetched ahead */
+#define ZKQ_BLOCK(c, h, BYTES)                                                                                \
+    const uint8_t *zs = blocks + ((row[c][h] * K + kb) / QK) * (BYTES);                                       \
+    _mm_prefetch((const char *)(zs + 64 * zg + AHEAD_KQ), _MM_HINT_T0)
+#define ZLQ4_K_DECL                                                                                           \
+    ZKQ_DECL                                                                                                  \
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                 \
+    const __m512i low = _mm512_set1_epi32(0x0F);                                                              \
+    const __m512i tag = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);            \
+    const uint8_t *qs[C_][2];                                                                                 \
+    float dsc[C_][2][8], dm[C_][2][8];                                                                        \
+    __m512 tab[C_][2];
+#define ZLQ4_K_SETUP(c)                                                                                       \
+    do {                                                                                                      \
+        zg = (int)(kb % QK) / 64;                                                                             \
+        for (int h = 0; h < 2; h++) {                                                                         \
+            ZKQ_BLOCK(c, h, Q4_K_BYTES);                                                                      \
+            if (zg == 0) kq_scales(zs, dsc[c][h], dm[c][h]);                                                  \
+            qs[c][h] = zs + 16 + 32 * zg;                                                                     \
+        }                                                                                                     \
+    } while (0)
+#define ZLQ4_K_AT(c, P)                                                                                       \
+    if (P % 4 == 0)                                                                                           \
+        for (int h = 0; h < 2; h++)                                                                           \
+    tab[c][h] = _mm512_fmsub_ps(iota, _mm512_set1_ps(dsc[c][h][2 * zg + P / 4]), _mm512_set1_ps(dm[c][h][2 * zg + P / 4]))
+/* the bytes of part P's codes (both nibbles; the high ones moved down at P >= 4), row 0's 8 then row 1's */
+#define ZKQ_BYTES(c, P)                                                                                       \
+    _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(qs[c][0] + 8 * (P % 4))),       \
+                                            _mm_loadl_epi64((const __m128i *)(qs[c][1] + 8 * (P % 4)))))
+#define ZLQ4_K_PART(c, P)                                                                                     \
+    _mm512_permutex2var_ps(                                                                                   \
+        tab[c][0],                                                                                            \
+        _mm512_ternarylogic_epi32(P < 4 ? ZKQ_BYTES(c, P) : _mm512_srli_epi32(ZKQ_BYTES(c, P), 4), low, tag, 0xEA), \
+        tab[c][1])
+#define ZQ6_K_DECL                                                                                            \
+    ZKQ_DECL                                                                                                  \
+    float dsc[C_][2][16];                                                                                     \
+    __m256i q8[C_][2][2];
+#define ZQ6_K_SETUP(c)                                                                                        \
+    do {                                                                                                      \
+        zg = (int)(kb % QK) / 64;                                                                             \
+        for (int h = 0; h < 2; h++) {                                                                         \
+            ZKQ_BLOCK(c, h, Q6_K_BYTES);                                                                      \
+            if (zg == 0) q6_scales(zs, dsc[c][h]);                                                            \
+            q6_group(zs, zg, q8[c][h]);                                                                       \
+        }                                                                                                     \
+    } while (0)
+#define ZQ6_K_AT(c, P)
+/* the 16 bytes that hold part P of row h's codes (Q6_K_LANE's) */
+#define ZQ6_K_LANE(c, h, P)                                                                                   \
+    (P % 4 < 2 ? _mm256_castsi256_si128(q8[c][h][P / 4]) : _mm256_extracti128_si256(q8[c][h][P / 4], 1))
+#define ZQ6_K_PART(c, P)                                                                                      \
+    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                                    \
+                      P % 2 ? _mm_unpackhi_epi64(ZQ6_K_LANE(c, 0, P), ZQ6_K_LANE(c, 1, P))                    \
+                            : _mm_unpacklo_epi64(ZQ6_K_LANE(c, 0, P), ZQ6_K_LANE(c, 1, P)))),                 \
+                  _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(dsc[c][0][4 * zg + P / 2])),       \
+                                     _mm256_set1_ps(dsc[c][1][4 * zg + P / 2]), 1))
 #define ZSTEP(F, P)                                                                                           \
     if (8 * P < F##_GROUP) {                                                                                  \
         __m512 wv[C_];                                                                                        \
@@ -572,6 +639,8 @@ ZFULL(LQ4_1)
 ZFULL(Q8_0)
 ZFULL(BF16)
 ZFULL(F16)
+ZFULL(LQ4_K)
+ZFULL(Q6_K)
 /* q4_k: lookups at 1-3 rows of x, against 4, 4, 3 weight rows a block: in 8 lanes at 1 row, in 16 at 2-3 (Gemma 3
  * 270M's matrices in cache on Zen 4, against the AVX2 blocks: 0.77x the time at 1 row (16 lanes: 1.02x that), 0.8x
  * at 2 (8 lanes: 0.92x), 0.9x at 3; 4-5 rows even, where the AVX2 blocks stay) */
@@ -653,9 +722,9 @@ static void rows_of(const float *x, const packed_t *w, float *y, long M, long N,
         case W_F16: avx2 = F16_avx2, wide = full ? F16_full : F16_wide; break;
         case W_Q8_0: avx2 = Q8_0_avx2, wide = full ? Q8_0_full : Q8_0_wide; break;
         case W_Q4_0: avx2 = Q4_0_avx2, wide = full ? LQ4_0_full : Q4_0_wide; break;
-        case W_Q4_K: avx2 = Q4_K_avx2, wide = Q4_K_wide; break;
+        case W_Q4_K: avx2 = Q4_K_avx2, wide = full ? LQ4_K_full : Q4_K_wide; break;
         case W_Q5_K: avx2 = Q5_K_avx2, wide = KQ_wide; break;
-        case W_Q6_K: avx2 = Q6_K_avx2, wide = Q6_K_wide; break;
+        case W_Q6_K: avx2 = Q6_K_avx2, wide = full ? Q6_K_full : Q6_K_wide; break;
         default: avx2 = Q4_1_avx2, wide = full ? LQ4_1_full : Q4_1_wide; break;
     }
     long blocks = (M + 7) / 8, r;
