@@ -14,7 +14,7 @@ import servekit
 import tiny
 
 from batchspec.serve.app import create_app
-from batchspec.serve.protocol import MAX_PROMPTS, TextStream
+from batchspec.serve.protocol import MAX_PROMPTS, PREFILL_TOKENS, TextStream
 from batchspec.serve.server import ServerThread
 
 MODEL = "tiny"
@@ -603,6 +603,21 @@ def test_serve_command_reports_bad_flags(capsys):
 
     assert main(["serve", "--target", "/nonexistent/model"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, budget", [([], PREFILL_TOKENS), (["--max-prefill-tokens", "0"], None),
+                                           (["--max-prefill-tokens", "512"], 512)])
+def test_serve_bounds_the_tokens_a_step_prefills_by_default(monkeypatch, flags, budget):
+    """``batchspec serve`` hands the app its step's prefill budget: ``PREFILL_TOKENS`` unless told (0: none)."""
+    import batchspec
+    from batchspec.cli import serve as serve_cli
+    from batchspec.cli.commands import build_parser
+
+    got = {}
+    monkeypatch.setattr(batchspec.LLM, "from_config", classmethod(lambda cls, cfg: None))
+    monkeypatch.setattr("batchspec.serve.app.create_app", lambda llm, **kw: got.update(kw))
+    serve_cli.build_app(build_parser().parse_args(["serve", *flags]))
+    assert got["prefill_tokens"] == budget
 
 
 def test_a_second_shutdown_ends_the_grace_period_at_once():

@@ -8,7 +8,7 @@ import math
 import os
 
 from ..params import MAX_TEMPERATURE
-from ..serve.protocol import DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK
+from ..serve.protocol import DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK, PREFILL_TOKENS
 from .common import (DEFAULT_TARGET, TARGET_HELP, engine_config, kv_memory_arg, need, non_negative_int,
                      port_number, positive_int, prefix_cache_arg, weights_arg)
 
@@ -48,10 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $BATCHSPEC_API_KEY; "
                         "none: open; an empty key is refused). Prefer the environment variable: a key on the command "
                         "line is visible to every user in ps")
-    p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
+    p.add_argument("--max-prefill-tokens", type=non_negative_int, default=PREFILL_TOKENS,
                    help="while rows are running, the prompt tokens one step prefills at most (at least one request "
-                        "joins), so a burst of long prompts stalls the running rows for a share of them at a time "
-                        "(default: every request that fits the batch joins at once)")
+                        "joins): a burst of arrivals joins a group at a time, each group streaming before the next "
+                        f"one's prefill (default {PREFILL_TOKENS}; 0: every request that fits the batch joins at once)")
     p.add_argument("--prefill-chunk", type=non_negative_int, default=PREFILL_CHUNK,
                    help="while rows are running, a prompt with more tokens than this not cached yet is prefilled this "
                         "many a step (into the prefix cache) and joins when the rest fits, so running streams wait a "
@@ -99,8 +99,8 @@ def build_app(args):
     return create_app(llm, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
                       default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature,
                       max_body_bytes=args.max_body_bytes, allowed_hosts=args.allowed_hosts or None,
-                      allowed_origins=args.allowed_origins, docs=args.docs, prefill_tokens=args.max_prefill_tokens,
-                      prefill_chunk=args.prefill_chunk or None)
+                      allowed_origins=args.allowed_origins, docs=args.docs,
+                      prefill_tokens=args.max_prefill_tokens or None, prefill_chunk=args.prefill_chunk or None)
 
 
 def _seconds(text: str) -> float:

@@ -629,6 +629,18 @@ typedef struct {
     ZPBLOCK(F##_z8, F, 8, 2)                                                                                  \
     static const kind_t F##_full[9] = {{0, 0},     {F##_z1, 6}, {F##_z2, 6}, {F##_z3, 4}, {F##_z4, 4},        \
                                        {F##_z5, 4}, {F##_z6, 4}, {F##_z7, 4}, {F##_z8, 4}};
+/* The same for the K-quants (q4_k by lookup, q6_k), but at 1 row their own block B1 (C1 weight rows): Gemma 3 270M's
+ * layers took 1.08x the time there with a pair block; from 2 rows 0.64-0.86x (against the blocks for Zen 4) */
+#define ZFULL_KQ(F, B1, C1)                                                                                   \
+    ZPBLOCK(F##_z2, F, 2, 3)                                                                                  \
+    ZPBLOCK(F##_z3, F, 3, 2)                                                                                  \
+    ZPBLOCK(F##_z4, F, 4, 2)                                                                                  \
+    ZPBLOCK(F##_z5, F, 5, 2)                                                                                  \
+    ZPBLOCK(F##_z6, F, 6, 2)                                                                                  \
+    ZPBLOCK(F##_z7, F, 7, 2)                                                                                  \
+    ZPBLOCK(F##_z8, F, 8, 2)                                                                                  \
+    static const kind_t F##_full[9] = {{0, 0},     {B1, C1},    {F##_z2, 6}, {F##_z3, 4}, {F##_z4, 4},        \
+                                       {F##_z5, 4}, {F##_z6, 4}, {F##_z7, 4}, {F##_z8, 4}};
 PBLOCKS(BF16)
 PBLOCKS(F16)
 PBLOCKS(Q8_0)
@@ -639,8 +651,6 @@ ZFULL(LQ4_1)
 ZFULL(Q8_0)
 ZFULL(BF16)
 ZFULL(F16)
-ZFULL(LQ4_K)
-ZFULL(Q6_K)
 /* q4_k: lookups at 1-3 rows of x, against 4, 4, 3 weight rows a block: in 8 lanes at 1 row, in 16 at 2-3 (Gemma 3
  * 270M's matrices in cache on Zen 4, against the AVX2 blocks: 0.77x the time at 1 row (16 lanes: 1.02x that), 0.8x
  * at 2 (8 lanes: 0.92x), 0.9x at 3; 4-5 rows even, where the AVX2 blocks stay) */
@@ -657,6 +667,8 @@ PBLOCK_T(WQ6_K_r1, WQ6_K, 1, 2, WTARGET)
 PBLOCK_T(WQ6_K_r2, WQ6_K, 2, 4, WTARGET)
 PBLOCK_T(WQ6_K_r3, WQ6_K, 3, 3, WTARGET)
 static const kind_t Q6_K_wide[9] = {[1] = {WQ6_K_r1, 2}, [2] = {WQ6_K_r2, 4}, [3] = {WQ6_K_r3, 3}};
+ZFULL_KQ(LQ4_K, LQ4_K_r1, 4)
+ZFULL_KQ(Q6_K, WQ6_K_r1, 2)
 static const kind_t KQ_wide[9]; /* q5_k: the AVX2 blocks at every row count */
 
 /* Rows of x from which a chunk of weight rows is expanded once, into fp32 in a buffer of the thread's, and then read
@@ -736,11 +748,11 @@ static void rows_of(const float *x, const packed_t *w, float *y, long M, long N,
 }
 
 /* Whether ``w``'s chunks are expanded once for M rows of x (EXPAND_ROWS): not where the full-width 16-lane blocks
- * cover its format, which expand each weight again for every 8 rows of x and still take less time (the default
- * model's q4_1 layers on Zen 5, 2 threads: 0.67-0.84x the time of expanding once at 9-96 rows) */
+ * cover its format (all but q5_k), which expand each weight again for every 8 rows of x and still take less time (on
+ * Zen 5, 2 threads, against expanding once at 9-96 rows: the default model's q4_1 layers 0.67-0.84x, Gemma 3 270M's
+ * q4_k, q6_k and q8_0 layers 0.77-0.91x at 9-64 rows) */
 static int expands(const packed_t *w, long M, int full) {
-    int covered = w->kind != W_Q4_K && w->kind != W_Q5_K && w->kind != W_Q6_K;
-    return M >= EXPAND_ROWS && !(full && covered);
+    return M >= EXPAND_ROWS && !(full && w->kind != W_Q5_K);
 }
 
 /* y_i = x @ w[i]^T for ``count`` weights that share x [M, K] (ys[i]: [M, Ns[i]]; K a multiple of 32, of 64 for the
