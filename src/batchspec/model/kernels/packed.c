@@ -408,14 +408,17 @@ static void kq_expand(long kind, const uint8_t *s, float *out) {
  * half (row 2c) takes the value of its code (bits 0-3), of the high half (row 2c + 1) that of its code + 16 (the
  * second table), the code masked and tagged in one operation. Three vector operations per 16 weights (shift,
  * mask-and-tag, permute) where the 8-lane lookup takes four, and half the multiply-adds. */
-#define ZLQ4_DECL                                                                                             \
-    const __m256i *words = (const __m256i *)w->q;                                                             \
-    const float *dp = (const float *)w->d, *mp = (const float *)w->m;                                         \
+/* a lookup's 16 codes in order, the mask of a code, the second table's tag, and the pairs' tables */
+#define ZLUT_DECL                                                                                             \
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                 \
     const __m512i low = _mm512_set1_epi32(0x0F);                                                              \
     const __m512i tag = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);            \
+    __m512 tab[C_][2];
+#define ZLQ4_DECL                                                                                             \
+    const __m256i *words = (const __m256i *)w->q;                                                             \
+    const float *dp = (const float *)w->d, *mp = (const float *)w->m;                                         \
+    ZLUT_DECL                                                                                                 \
     __m512i code[C_];                                                                                         \
-    __m512 tab[C_][2];                                                                                        \
     long blk[C_][2];                                                                                          \
     (void)mp;
 #define ZLQ4_SETUP(c)                                                                                         \
@@ -460,12 +463,9 @@ static void kq_expand(long kind, const uint8_t *s, float *out) {
     _mm_prefetch((const char *)(zs + 64 * zg + AHEAD_KQ), _MM_HINT_T0)
 #define ZLQ4_K_DECL                                                                                           \
     ZKQ_DECL                                                                                                  \
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                 \
-    const __m512i low = _mm512_set1_epi32(0x0F);                                                              \
-    const __m512i tag = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);            \
+    ZLUT_DECL                                                                                                 \
     const uint8_t *qs[C_][2];                                                                                 \
-    float dsc[C_][2][8], dm[C_][2][8];                                                                        \
-    __m512 tab[C_][2];
+    float dsc[C_][2][8], dm[C_][2][8];
 #define ZLQ4_K_SETUP(c)                                                                                       \
     do {                                                                                                      \
         zg = (int)(kb % QK) / 64;                                                                             \
@@ -623,24 +623,22 @@ typedef struct {
     ZPBLOCK(F##_z1, F, 1, 3)                                                                                  \
     ZPBLOCK(F##_z2, F, 2, 3)                                                                                  \
     ZPBLOCK(F##_z3, F, 3, 2)                                                                                  \
+    ZFROM4(F)                                                                                                 \
+    static const kind_t F##_full[9] = {{0, 0}, {F##_z1, 6}, {F##_z2, 6}, {F##_z3, 4}, ZFROM4_KINDS(F)};
+/* the blocks of 4-8 rows (2 pairs each), and their entries of a table */
+#define ZFROM4(F)                                                                                             \
     ZPBLOCK(F##_z4, F, 4, 2)                                                                                  \
     ZPBLOCK(F##_z5, F, 5, 2)                                                                                  \
     ZPBLOCK(F##_z6, F, 6, 2)                                                                                  \
     ZPBLOCK(F##_z7, F, 7, 2)                                                                                  \
-    ZPBLOCK(F##_z8, F, 8, 2)                                                                                  \
-    static const kind_t F##_full[9] = {{0, 0},     {F##_z1, 6}, {F##_z2, 6}, {F##_z3, 4}, {F##_z4, 4},        \
-                                       {F##_z5, 4}, {F##_z6, 4}, {F##_z7, 4}, {F##_z8, 4}};
+    ZPBLOCK(F##_z8, F, 8, 2)
+#define ZFROM4_KINDS(F) {F##_z4, 4}, {F##_z5, 4}, {F##_z6, 4}, {F##_z7, 4}, {F##_z8, 4}
 /* The same for the K-quants (q4_k by lookup, q6_k) from 4 rows; at 1-3 rows their own kinds (B1-B3, of C1-C3 weight
  * rows). Gemma 3 270M's K-quant layers (2 threads, weights from memory), pair blocks against those: 1 row even, 2
  * rows 1.04x the time; at 4 rows 0.85x, 8 rows 0.89x, 16 rows 0.92x (against the AVX2 blocks, expanding once) */
-#define ZFULL_KQ(F, B1, C1, B2, C2, B3, C3)                                                                    \
-    ZPBLOCK(F##_z4, F, 4, 2)                                                                                  \
-    ZPBLOCK(F##_z5, F, 5, 2)                                                                                  \
-    ZPBLOCK(F##_z6, F, 6, 2)                                                                                  \
-    ZPBLOCK(F##_z7, F, 7, 2)                                                                                  \
-    ZPBLOCK(F##_z8, F, 8, 2)                                                                                  \
-    static const kind_t F##_full[9] = {{0, 0},     {B1, C1},    {B2, C2},    {B3, C3},    {F##_z4, 4},        \
-                                       {F##_z5, 4}, {F##_z6, 4}, {F##_z7, 4}, {F##_z8, 4}};
+#define ZFULL_KQ(F, B1, C1, B2, C2, B3, C3)                                                                   \
+    ZFROM4(F)                                                                                                 \
+    static const kind_t F##_full[9] = {{0, 0}, {B1, C1}, {B2, C2}, {B3, C3}, ZFROM4_KINDS(F)};
 PBLOCKS(BF16)
 PBLOCKS(F16)
 PBLOCKS(Q8_0)
