@@ -42,7 +42,7 @@ from .worker import EngineWorker, QueueFull, Unavailable
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 POLL = 0.25  # seconds between checks for a vanished client or a stopped engine while waiting for tokens
-DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK = P.DEFAULT_MAX_BODY_BYTES, P.PREFILL_CHUNK
+DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK, PREFILL_TOKENS = P.DEFAULT_MAX_BODY_BYTES, P.PREFILL_CHUNK, P.PREFILL_TOKENS
 
 log = logging.getLogger("batchspec.serve")
 
@@ -74,7 +74,7 @@ def default_model_name(llm) -> str:
 def create_app(llm, model_name: str | None = None, api_key: str | None = None, max_queue: int = 64,
                default_max_tokens: int = 256, default_temperature: float = 1.0, retries: int = 1,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts=None, allowed_origins=None,
-               docs: bool = False, prefill_tokens: int | None = None,
+               docs: bool = False, prefill_tokens: int | None = PREFILL_TOKENS,
                prefill_chunk: int | None = PREFILL_CHUNK) -> FastAPI:
     """The server app over ``llm`` (build it with ``scheduler="continuous"`` for continuous batching). The engine
     thread starts with the app (its lifespan) and stops with it; ``app.state.worker`` is the ``EngineWorker``;

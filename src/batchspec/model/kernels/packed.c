@@ -765,8 +765,9 @@ void packed_linears(const float *x, const packed_t *w, float *const *ys, const l
     int z = skinny_avx512(-1), full = z && packed_full_width(-1), fp32 = 0, expand = 0;
     for (int i = 0; i < count; i++) {
         chunks += (Ns[i] + CHUNK - 1) / CHUNK;
-        expand |= expands(&w[i], M, full);
-        fp32 |= w[i].kind == W_F32 || expands(&w[i], M, full);
+        int once = expands(&w[i], M, full);
+        expand |= once;
+        fp32 |= w[i].kind == W_F32 || once;
     }
     if (fp32) {
         #pragma omp single
