@@ -67,8 +67,9 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 PREFILL_CHUNK = 2048
 # while rows run, the prompt tokens of the whole requests a step prefills at most (at least one joins): a burst of
 # arrivals is prefilled a group at a time, each group streaming before the next one's prefill. 16 clients, 64
-# Spec-Bench prompts of ~430 tokens, 32 tokens each, against no bound (2-core EPYC, two pairs): output tok/s 1.13x and
-# 1.19x, TTFT P50 0.39x; each prompt sent twice: 1.03x and 1.07x. 1024 gave lower TTFTs still at 0.92-1.05x the tok/s
+# Spec-Bench prompts of ~430 tokens, 32 tokens each, against no bound (2-core EPYC, two sittings of two pairs): output
+# tok/s 1.13x, 1.19x, 0.91x, 1.04x; each prompt sent twice 1.03x, 1.07x; multi-turn 1.06x, 1.05x. 1024: lower TTFTs
+# still, at 0.92-1.05x the tok/s
 PREFILL_TOKENS = 2048
 
 MAX_STOP_STRINGS = 32
