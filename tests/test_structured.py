@@ -47,7 +47,7 @@ PROMPTS = [_ids('{"a":12,"b":"xy"}{"a":') + p[:6] for p in tiny.prompts(8, seed=
 
 
 def _llm(drafter, batch_size: int, **kw):
-    draft = tiny.draft() if drafter == "draft" else drafter
+    draft = tiny.draft() if drafter == "draft" else tiny.eagle() if drafter == "eagle" else drafter
     return tiny.fixed_llm(tiny.target(), draft=draft, num_draft_tokens=4, batch_size=batch_size, tokenizer=tokenizer(),
                           check_invariants=True, prefix_cache=0, **kw)
 
@@ -207,7 +207,7 @@ def test_forced_tokens_are_the_only_legal_ones():
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
-@pytest.mark.parametrize("drafter", [None, "prompt-lookup", "draft"])
+@pytest.mark.parametrize("drafter", [None, "prompt-lookup", "draft", "eagle"])
 def test_forced_keys_are_drafted_and_accepted(drafter, batch_size):
     """Jump-forward as speculation: a schema's forced keys are drafted first (without a drafter too, in a wider
     block), every one is accepted under greedy decoding with the mask, and the output is the batch-1 oracle's."""
@@ -226,10 +226,40 @@ def test_forced_keys_are_drafted_and_accepted(drafter, batch_size):
         assert s.lengths.keys() - {0}  # plain decoding, yet rounds verified drafts: the forced ones
 
 
+def test_the_head_drafts_forced_tokens_first_and_drafts_on_from_them(monkeypatch):
+    """The default drafter (a head with copies) takes a grammar's forced tokens: in rounds that run the head they are
+    a row's first drafts (in place of its copies) and the head drafts on after them; in rounds the head would not
+    run (copies, or none planned) they are verified alone and the head's features wait. Output: the oracle's."""
+    from batchspec.drafters import EagleDrafter
+
+    seen, propose = [], EagleDrafter.propose
+
+    def spy(self, seqs, state, plan):
+        proposal = propose(self, seqs, state, plan)
+        if plan.forced is not None:
+            seen.append((plan.kind, plan.forced.tolist(), plan.n_forced.tolist(), proposal.drafts.tolist(),
+                         proposal.n_drafts.tolist(), proposal.kind))
+        return proposal
+
+    from test_policy import Scripted
+
+    monkeypatch.setattr(EagleDrafter, "propose", spy)
+    params = SamplingParams(max_tokens=N, json_schema=FORCED_SCHEMA)
+    llm = _llm("eagle", 4, speculation=Scripted((0, 3, 0, 4, 2)))  # rounds that plan no drafts among them
+    outs = llm.generate(PROMPTS[:4], params)
+    assert [o.token_ids for o in outs] == [_oracle(p, params.structured()) for p in PROMPTS[:4]]
+    kinds = {kind for kind, *_ in seen}
+    assert "head" in kinds and kinds & {"copy", "forced"}, kinds
+    for kind, forced, counts, drafts, n, proposed in seen:
+        assert proposed == (None if kind == "head" and proposed is None else kind)
+        for f, c, d, m in zip(forced, counts, drafts, n):
+            assert d[:c] == f[:c] and m >= c  # the forced tokens first, every one verified
+
+
 def test_forced_drafts_under_sampling_keep_plain_sampling(monkeypatch):
     """Sampled rows draft forced tokens too (one-hot: probability 1 under the mask, always accepted): without a
     drafter the tokens are those of plain sampled decoding at batch 1, where the forced tokens are not drafted; with
-    a draft model (its own drafts sampled on from them) every forced draft is accepted."""
+    a draft model or the head (their own drafts sampled on from them) every forced draft is accepted."""
     from batchspec.drafters.none import NoDrafter
 
     params = [SamplingParams(max_tokens=N, json_schema=FORCED_SCHEMA, temperature=0.8, seed=i) for i in range(4)]
@@ -242,10 +272,11 @@ def test_forced_drafts_under_sampling_keep_plain_sampling(monkeypatch):
         alone = [plain.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
         assert plain.stats.forced_drafted == 0 and plain.stats.lengths.keys() == {0}
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
-    llm = _llm("draft", 4)
-    outs = llm.generate(PROMPTS[:4], params)
-    assert llm.stats.forced_accepted == llm.stats.forced_drafted > 0
-    assert all(set(json.loads(o.text)) == {"name", "age"} for o in outs)
+    for drafter in ("draft", "eagle"):
+        llm = _llm(drafter, 4)
+        outs = llm.generate(PROMPTS[:4], params)
+        assert llm.stats.forced_accepted == llm.stats.forced_drafted > 0
+        assert all(set(json.loads(o.text)) == {"name", "age"} for o in outs)
 
 
 def test_forced_drafts_come_first_and_teach_the_copies_nothing():

@@ -67,10 +67,11 @@ class DraftPlan:
 def with_forced(plan: DraftPlan | None, forced: torch.Tensor, counts: list[int], reason: str) -> DraftPlan:
     """``plan`` (None: the round drafts nothing) with the tokens rows' grammars force (``batch.grammar.forced``):
     they are each row's first drafts, its own ones after them kept only where they agree (``Drafter.propose``), and
-    the block widens to hold them. Rows with none keep their plan."""
+    the block widens to hold them. Rows with none keep their plan. A round that drafted nothing becomes a "forced"
+    round: only those tokens (a drafter with kinds of round does not run its model)."""
     n_forced = torch.tensor(counts, device=forced.device)
     if plan is None:
-        plan = DraftPlan(Offer(len(counts), forced.device), None, torch.zeros_like(n_forced), 0, reason)
+        plan = DraftPlan(Offer(len(counts), forced.device), "forced", torch.zeros_like(n_forced), 0, reason)
     plan.forced, plan.n_forced, plan.width = forced, n_forced, max(plan.width, forced.shape[1])
     return plan
 

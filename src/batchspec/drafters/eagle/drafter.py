@@ -53,6 +53,7 @@ from ..base import Drafter, Proposal
 from ..lookup import PromptLookup
 from .state import EagleState
 
+ASIDE = ("copy", "forced")  # the kinds of round the head does not run in (``speculation.plan``)
 EXTRA = "eagle.safetensors"  # fc and token_map; the decoder layer, norm and head are a Llama checkpoint beside it
 
 
@@ -68,6 +69,7 @@ class EagleDrafter(Drafter):
     name = "eagle"
     needs_hidden = True
     packs_rows = True  # copy rounds are sized row by row where the runner packs verification
+    takes_forced = True  # a grammar's forced tokens first, the head fed them like copies
 
     def __init__(self, model, fc: torch.nn.Linear, token_map: torch.Tensor, embedding: torch.nn.Embedding,
                  graphs: str = "auto", copy: bool = True):
@@ -185,10 +187,20 @@ class EagleDrafter(Drafter):
                      waiting=waiting, left=left)
 
     def propose(self, seqs, state: EagleState, plan: DraftPlan):
+        """The plan's drafts: a copy round's copies, a forced round's forced tokens (the head does not run: its pairs
+        wait for a round that runs it), or a head round's drafts, a row's forced tokens first (``plan.forced``: they
+        take the place of its copies, and the head drafts on from them, their q one-hot when sampled)."""
         length, k, offer = seqs.length, plan.width, plan.offer
-        if plan.kind == "copy":  # the head does not run: its pairs wait for a round that runs it
-            return Proposal(offer.candidates[:, :k], plan.drafts, kind="copy")
+        if plan.kind in ASIDE:
+            c = offer.candidates if offer.candidates is not None else length.new_zeros((len(length), 0))
+            c = torch.nn.functional.pad(c[:, :k], (0, max(k - c.shape[1], 0)))
+            proposal = self.forced_first(plan, c, plan.drafts)
+            return Proposal(proposal.drafts, proposal.n_drafts, kind=plan.kind)
         copies, n_copies, use = offer.candidates, offer.count, plan.use
+        forced, n_forced = plan.forced, plan.n_forced
+        if forced is not None and use is not None:  # a row's copies start where its forced tokens do: not both
+            use = use & (n_forced == 0)
+            copies = torch.nn.functional.pad(copies, (0, max(plan.most, k) - copies.shape[1]))  # as wide as the block
         feats = state.feats
         m = feats.shape[1]
         at = (length - 1)[:, None] - m + torch.arange(m, device=length.device)[None, :]  # ends at length-2
@@ -203,7 +215,7 @@ class EagleDrafter(Drafter):
         # sures[i] [B]: P(a row's drafts 1..i+1 are right) by the head's probabilities
         deep = u is None and plan.sure is not None
         sures = []
-        for i in range(plan.most if deep else k):
+        for i in range(max(plan.most, k) if deep else k):
             if deep and i and not bool((sures[-1] >= plan.sure).any()):  # one host read a step
                 break
             if i:
@@ -217,14 +229,22 @@ class EagleDrafter(Drafter):
                     if not i:
                         first = drafts[0]
                     drafts[-1] = torch.where(use & (i < n_copies), copies[:, i], drafts[-1])
-                if deep:  # (rounds are sized here only with copies)
-                    p = torch.where(use & (i < n_copies), 1.0, logits.float().softmax(-1).amax(-1))
-                    sures.append(sures[-1] * p if sures else p)
             else:  # the head's distribution spread over the whole vocabulary (zero outside the map)
                 full = logits.new_full((logits.shape[0], self.vocab), float("-inf"))
                 full[:, self.token_map] = logits
                 qs.append(seqs.warp(full[:, None])[:, 0])
                 drafts.append(draw(qs[-1], u[:, i]))
+            here = None
+            if forced is not None and i < forced.shape[1]:
+                here = i < n_forced
+                drafts[-1] = torch.where(here, forced[:, i], drafts[-1])
+                if qs:
+                    one_hot = torch.nn.functional.one_hot(drafts[-1], self.vocab).to(qs[-1].dtype)
+                    qs[-1] = torch.where(here[:, None], one_hot, qs[-1])
+            if deep:  # (rounds are sized here only with copies); copies and forced tokens count 1
+                given = use & (i < n_copies) if here is None else (use & (i < n_copies)) | here
+                p = torch.where(given, 1.0, logits.float().softmax(-1).amax(-1))
+                sures.append(sures[-1] * p if sures else p)
         kind = None if first is None else "head"
         n = plan.drafts
         if deep:  # as far as some row was sure
@@ -232,11 +252,13 @@ class EagleDrafter(Drafter):
             n = n.new_full(n.shape, k)
             if plan.rowwise:  # each row: its drafts up to the first it is not sure of
                 n = ((torch.stack(sures, 1) >= plan.sure).sum(1) + 1).clamp(max=k)
+        if forced is not None:
+            n = torch.maximum(n, n_forced)
         return Proposal(torch.stack(drafts, 1), n, torch.stack(qs, 1) if qs else None, kind, first)
 
     def commit(self, state: EagleState, proposal: Proposal, accepted, target) -> None:
         k = proposal.drafts.shape[1]
-        if not k or proposal.kind == "copy":  # the head did not run: the new features wait for a round that runs it
+        if not k or proposal.kind in ASIDE:  # the head did not run: the new features wait for a round that runs it
             state.aside.append((target.hidden.to(state._feats.dtype), accepted + 1 if k else None))
             return
         if k > 1:  # the drafts' pairs were built from predicted features
