@@ -356,13 +356,15 @@ def test_a_prompts_log_probabilities_never_depend_on_what_else_was_prefilled_or_
 
 
 def test_the_whole_prefills_products_give_a_row_the_same_bits_however_few_rows_beside_it():
-    """torch's CPU product takes other paths for a few rows (``prefill.least_rows``): a prompt's last tokens after a
-    cached start are computed as they would be among many."""
-    lin = torch.nn.Linear(576, 576, bias=False).requires_grad_(False)
-    x = torch.randn(64, 576)
-    full = whole._linear(lin, x, torch.empty(64, 576), None)
-    for m in range(1, 13):
-        assert torch.equal(whole._linear(lin, x[:m], torch.empty(m, 576), None), full[:m]), m
+    """torch's CPU product takes other paths for a few rows (``prefill.least_rows``; oneDNN's where a check finds
+    that it does, ``_onednn_least``): a prompt's last tokens after a cached start are computed as they would be among
+    many, whatever their number."""
+    for k, n in ((576, 576), (576, 1536), (1536, 576)):
+        lin = torch.nn.Linear(k, n, bias=False).requires_grad_(False)
+        x = torch.randn(64, k)
+        full = whole._linear(lin, x, torch.empty(64, n), None)
+        for m in range(1, whole.least_rows() + 2):
+            assert torch.equal(whole._linear(lin, x[:m], torch.empty(m, n), None), full[:m]), (k, n, m)
 
 
 @pytest.mark.parametrize("drafter", ["none", "model", "eagle"])

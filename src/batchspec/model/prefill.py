@@ -24,6 +24,8 @@ visible tokens is one of positions); anything else returns None and the caller r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.activations import ACT2FN
 
@@ -195,21 +197,42 @@ class _Buffers:
 def least_rows() -> int:
     """The fewest rows a CPU product runs on here (``_product``). torch's (MKL) gives a row the same bits whatever the
     number of rows beside it only from a few rows up (measured: below 12 rows at 2 threads, 28 at 16, it takes other
-    paths), oneDNN's from 2; so a forward of fewer tokens (a prompt's last few after its cached blocks) runs padded to
-    this many: a prompt's values never depend on how much of it was cached, or by whom."""
+    paths); so a forward of fewer tokens (a prompt's last few after its cached blocks) runs padded to this many: a
+    prompt's values never depend on how much of it was cached, or by whom. oneDNN's, from 2 rows (``_onednn_least``)."""
     return max(32, 4 * torch.get_num_threads())
 
 
+@functools.lru_cache(maxsize=None)
+def _onednn_least(k: int, n: int, threads: int) -> int:
+    """The fewest rows oneDNN's fp32 product of width ``k`` into ``n`` runs on at ``threads`` threads: 2 where it
+    gives every row of 2 .. ``least_rows()`` rows the bits it gives that row among 64 (checked once per shape here, on
+    random values: its kernels for few rows sum in the same order on the CPUs measured), else ``least_rows()``. A
+    prompt's last few tokens after its cached blocks then cost their own rows, not 32 (a kept prompt prefilled again
+    in 0.72x the time)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(n, k, generator=g), torch.randn(64, k, generator=g)
+    full = _onednn(x, w)
+    ok = all(torch.equal(_onednn(x[:m], w), full[:m]) for m in range(2, least_rows() + 1))
+    return 2 if ok else least_rows()
+
+
+def _onednn(x, w):
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
 def _product(x, w, out):
-    """``x @ w.T`` into ``out``, over at least ``least_rows()`` rows on a CPU. In fp32 there through oneDNN (its
-    AVX-512 kernels: 2.3x torch's MKL product on an EPYC, where MKL takes its AVX2 path), elsewhere torch's."""
-    least = least_rows() if x.device.type == "cpu" else 0
+    """``x @ w.T`` into ``out``, over at least as many rows as give a row the same bits however few are beside it
+    (``least_rows``) on a CPU. In fp32 there through oneDNN (its AVX-512 kernels: 2.3x torch's MKL product on an EPYC,
+    where MKL takes its AVX2 path), elsewhere torch's."""
+    cpu = x.device.type == "cpu"
+    onednn = cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    least = _onednn_least(w.shape[1], w.shape[0], torch.get_num_threads()) if onednn else least_rows() if cpu else 0
     if len(x) < least:
         padded = x.new_zeros((least, x.shape[1]))
         padded[: len(x)] = x
         return out.copy_(_product(padded, w, padded.new_empty((least, w.shape[0])))[: len(x)])
-    if x.dtype == torch.float32 and x.device.type == "cpu" and torch.backends.mkldnn.is_available():
-        return out.copy_(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+    if onednn:
+        return out.copy_(_onednn(x, w))
     return torch.mm(x, w.t(), out=out)
 
 
