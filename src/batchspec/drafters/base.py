@@ -32,6 +32,14 @@ class Proposal:
                    torch.zeros(rows, dtype=torch.long, device=device))
 
 
+def widened(candidates: torch.Tensor | None, rows: int, width: int, device) -> torch.Tensor:
+    """``candidates`` ``[B, w]`` (None: none) cut or zero-padded to ``[rows, width]``: a block of drafts as wide as the
+    plan's, which forced tokens may have widened past the candidates."""
+    if candidates is None:
+        return torch.zeros((rows, width), dtype=torch.long, device=device)
+    return torch.nn.functional.pad(candidates[:, :width], (0, max(width - candidates.shape[1], 0)))
+
+
 class Drafter:
     """The default members of a drafter (the contract: ``engine/protocols.py``)."""
 

@@ -17,7 +17,7 @@ import torch
 
 from ..model.kernels import lookup_match
 from ..speculation.plan import DraftPlan, Offer
-from .base import Drafter, Proposal
+from .base import Drafter, Proposal, widened
 
 
 class PromptLookup(Drafter):
@@ -41,8 +41,7 @@ class PromptLookup(Drafter):
         """The first ``plan.drafts`` of each row's candidates (deterministic: q is one-hot on the proposal), after
         its forced tokens."""
         w, n, c = plan.width, plan.drafts, plan.offer.candidates
-        drafts = n.new_zeros(len(n), w) if c is None else torch.nn.functional.pad(c[:, :w], (0, max(w - c.shape[1], 0)))
-        drafts = torch.where(torch.arange(w, device=n.device)[None, :] < n[:, None], drafts, 0)
+        drafts = torch.where(torch.arange(w, device=n.device)[None, :] < n[:, None], widened(c, len(n), w, n.device), 0)
         return self.forced_first(plan, drafts, n)
 
     def candidates(self, seqs, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

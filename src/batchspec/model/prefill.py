@@ -198,7 +198,8 @@ def least_rows() -> int:
     """The fewest rows a CPU product runs on here (``_product``). torch's (MKL) gives a row the same bits whatever the
     number of rows beside it only from a few rows up (measured: below 12 rows at 2 threads, 28 at 16, it takes other
     paths); so a forward of fewer tokens (a prompt's last few after its cached blocks) runs padded to this many: a
-    prompt's values never depend on how much of it was cached, or by whom. oneDNN's, from 2 rows (``_onednn_least``)."""
+    prompt's values never depend on how much of it was cached, or by whom. oneDNN's products need 2 rows where
+    ``_onednn_least`` finds it so."""
     return max(32, 4 * torch.get_num_threads())
 
 
@@ -226,7 +227,10 @@ def _product(x, w, out):
     where MKL takes its AVX2 path), elsewhere torch's."""
     cpu = x.device.type == "cpu"
     onednn = cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-    least = _onednn_least(w.shape[1], w.shape[0], torch.get_num_threads()) if onednn else least_rows() if cpu else 0
+    if onednn:
+        least = _onednn_least(w.shape[1], w.shape[0], torch.get_num_threads())
+    else:
+        least = least_rows() if cpu else 0
     if len(x) < least:
         padded = x.new_zeros((least, x.shape[1]))
         padded[: len(x)] = x

@@ -49,7 +49,7 @@ from ...sampling import Stream, draw, greedy
 from ...model.kv import new_cache
 from ...model.runner import Runner
 from ...speculation.plan import KINDS, DraftPlan, Offer
-from ..base import Drafter, Proposal
+from ..base import Drafter, Proposal, widened
 from ..lookup import PromptLookup
 from .state import EagleState
 
@@ -192,15 +192,13 @@ class EagleDrafter(Drafter):
         take the place of its copies, and the head drafts on from them, their q one-hot when sampled)."""
         length, k, offer = seqs.length, plan.width, plan.offer
         if plan.kind in ASIDE:
-            c = offer.candidates if offer.candidates is not None else length.new_zeros((len(length), 0))
-            c = torch.nn.functional.pad(c[:, :k], (0, max(k - c.shape[1], 0)))
-            proposal = self.forced_first(plan, c, plan.drafts)
+            proposal = self.forced_first(plan, widened(offer.candidates, len(length), k, length.device), plan.drafts)
             return Proposal(proposal.drafts, proposal.n_drafts, kind=plan.kind)
         copies, n_copies, use = offer.candidates, offer.count, plan.use
         forced, n_forced = plan.forced, plan.n_forced
         if forced is not None and use is not None:  # a row's copies start where its forced tokens do: not both
             use = use & (n_forced == 0)
-            copies = torch.nn.functional.pad(copies, (0, max(plan.most, k) - copies.shape[1]))  # as wide as the block
+            copies = widened(copies, len(length), max(plan.most, k), length.device)
         feats = state.feats
         m = feats.shape[1]
         at = (length - 1)[:, None] - m + torch.arange(m, device=length.device)[None, :]  # ends at length-2
@@ -242,8 +240,8 @@ class EagleDrafter(Drafter):
                     one_hot = torch.nn.functional.one_hot(drafts[-1], self.vocab).to(qs[-1].dtype)
                     qs[-1] = torch.where(here[:, None], one_hot, qs[-1])
             if deep:  # (rounds are sized here only with copies); copies and forced tokens count 1
-                given = use & (i < n_copies) if here is None else (use & (i < n_copies)) | here
-                p = torch.where(given, 1.0, logits.float().softmax(-1).amax(-1))
+                given = use & (i < n_copies)
+                p = torch.where(given if here is None else given | here, 1.0, logits.float().softmax(-1).amax(-1))
                 sures.append(sures[-1] * p if sures else p)
         kind = None if first is None else "head"
         n = plan.drafts
