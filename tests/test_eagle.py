@@ -133,13 +133,18 @@ def test_one_and_two_token_prompts(layout, prompts, bs, k):
 # ------------------------------------------------------------------------------------------------ the drafts
 
 
-def _head_drafts(drafter, history: list[int], k: int, forced=(), dtype=torch.float64) -> list[int]:
+def _head_drafts(drafter, history: list[int], k: int, forced=(), dtype=torch.float64, prompt: int = 0) -> list[int]:
     """The head's greedy drafts after ``history`` (its last token pending), computed from scratch: the target's
     features of every position but the last, then the head fed its own predicted features (``head_forward``); the
-    first ``len(forced)`` drafts are those tokens instead of the head's (copies), the head drafting on after them."""
+    first ``len(forced)`` drafts are those tokens instead of the head's (copies), the head drafting on after them.
+    The features are the target's final hidden states, but at the first ``prompt - 1`` positions (those its prompt's
+    prefill cached) where the whole prefill ran: the last layer's input under the final norm (``batch.FEATURES``)."""
     t = tiny.target(dtype=dtype)
     ids = torch.tensor([history])
-    feats = t(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
+    out = t(ids[:, :-1], output_hidden_states=True)
+    feats = out.hidden_states[-1]
+    if prompt > 1 and Runner(t).whole(prompt - 1):
+        feats = torch.cat([t.model.norm(out.hidden_states[-2][:, : prompt - 1]), feats[:, prompt - 1 :]], 1)
     nxt, out = ids[:, 1:], []
     for i in range(k):
         states, logits = head_forward(drafter.model, drafter.fc, drafter.embedding, nxt, feats)
@@ -231,6 +236,7 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None,
     with torch.no_grad():
         for history, lengths, drafts, counts, kind in rounds:
             for h, n, d, c in zip(history, lengths, drafts, counts):
+                plen = max(len(p) for p in prompts if h[: len(p)] == p)
                 _, start = _reference(h[:n], 8, 1) if copy else (0, None)
                 forced = [] if start is None else h[start:n][: len(d)]
                 if kind == "copy":  # the copies alone, whatever the head would say
@@ -238,8 +244,9 @@ def _check_drafts(scheduler, monkeypatch, corrupt=None, copy=False, policy=None,
                     wrong += d[:c] != forced
                 elif n >= 2:  # (a one-token row has no pair yet: its first draft comes from no feature)
                     checked += 1
-                    copied += bool(forced) and forced != _head_drafts(drafter, h[:n], len(forced), dtype=dtype)
-                    wrong += d != _head_drafts(drafter, h[:n], len(d), forced, dtype=dtype)
+                    copied += bool(forced) and forced != _head_drafts(drafter, h[:n], len(forced), dtype=dtype,
+                                                                      prompt=plen)
+                    wrong += d != _head_drafts(drafter, h[:n], len(d), forced, dtype=dtype, prompt=plen)
     kinds["most waiting"] = max(waited, default=0)
     return checked, wrong, narrower, copied, kinds
 

@@ -62,6 +62,29 @@ def test_the_whole_prefill_leaves_the_grouped_prefills_state(forwards, monkeypat
     _compare(grouped, done)
 
 
+def test_a_heads_features_are_the_last_layers_input_and_that_layer_computes_only_keys_and_values(monkeypatch):
+    """``FEATURES``: at each prompt position the last layer's input under the final norm (HF's hidden states before
+    the last layer), the cache as with the final states, and of the last layer only the keys' and values'
+    projections run."""
+    t = tiny.target()
+    prompts = [PREFIX + p for p in PROMPTS[2:]]
+    exact = batch.prefill(Runner(t), prompts, hidden=True)
+    last, real, calls = t.model.layers[-1], whole._linear, []
+    names = {id(m): n for n, m in last.named_modules()}
+    monkeypatch.setattr(whole, "_linear", lambda m, *a: calls.append(names.get(id(m))) or real(m, *a))
+    state, states = batch.prefill(Runner(t), prompts, hidden=batch.FEATURES)
+    # one whole forward; of the last layer only the keys' and values' projections
+    assert [n for n in calls if n] == ["self_attn.k_proj", "self_attn.v_proj"]
+    _compare(exact, (state, exact[1]))
+    width = states.shape[1]
+    for r, p in enumerate(prompts):
+        with torch.no_grad():
+            hf = t(torch.tensor([p[:-1]]), output_hidden_states=True).hidden_states[-2]
+        want = t.model.norm(hf)[0]
+        torch.testing.assert_close(states[r, width - len(p) + 1 :], want, rtol=0, atol=1e-12)
+    assert not torch.allclose(states, exact[1])  # not the final states
+
+
 def test_many_tokens_run_in_chunks_of_whole_rows(forwards, monkeypatch):
     t = tiny.target()
     prompts = [PREFIX + p for p in PROMPTS]

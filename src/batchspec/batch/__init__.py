@@ -9,10 +9,10 @@ engine, above the model (whose ``kv`` module is the one door to a cache's tensor
 - ``prefilling.py``: ``prefill``, prompts into a new ``SlotState`` (grouped forwards, shared and kept prefixes).
 """
 
-from .prefilling import prefill
+from .prefilling import FEATURES, prefill
 from .rows import Batch
 from .sequences import RoundLogprobs, Sequences
 from .slots import InvariantError, SlotState, check_invariants, compact_index
 
-__all__ = ["Batch", "InvariantError", "RoundLogprobs", "Sequences", "SlotState", "check_invariants", "compact_index",
+__all__ = ["FEATURES", "Batch", "InvariantError", "RoundLogprobs", "Sequences", "SlotState", "check_invariants", "compact_index",
            "prefill"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..model import kv
+from ..model.prefill import FEATURES
 from ..model.prefixes import BLOCK, Prefix, block_keys
 from ..model.runner import Runner
 from .slots import SlotState, compact_index
@@ -232,10 +233,11 @@ def _keep(store, cache, states, cached, chains, width) -> None:
 
 
 def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: int | None = None,
-            hidden: bool = False, embeds=None, salts: list | None = None, fresh: bool = False):
+            hidden: bool | str = False, embeds=None, salts: list | None = None, fresh: bool = False):
     """Cache every prompt but its last token as one left-padded ``SlotState``; with ``hidden``, returns
     ``(state, states)``, ``states`` ``[B, W, H]`` the model's final hidden states at those tokens, laid out like the
-    state's slots (zeros on padding).
+    state's slots (zeros on padding); ``hidden=FEATURES``: what a feature-reading head starts from (the whole prefill
+    gives the last layer's input there, ``model/prefill.py``; the other paths the final states).
 
     Where the runner can (``Runner.prefill``: a Llama on CPU), every prompt's tokens go end to end through one forward
     (the shared prefix below once), with no padding. Elsewhere rows are grouped by ``prefill_groups`` (``overhead``

@@ -44,7 +44,7 @@ class Drafter:
     """The default members of a drafter (the contract: ``engine/protocols.py``)."""
 
     name = "drafter"
-    needs_hidden = False  # whether ``prefill`` and ``commit`` read the target's final hidden states
+    needs_hidden = False  # whether ``prefill`` and ``commit`` read the target's features (its hidden states)
     # whether its greedy offers carry per-row candidates that speculation sizes each round by, from the budget's
     # costs (prompt lookup, the head with copies); otherwise the policy chooses one length for the batch: ``budget.k``
     sizes_own_drafts = False
@@ -59,8 +59,8 @@ class Drafter:
 
     def prefill(self, prompts: list[list[int]], hidden: torch.Tensor | None = None, joining: bool = False):
         """The state of rows starting with ``prompts`` (None for drafters that keep no per-row state). A drafter
-        that ``needs_hidden`` gets the target's final hidden states at every prompt token but the last, ``[B, W,
-        H]`` right-aligned (``batch.prefill``), and ``joining``: whether the rows join a running batch."""
+        that ``needs_hidden`` gets the target's features at every prompt token but the last, ``[B, W, H]``
+        right-aligned (``batch.prefill``'s ``FEATURES``), and ``joining``: whether the rows join a running batch."""
         return None
 
     def offer(self, seqs, state, k: int) -> Offer:

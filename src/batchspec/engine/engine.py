@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..batch import Batch, InvariantError, RoundLogprobs, Sequences, check_invariants, grammar, prefill
+from ..batch import FEATURES, Batch, InvariantError, RoundLogprobs, Sequences, check_invariants, grammar, prefill
 from ..batch.grammar import Grammars
 from ..batch.prefilling import kept_tokens, prompt_scores
 from ..drafters.base import Proposal
@@ -543,7 +543,7 @@ class Engine:
         if upto is not None:
             with self.timer("prefill"):
                 r, hidden = self.waiting[0], self.parts.drafter.needs_hidden
-                state = self.parts.prefill(self.parts.target, [r.prompt[: upto + 1]], hidden=hidden,
+                state = self.parts.prefill(self.parts.target, [r.prompt[: upto + 1]], hidden=hidden and FEATURES,
                                            salts=[r.cache_salt])
                 (state[0] if hidden else state).cache.release()
             self._chunked[r.id] = upto  # where its next chunk starts: blocks dropped meanwhile end the chunking
@@ -572,7 +572,8 @@ class Engine:
         prompts, drafter = [r.prompt for r in joins], self.parts.drafter
         salts = [r.cache_salt for r in joins]
         if drafter.needs_hidden or scored:  # a drafter that reads the target's features starts from the prompt's
-            target, states = self.parts.prefill(self.parts.target, prompts, hidden=True, salts=salts, fresh=scored)
+            target, states = self.parts.prefill(self.parts.target, prompts, hidden=scored or FEATURES, salts=salts,
+                                                fresh=scored)
             if drafter.needs_hidden:
                 draft = drafter.prefill(prompts, states, joining=joining)
             else:

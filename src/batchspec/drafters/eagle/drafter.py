@@ -8,7 +8,9 @@ feature back in with the drafted token.
 
 Its cache holds one slot per *pair* (f_i, x_(i+1)), filed under position i and token x_i, so it obeys the same
 invariants as the target's: at rest it holds positions 0..processed-1 of the row's history. The verification forward
-returns the target's features (``TargetOutput.hidden``); the state keeps the last ``W`` of them per row (the
+returns the target's features (``TargetOutput.hidden``); a prompt's come from its prefill (``batch.FEATURES``: where
+the whole prefill runs, the last layer's input, which spares the prefill that layer but its keys and values); the
+state keeps the last ``W`` of them per row (the
 features of positions length-1-W .. length-2), and a drafting round's first forward catches up on the pairs the
 head has not cached (right-aligned, rows missing fewer have hidden holes on the left), ending with the pair of the
 pending token, whose output gives the first draft. Pairs built from predicted features (the drafts') are hidden after
