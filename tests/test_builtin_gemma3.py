@@ -141,15 +141,29 @@ def test_the_builtin_keeps_its_kquant_blocks_packed(chunk_wheels, monkeypatch):
     packed = models.load_model(models.GEMMA3, device="cpu", weights="auto")
     report = W.report(packed)
     assert report.formats == {"q4_k": 3 * LAYERS, "q5_k": LAYERS, "q6_k": 2 * LAYERS + 1, "q8_0": LAYERS}
+    _embedding_shares_the_heads_blocks(packed)
+    assert report.unpacked == []
     twin = models.load_model(str(gguf), device="cpu", weights="fp32")
     prompts = tiny.prompts(4, seed=3, lo=WINDOW + 4, hi=40)
     want = [tiny.oracle(twin, p, 16, models.eos_ids(twin)) for p in prompts]
     llm = batchspec.LLM(models.GEMMA3, batch_size=4, device="cpu", weights="auto")
     assert W.report(llm.target).formats == report.formats  # from the packed cache
+    _embedding_shares_the_heads_blocks(llm.target)
     forwards = _spy_on_fused(monkeypatch)
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16))] == want
     if kernels.library() is not None:  # the packed blocks in the C layer
         assert forwards and all(forwards)
+
+
+def _embedding_shares_the_heads_blocks(model) -> None:
+    """Gemma's scaled input embedding is packed too, on the head's blocks (tied), with its scale: no fp32 copy of the
+    largest tensor stays resident (1 GB of Gemma 3 270M's 1.3 GB), and a looked-up row is the fp32 module's, bits and
+    all."""
+    emb, twin = model.get_input_embeddings(), models.load_model(models.GEMMA3, device="cpu", weights="fp32")
+    assert isinstance(emb, W.PackedEmbedding) and W.packed_weight(emb).q is W.packed_weight(model.lm_head).q
+    ids = torch.arange(tiny.VOCAB)
+    assert emb.scale == float(twin.get_input_embeddings().embed_scale) and emb.scale != 1.0
+    assert torch.equal(emb(ids), twin.get_input_embeddings()(ids))
 
 
 def test_a_wrong_checksum_is_one_clear_line_and_caches_nothing(chunk_wheels):

@@ -492,8 +492,8 @@ def _load_packed(path, file: Path):
             if shape != module.packed.shape:
                 return None
             model.set_submodule(name, module)
-        # the buffers first: making a module's buffers real makes its parameters so too (a Gemma embedding's weight,
-        # beside its scale), which the weights read next then replace
+        # the buffers first: making a module's buffers real makes its parameters so too (a module's weight beside
+        # them), which the weights read next then replace
         kv.rebuild_buffers(model)
         params = dict(model.named_parameters())
         model.load_state_dict({k: v for k, v in tensors.items() if k in params}, strict=False, assign=True)

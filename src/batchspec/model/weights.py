@@ -224,13 +224,15 @@ class PackedLinear(torch.nn.Module):
 
 
 class PackedEmbedding(torch.nn.Module):
-    """``nn.Embedding`` over a ``PackedWeight`` (a tied output head shares it): rows expanded as they are looked up."""
+    """``nn.Embedding`` over a ``PackedWeight`` (a tied output head shares it): rows expanded as they are looked up.
+    ``scale``: a scaled embedding's factor (Gemma's ``embed_scale``), each row multiplied by it in fp32 as the
+    module it replaces does."""
 
-    def __init__(self, packed: PackedWeight, padding_idx: int | None = None):
+    def __init__(self, packed: PackedWeight, padding_idx: int | None = None, scale: float | None = None):
         super().__init__()
         self.packed = packed
         self.num_embeddings, self.embedding_dim = packed.shape
-        self.padding_idx = padding_idx
+        self.padding_idx, self.scale = padding_idx, scale
         for name, t in packed.tensors().items():
             self.register_buffer(name, t, persistent=False)
 
@@ -238,10 +240,30 @@ class PackedEmbedding(torch.nn.Module):
         p = self.packed
         if p.q is not self.q:
             p = self.packed = PackedWeight(p.kind, p.shape, self.q, getattr(self, "d", None), getattr(self, "m", None))
-        return p.rows(ids)
+        rows = p.rows(ids)
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.packed.kind}"
+        scale = "" if self.scale is None else f", scale={self.scale}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.packed.kind}{scale}"
+
+
+def embedding_scale(module) -> float | None:
+    """The factor a scaled word embedding (transformers' ``*ScaledWordEmbedding``: ``nn.Embedding`` rows times its
+    ``embed_scale``, Gemma's) multiplies its rows by; None for any other module (a query)."""
+    if not isinstance(module, torch.nn.Embedding) or not type(module).__name__.endswith("ScaledWordEmbedding"):
+        return None
+    scale = getattr(module, "embed_scale", None)
+    if isinstance(scale, torch.Tensor):
+        return float(scale) if scale.numel() == 1 and not scale.is_meta else None
+    return float(scale) if isinstance(scale, (int, float)) else None
+
+
+def _packable(module) -> bool:
+    """A bias-free ``nn.Linear``, an ``nn.Embedding`` or a scaled word embedding (a query)."""
+    if type(module) is torch.nn.Linear:
+        return module.bias is None
+    return type(module) is torch.nn.Embedding or embedding_scale(module) is not None
 
 
 def packed_weight(module) -> PackedWeight | None:
@@ -276,7 +298,7 @@ def report(model) -> PackReport:
         p = packed_weight(module)
         if p is not None:
             key, n, size, kind = id(p.q), p.shape[0] * p.shape[1], p.nbytes, p.kind
-        elif type(module) in (torch.nn.Linear, torch.nn.Embedding):
+        elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             w = module.weight
             key, n, size, kind = id(w), w.numel(), w.numel() * w.element_size(), None
         else:
@@ -293,9 +315,9 @@ def report(model) -> PackReport:
 
 
 def pack_model(model, given: dict[str, PackedWeight] | None = None) -> PackReport:
-    """Replace, in place, every bias-free ``nn.Linear`` and ``nn.Embedding`` of an fp32 CPU ``model`` whose weight a
-    narrower format holds exactly by its packed module (a tied output head and input embedding share one packed
-    weight); other parameters (norms, biases) stay. Outputs keep their bits. ``given``: packed forms the weights
+    """Replace, in place, every bias-free ``nn.Linear`` and ``nn.Embedding`` (or scaled word embedding: Gemma's) of an
+    fp32 CPU ``model`` whose weight a narrower format holds exactly by its packed module (a tied output head and input
+    embedding share one packed weight); other parameters (norms, biases) stay. Outputs keep their bits. ``given``: packed forms the weights
     were made from, by parameter name (``pack``'s). Returns ``report(model)``."""
     given = {id(p): given[name] for name, p in model.named_parameters(remove_duplicate=False) if name in given} \
         if given else {}
@@ -303,9 +325,7 @@ def pack_model(model, given: dict[str, PackedWeight] | None = None) -> PackRepor
     # is kept so that its id is not reused while the loop runs)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) not in (torch.nn.Linear, torch.nn.Embedding):
-                continue
-            if type(child) is torch.nn.Linear and child.bias is not None:
+            if not _packable(child):
                 continue
             w = child.weight
             if w.dtype != torch.float32 or w.device.type != "cpu":
@@ -318,13 +338,13 @@ def pack_model(model, given: dict[str, PackedWeight] | None = None) -> PackRepor
             p = done[id(w)][1]
             if p is not None:
                 setattr(parent, name, PackedLinear(p) if type(child) is torch.nn.Linear
-                        else PackedEmbedding(p, child.padding_idx))
+                        else PackedEmbedding(p, child.padding_idx, embedding_scale(child)))
     return report(model)
 
 
 # ------------------------------------------------------------------------------------------------- the cache
 
-CACHE_VERSION = 1  # of the file below: a change of its layout or of a format's codes makes older files unread
+CACHE_VERSION = 2  # of the file below: a change of its layout or of a format's codes makes older files unread
 
 
 def state(model) -> tuple[dict[str, torch.Tensor], dict]:
@@ -339,16 +359,22 @@ def state(model) -> tuple[dict[str, torch.Tensor], dict]:
         if p is None:
             continue
         cls = "linear" if isinstance(module, PackedLinear) else "embedding"
+        spec = {"padding_idx": module.padding_idx, "scale": module.scale} if cls == "embedding" else {}
         if id(p.q) in owner:
-            modules[name] = {"class": cls, "same_as": owner[id(p.q)]}
+            modules[name] = {"class": cls, "same_as": owner[id(p.q)], **spec}
             continue
         owner[id(p.q)] = name
-        modules[name] = {"class": cls, "kind": p.kind, "shape": list(p.shape),
-                         "padding_idx": getattr(module, "padding_idx", None)}
+        modules[name] = {"class": cls, "kind": p.kind, "shape": list(p.shape), **spec}
         tensors.update({f"{name}.{k}": t.contiguous() for k, t in p.tensors().items()})
     for name, param in model.named_parameters():
         tensors[name] = param.detach().contiguous()
     return tensors, {"version": CACHE_VERSION, "modules": modules}
+
+
+def _module(p: PackedWeight, spec: dict) -> torch.nn.Module:
+    if spec["class"] == "linear":
+        return PackedLinear(p)
+    return PackedEmbedding(p, spec.get("padding_idx"), spec.get("scale"))
 
 
 def modules_from(tensors: dict[str, torch.Tensor], layout: dict) -> dict[str, torch.nn.Module]:
@@ -361,9 +387,8 @@ def modules_from(tensors: dict[str, torch.Tensor], layout: dict) -> dict[str, to
             continue
         parts = {k: tensors.get(f"{name}.{k}") for k in ("q", "d", "m")}
         p = PackedWeight(spec["kind"], tuple(spec["shape"]), parts["q"], parts["d"], parts["m"])
-        built[name] = PackedLinear(p) if spec["class"] == "linear" else PackedEmbedding(p, spec["padding_idx"])
+        built[name] = _module(p, spec)
     for name, spec in layout["modules"].items():
         if "same_as" in spec:
-            p = packed_weight(built[spec["same_as"]])
-            built[name] = PackedLinear(p) if spec["class"] == "linear" else PackedEmbedding(p)
+            built[name] = _module(packed_weight(built[spec["same_as"]]), spec)
     return built
