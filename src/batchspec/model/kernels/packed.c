@@ -461,20 +461,25 @@ static void kq_expand(long kind, const uint8_t *s, float *out) {
 #define ZKQ_BLOCK(c, h, BYTES)                                                                                \
     const uint8_t *zs = blocks + ((row[c][h] * K + kb) / QK) * (BYTES);                                       \
     _mm_prefetch((const char *)(zs + 64 * zg + AHEAD_KQ), _MM_HINT_T0)
-#define ZLQ4_K_DECL                                                                                           \
+/* q4_k and q5_k, two rows a register: each row's super-block, its scales at its first group, then ``CODES``
+ * (where the group's codes lie) */
+#define ZKQ_SCALED_DECL                                                                                       \
     ZKQ_DECL                                                                                                  \
-    ZLUT_DECL                                                                                                 \
     const uint8_t *qs[C_][2];                                                                                 \
     float dsc[C_][2][8], dm[C_][2][8];
-#define ZLQ4_K_SETUP(c)                                                                                       \
+#define ZKQ_SCALED_SETUP(c, BYTES, CODES)                                                                     \
     do {                                                                                                      \
         zg = (int)(kb % QK) / 64;                                                                             \
         for (int h = 0; h < 2; h++) {                                                                         \
-            ZKQ_BLOCK(c, h, Q4_K_BYTES);                                                                      \
+            ZKQ_BLOCK(c, h, BYTES);                                                                           \
             if (zg == 0) kq_scales(zs, dsc[c][h], dm[c][h]);                                                  \
-            qs[c][h] = zs + 16 + 32 * zg;                                                                     \
+            CODES;                                                                                            \
         }                                                                                                     \
     } while (0)
+#define ZLQ4_K_DECL                                                                                           \
+    ZKQ_SCALED_DECL                                                                                           \
+    ZLUT_DECL
+#define ZLQ4_K_SETUP(c) ZKQ_SCALED_SETUP(c, Q4_K_BYTES, qs[c][h] = zs + 16 + 32 * zg)
 #define ZLQ4_K_AT(c, P)                                                                                       \
     if (P % 4 == 0)                                                                                           \
         for (int h = 0; h < 2; h++)                                                                           \
@@ -512,6 +517,28 @@ static void kq_expand(long kind, const uint8_t *s, float *out) {
                             : _mm_unpacklo_epi64(ZQ6_K_LANE(c, 0, P), ZQ6_K_LANE(c, 1, P)))),                 \
                   _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(dsc[c][0][4 * zg + P / 2])),       \
                                      _mm256_set1_ps(dsc[c][1][4 * zg + P / 2]), 1))
+/* q5_k as q5_k's own parts (Q5_K_PART: a 4-bit code, its fifth bit above it, one fused multiply-subtract), the
+ * pair's 16 codes and both rows' scales side by side */
+#define ZPAIR(a, b) _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a)), _mm256_set1_ps(b), 1)
+#define ZQ5_K_DECL                                                                                            \
+    ZKQ_SCALED_DECL                                                                                           \
+    const __m512i low = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1);                                  \
+    const uint8_t *qh[C_][2];
+#define ZQ5_K_SETUP(c) ZKQ_SCALED_SETUP(c, Q5_K_BYTES, (qh[c][h] = zs + 16, qs[c][h] = zs + 48 + 32 * zg))
+#define ZQ5_K_AT(c, P)
+/* the bytes that hold part P's fifth bits (bit 2 zg + P / 4 of each), row 0's 8 then row 1's */
+#define ZQ5_K_HIGH(c, P)                                                                                      \
+    _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(qh[c][0] + 8 * (P % 4))),       \
+                                            _mm_loadl_epi64((const __m128i *)(qh[c][1] + 8 * (P % 4)))))
+#define ZQ5_K_CODES(c, P)                                                                                     \
+    _mm512_or_si512(                                                                                          \
+        _mm512_and_si512(P < 4 ? ZKQ_BYTES(c, P) : _mm512_srli_epi32(ZKQ_BYTES(c, P), 4), low),               \
+        _mm512_slli_epi32(                                                                                    \
+            _mm512_and_si512(_mm512_srl_epi32(ZQ5_K_HIGH(c, P), _mm_cvtsi32_si128(2 * zg + P / 4)), one), 4))
+#define ZQ5_K_PART(c, P)                                                                                      \
+    _mm512_fmsub_ps(_mm512_cvtepi32_ps(ZQ5_K_CODES(c, P)),                                                    \
+                    ZPAIR(dsc[c][0][2 * zg + P / 4], dsc[c][1][2 * zg + P / 4]),                              \
+                    ZPAIR(dm[c][0][2 * zg + P / 4], dm[c][1][2 * zg + P / 4]))
 #define ZSTEP(F, P)                                                                                           \
     if (8 * P < F##_GROUP) {                                                                                  \
         __m512 wv[C_];                                                                                        \
@@ -667,7 +694,10 @@ PBLOCK_T(WQ6_K_r3, WQ6_K, 3, 3, WTARGET)
 static const kind_t Q6_K_wide[9] = {[1] = {WQ6_K_r1, 2}, [2] = {WQ6_K_r2, 4}, [3] = {WQ6_K_r3, 3}};
 ZFULL_KQ(LQ4_K, LQ4_K_r1, 4, LQ4_K16_r2, 4, LQ4_K16_r3, 3)
 ZFULL_KQ(Q6_K, WQ6_K_r1, 2, WQ6_K_r2, 4, WQ6_K_r3, 3)
-static const kind_t KQ_wide[9]; /* q5_k: the AVX2 blocks at every row count */
+/* q5_k in pairs at every row count (the matrices of Q5_K_EXPAND_ROWS, weights from memory, against the AVX2 blocks:
+ * 1 row 0.89x the time, 2 rows 0.78x, 3 rows 0.70x, 4-8 rows 0.62-0.66x) */
+ZFULL(Q5_K)
+static const kind_t KQ_wide[9]; /* q5_k on half-width CPUs: the AVX2 blocks at every row count */
 
 /* Rows of x from which a chunk of weight rows is expanded once, into fp32 in a buffer of the thread's, and then read
  * by skinny.c's fp32 kernel against every row of x; below it, the blocks above expand each weight again for every 8
@@ -675,6 +705,9 @@ static const kind_t KQ_wide[9]; /* q5_k: the AVX2 blocks at every row count */
  * order: the same bits. The default model's q4_1 up projection on Zen 4 at 2 threads, expanded once against the
  * blocks: 9 rows 0.8x the time, 16 rows 0.75-0.8x, 32 rows 0.7-0.85x, 64 rows 0.6x; 4-8 rows even or slower. */
 #define EXPAND_ROWS 9
+/* q5_k's pair blocks against expanding once (16 q5_k matrices of 2048 x 1024 and 1024 x 2048, 23 MB, 2 threads, Zen
+ * 5): 12 rows 0.93x the time, 16 rows 0.90x, 20 rows 1.12x, 24 rows 1.06x, 32 rows 1.16x: up to two blocks of 8 */
+#define Q5_K_EXPAND_ROWS 17
 
 /* weights 8P .. 8P + 7 of the group of weight row ``row[0]``, stored at o + kb + 8P */
 #define XSTEP(F, P)                                                                                           \
@@ -733,7 +766,7 @@ static void rows_of(const float *x, const packed_t *w, float *y, long M, long N,
         case W_Q8_0: avx2 = Q8_0_avx2, wide = full ? Q8_0_full : Q8_0_wide; break;
         case W_Q4_0: avx2 = Q4_0_avx2, wide = full ? LQ4_0_full : Q4_0_wide; break;
         case W_Q4_K: avx2 = Q4_K_avx2, wide = full ? LQ4_K_full : Q4_K_wide; break;
-        case W_Q5_K: avx2 = Q5_K_avx2, wide = KQ_wide; break;
+        case W_Q5_K: avx2 = Q5_K_avx2, wide = full ? Q5_K_full : KQ_wide; break;
         case W_Q6_K: avx2 = Q6_K_avx2, wide = full ? Q6_K_full : Q6_K_wide; break;
         default: avx2 = Q4_1_avx2, wide = full ? LQ4_1_full : Q4_1_wide; break;
     }
@@ -746,11 +779,11 @@ static void rows_of(const float *x, const packed_t *w, float *y, long M, long N,
 }
 
 /* Whether ``w``'s chunks are expanded once for M rows of x (EXPAND_ROWS): not where the full-width 16-lane blocks
- * cover its format (all but q5_k), which expand each weight again for every 8 rows of x and still take less time (on
- * Zen 5, 2 threads, against expanding once at 9-96 rows: the default model's q4_1 layers 0.67-0.84x, Gemma 3 270M's
- * q4_k, q6_k and q8_0 layers 0.77-0.91x at 9-64 rows) */
+ * run, which expand each weight again for every 8 rows of x and still take less time (on Zen 5, 2 threads, against
+ * expanding once at 9-96 rows: the default model's q4_1 layers 0.67-0.84x, Gemma 3 270M's q4_k, q6_k and q8_0 layers
+ * 0.77-0.91x at 9-64 rows), but for q5_k from Q5_K_EXPAND_ROWS: its expansion costs more than a lookup */
 static int expands(const packed_t *w, long M, int full) {
-    return M >= EXPAND_ROWS && !(full && w->kind != W_Q5_K);
+    return full ? w->kind == W_Q5_K && M >= Q5_K_EXPAND_ROWS : M >= EXPAND_ROWS;
 }
 
 /* y_i = x @ w[i]^T for ``count`` weights that share x [M, K] (ys[i]: [M, Ns[i]]; K a multiple of 32, of 64 for the
