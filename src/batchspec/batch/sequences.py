@@ -131,14 +131,13 @@ class Sequences:
         w = block.shape[1]
         j = torch.arange(w, device=block.device)[None, :]
         is_stop = (block[:, :, None] == self.stop[:, None, :]).any(-1) & (j < n_emit[:, None])
-        hit = is_stop.any(1)
-        n = torch.where(hit, is_stop.int().argmax(1) + 1, n_emit)
-        n = torch.minimum(n, self.limit - self.generated())
+        hit, first = is_stop.any(1), is_stop.int().argmax(1)
+        n = torch.minimum(torch.where(hit, first + 1, n_emit), self.limit - self.generated())
         dump = self.history.shape[1] - 1
         pos = torch.where(j < n[:, None], self.length[:, None] + j, dump)
         self.history.scatter_(1, pos, block)
         self.length += n
-        self.stopped |= hit & (is_stop.int().argmax(1) < n)
+        self.stopped |= hit & (first < n)
         finished = self.stopped | (self.generated() >= self.limit)
         return finished, n, torch.where(hit, n_emit - n, 0)
 

@@ -71,20 +71,21 @@ class RoundReadback:
 
     @classmethod
     def read(cls, seqs: Sequences, r: RoundResult, estimates: torch.Tensor | None = None) -> RoundReadback:
-        """The readback of round ``r`` on the running rows ``seqs`` (and ``estimates``, a 1D tensor), in one read."""
-        acc = r.accepted.masked_fill(r.n_drafts == 0, -1)  # rows that had nothing to verify don't count as ragged
-        segments = [
-            ("finished", r.finished), ("lengths", seqs.length),
-            ("width", (seqs.length - 1).masked_fill(r.finished, 0).max()), ("generated", r.emitted.sum()),
-            ("drafted", r.n_drafts.sum()), ("accepted", r.accepted.sum()), ("accepted_max", acc.max()),
-            ("accepted_min", acc.masked_fill(acc < 0, acc.max() + 1).min()),
-            ("full_accepts", ((r.accepted == r.n_drafts) & (r.n_drafts > 0)).sum()), ("cut", r.cut.sum()),
-            ("emitted", r.emitted), ("block", r.block),
-        ]
+        """The readback of round ``r`` on the running rows ``seqs`` (and ``estimates``, a 1D tensor), in one read.
+        The per-row values travel; their sums and extremes are taken on the host (a few rows' worth of Python, where
+        each tensor reduction cost a dispatch: ~50 us of a 3.8 ms round at batch 1 on a CPU)."""
+        segments = [("finished", r.finished), ("lengths", seqs.length), ("emitted", r.emitted),
+                    ("n_drafts", r.n_drafts), ("accepted", r.accepted), ("cut", r.cut), ("block", r.block)]
         if estimates is not None:
             segments.append(("estimates", estimates))
         if r.logprobs is not None:
             segments += [("chosen", r.logprobs.chosen), ("top_ids", r.logprobs.ids), ("top_values", r.logprobs.values)]
         values = read_once(segments)
-        values["finished"] = [bool(f) for f in values["finished"]]
-        return cls(**values)
+        finished = values["finished"] = [bool(f) for f in values["finished"]]
+        n_drafts, accepted, cut = values.pop("n_drafts"), values.pop("accepted"), values.pop("cut")
+        acc = [a if d else -1 for a, d in zip(accepted, n_drafts)]  # rows with nothing to verify aren't ragged
+        most = max(acc)
+        return cls(**values, width=max([n - 1 for n, f in zip(values["lengths"], finished) if not f], default=0),
+                   generated=sum(values["emitted"]), drafted=sum(n_drafts), accepted=sum(accepted),
+                   accepted_max=most, accepted_min=min(a if a >= 0 else most + 1 for a in acc),
+                   full_accepts=sum(a == d > 0 for a, d in zip(accepted, n_drafts)), cut=sum(cut))
