@@ -215,7 +215,8 @@ def speculative_round(parts: Parts, batch: Batch, timer: Timer, budget: DraftBud
                 tokens = legal.greedy(tokens, lambda: out.logits if processed is None else processed)
             accepted, bonus = parts.accept(tokens, drafts, n_drafts)
     with timer("align"):
-        target.hide_tail(k + 1, accepted + 1)
+        if k:  # (a plain step's one slot stays visible)
+            target.hide_tail(k + 1, accepted + 1)
         drafter.commit(batch.draft, proposal, accepted, out)
         block = emitted_block(drafts, accepted, bonus)
         logprobs = seqs.logprobs(out, block)
