@@ -14,5 +14,5 @@ from .rows import Batch
 from .sequences import RoundLogprobs, Sequences
 from .slots import InvariantError, SlotState, check_invariants, compact_index
 
-__all__ = ["FEATURES", "Batch", "InvariantError", "RoundLogprobs", "Sequences", "SlotState", "check_invariants", "compact_index",
-           "prefill"]
+__all__ = ["FEATURES", "Batch", "InvariantError", "RoundLogprobs", "Sequences", "SlotState", "check_invariants",
+           "compact_index", "prefill"]

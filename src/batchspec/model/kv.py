@@ -182,6 +182,7 @@ class SlotCache(Cache):
 
     def __init__(self, num_layers: int):
         super().__init__(layers=[SlotLayer() for _ in range(num_layers)])
+        self._sizes = (0, 0, 0)  # ``nbytes``' (first buffer's identity, bytes of a slot of every row, bytes held)
 
     @property
     def length(self) -> int:
@@ -203,7 +204,7 @@ class SlotCache(Cache):
         spent ~3% of its time summing them)."""
         first = self.layers[0]._k if self.layers else None
         key = None if first is None else (first.data_ptr(), first.shape)
-        if getattr(self, "_sizes", (0,))[0] != key:
+        if self._sizes[0] != key:
             slot = held = 0  # bytes of one slot of every row across the layers, bytes the buffers hold
             for layer in self.layers:
                 for t in (layer._k, layer._v):

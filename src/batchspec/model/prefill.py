@@ -52,8 +52,8 @@ def prefill(model, prompts: list[list[int]], shared: int, width: int, hidden: bo
     """Cache ``prompts`` (token ids, each at least ``shared`` long; ``shared`` leading tokens common to all, computed
     once) right-aligned in ``width`` slots of a new ``SlotCache`` of ``len(prompts)`` rows (padding zeros). Returns
     ``(cache, states)``: ``states`` ``[B, width, H]`` the final (normed) hidden states laid out like the slots (zeros
-    on padding) when ``hidden`` (``FEATURES``: the last layer's input, normed), else None. None where ``supported`` says no. ``embeds()``: each row's input vectors
-    ``[len(prompt), H]`` in place of its tokens' embeddings (a head that reads the target's features; no shared
+    on padding) when ``hidden`` (``FEATURES``: the last layer's input, normed), else None. None where ``supported``
+    says no. ``embeds()``: each row's input vectors ``[len(prompt), H]`` in place of its tokens' embeddings (a head that reads the target's features; no shared
     prefix), asked for only where this path runs. ``base``: a kept ``Prefix`` (``prefixes.py``) of the first
     ``len(base) <= shared`` tokens: its keys, values (and hidden states) are copied, not computed."""
     if not supported(model) or (embeds is not None and shared):

@@ -233,6 +233,7 @@ class PackedEmbedding(torch.nn.Module):
         self.packed = packed
         self.num_embeddings, self.embedding_dim = packed.shape
         self.padding_idx, self.scale = padding_idx, scale
+        self._factor = None if scale is None else torch.tensor(scale, dtype=torch.float32)  # fp32 rows only
         for name, t in packed.tensors().items():
             self.register_buffer(name, t, persistent=False)
 
@@ -241,7 +242,7 @@ class PackedEmbedding(torch.nn.Module):
         if p.q is not self.q:
             p = self.packed = PackedWeight(p.kind, p.shape, self.q, getattr(self, "d", None), getattr(self, "m", None))
         rows = p.rows(ids)
-        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
+        return rows if self._factor is None else rows * self._factor
 
     def extra_repr(self) -> str:
         scale = "" if self.scale is None else f", scale={self.scale}"
@@ -317,8 +318,8 @@ def report(model) -> PackReport:
 def pack_model(model, given: dict[str, PackedWeight] | None = None) -> PackReport:
     """Replace, in place, every bias-free ``nn.Linear`` and ``nn.Embedding`` (or scaled word embedding: Gemma's) of an
     fp32 CPU ``model`` whose weight a narrower format holds exactly by its packed module (a tied output head and input
-    embedding share one packed weight); other parameters (norms, biases) stay. Outputs keep their bits. ``given``: packed forms the weights
-    were made from, by parameter name (``pack``'s). Returns ``report(model)``."""
+    embedding share one packed weight); other parameters (norms, biases) stay. Outputs keep their bits. ``given``:
+    packed forms the weights were made from, by parameter name (``pack``'s). Returns ``report(model)``."""
     given = {id(p): given[name] for name, p in model.named_parameters(remove_duplicate=False) if name in given} \
         if given else {}
     done: dict[int, tuple] = {}  # id(weight) -> (weight, its packed form): tied weights are packed once (the weight

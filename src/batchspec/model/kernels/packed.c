@@ -494,6 +494,8 @@ static void kq_expand(long kind, const uint8_t *s, float *out) {
         tab[c][0],                                                                                            \
         _mm512_ternarylogic_epi32(P < 4 ? ZKQ_BYTES(c, P) : _mm512_srli_epi32(ZKQ_BYTES(c, P), 4), low, tag, 0xEA), \
         tab[c][1])
+/* both halves of a pair's register: a of row 2c, b of row 2c + 1 */
+#define ZPAIR(a, b) _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a)), _mm256_set1_ps(b), 1)
 #define ZQ6_K_DECL                                                                                            \
     ZKQ_DECL                                                                                                  \
     float dsc[C_][2][16];                                                                                     \
@@ -515,11 +517,9 @@ static void kq_expand(long kind, const uint8_t *s, float *out) {
     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                                    \
                       P % 2 ? _mm_unpackhi_epi64(ZQ6_K_LANE(c, 0, P), ZQ6_K_LANE(c, 1, P))                    \
                             : _mm_unpacklo_epi64(ZQ6_K_LANE(c, 0, P), ZQ6_K_LANE(c, 1, P)))),                 \
-                  _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(dsc[c][0][4 * zg + P / 2])),       \
-                                     _mm256_set1_ps(dsc[c][1][4 * zg + P / 2]), 1))
+                  ZPAIR(dsc[c][0][4 * zg + P / 2], dsc[c][1][4 * zg + P / 2]))
 /* q5_k as q5_k's own parts (Q5_K_PART: a 4-bit code, its fifth bit above it, one fused multiply-subtract), the
  * pair's 16 codes and both rows' scales side by side */
-#define ZPAIR(a, b) _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a)), _mm256_set1_ps(b), 1)
 #define ZQ5_K_DECL                                                                                            \
     ZKQ_SCALED_DECL                                                                                           \
     const __m512i low = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1);                                  \
