@@ -236,6 +236,28 @@ def test_packed_weights_are_cached_and_later_loads_never_read_the_fp32_file(tmp_
         load_model(path, torch.float32, weights="auto")
 
 
+def test_a_new_packed_file_replaces_its_directorys_older_ones_only(tmp_path, monkeypatch):
+    """Each packed file is the model's size: one written for changed weights (or kernels) replaces the same
+    directory's older ones, and leaves those of another directory with the same name alone."""
+    import os
+
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
+    one, _ = quantised_target(tmp_path / "one")
+    two, _ = quantised_target(tmp_path / "two")
+    assert one.name == two.name
+    cached = tmp_path / "cache" / "packed"
+    load_model(one, torch.float32, weights="auto")
+    load_model(two, torch.float32, weights="auto")
+    first = set(cached.glob("*.safetensors"))
+    assert len(first) == 2
+    st = (one / "model.safetensors").stat()
+    os.utime(one / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # weights rewritten
+    load_model(one, torch.float32, weights="auto")
+    now = set(cached.glob("*.safetensors"))
+    assert len(now) == 2 and len(now & first) == 1  # two's file kept, one's replaced
+    assert load_model(one, torch.float32, weights="auto") is not None and set(cached.glob("*.safetensors")) == now
+
+
 # ------------------------------------------------------------------------------------------------- K-quants
 
 KQUANT = {"q4_k": GT.Q4_K, "q5_k": GT.Q5_K, "q6_k": GT.Q6_K}

@@ -443,9 +443,10 @@ def _packed_file(path) -> Path | None:
     if not d.is_dir():
         return None
     files = sorted(f for f in d.iterdir() if f.suffix in (".safetensors", ".bin"))
-    facts = [str(d.resolve()), CACHE_VERSION, source_digest()] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    key = hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
-    return cache_base() / "packed" / f"{d.name}-{key}.safetensors"
+    facts = [CACHE_VERSION, source_digest()] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    where = hashlib.sha256(str(d.resolve()).encode()).hexdigest()[:8]
+    key = hashlib.sha256(repr([where] + facts).encode()).hexdigest()[:16]
+    return cache_base() / "packed" / f"{d.name}-{where}-{key}.safetensors"
 
 
 def _save_packed(model, file: Path) -> None:
@@ -462,6 +463,11 @@ def _save_packed(model, file: Path) -> None:
         tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
         save_file(tensors, str(tmp), metadata={"layout": json.dumps(layout)})
         os.replace(tmp, file)
+        # the same directory's files of older weights or kernels are never read again (each is the model's size)
+        stem = file.name.rsplit("-", 1)[0]
+        for old in file.parent.glob(f"{stem}-*.safetensors"):
+            if old != file and old.name.rsplit("-", 1)[0] == stem:
+                old.unlink(missing_ok=True)
     except OSError as e:
         _log.info("packed weights not cached (%s)", e)
 
