@@ -421,7 +421,7 @@ def test_copy_rounds_sized_row_by_row():
     assert plan(per_draft, True, far_ahead)[:2] == ("copy", 0)  # a plain step
     dearer = per_draft[:2] + [c + 0.3 for c in per_draft[2:]]  # past 1 draft, only the strong row's pay
     assert plan(dearer, True, torch.tensor([0.2, 1.6, 1.0, 1.2], dtype=torch.float64))[3].tolist() == [0, 3, 0, 0]
-    weak_first = torch.tensor([0.2, 0.1, 1.0, 3.0], dtype=torch.float64)  # a weak row's copy worth the most
+    weak_first = torch.tensor([0.2, 0.1, 1.0, 10.0], dtype=torch.float64)  # a weak row's copy worth the most
     assert plan(dearer, True, weak_first)[3].tolist() == [0, 0, 0, 1]
     assert plan(per_draft[:3], True)[3].tolist() == [0, 2, 0, 0]  # the runner packs at most 2 drafts
     # the head right every time: a head round one draft a row wide beats the copies at that cost

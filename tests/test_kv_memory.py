@@ -8,7 +8,8 @@ import tiny
 
 from batchspec import SamplingParams
 from batchspec.engine.engine import Engine, Request
-from batchspec.engine.memory import KVMemory, budget_bytes, per_token_bytes
+from batchspec.engine.memory import KVMemory, budget_bytes
+from batchspec.model.kv import per_token_bytes
 from batchspec.params import Stats
 
 K = 3

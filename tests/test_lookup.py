@@ -18,7 +18,7 @@ from batchspec.drafters.lookup import PromptLookup as Drafter
 from batchspec.model import kernels
 from batchspec.speculation.acceptance import PRIOR_WEIGHT, survival
 from batchspec.speculation.budget import DRAFT, FIXED, DraftBudget
-from batchspec.speculation.plan import Planner
+from batchspec.speculation.plan import MARGIN, Planner
 
 
 class PromptLookup:
@@ -184,6 +184,44 @@ def test_rows_sized_by_what_their_tokens_are_worth():
     assert d.propose(batch, None, B(5, steep, True, torch.ones(2, dtype=torch.float64))).n_drafts.tolist() == [5, 5]
     little = torch.full((2,), 0.2, dtype=torch.float64)
     assert d.propose(batch, None, B(5, steep, True, little)).n_drafts.tolist() == [0, 0]
+
+
+def test_a_round_drafts_only_where_it_beats_a_plain_step_by_the_margin():
+    """A copy expected to pay, but by less than ``MARGIN`` of a plain step's tokens, is not drafted; one that pays by
+    more is."""
+    d = PromptLookup()
+    for _ in range(30):
+        d.commit(None, d.propose(_seqs([STRONG]), None, B(1)), torch.tensor([1]), None)
+    p = d.survival(1, "cpu")[4, 0].item()  # the copy's chance after a 4-token match (STRONG's)
+    assert 0.5 < p < 1
+    even = (1 + p) / (1 + MARGIN)  # the verification's price at which the copy's round just beats the margin
+    assert 1 + p > 1.02 * even  # a price just above it still pays by expectation
+    assert d.propose(_seqs([STRONG]), None, B(1, [1.0, 1.02 * even])).n_drafts.tolist() == [0]
+    assert d.propose(_seqs([STRONG]), None, B(1, [1.0, 0.98 * even])).n_drafts.tolist() == [1]
+
+
+def test_a_rows_cached_tokens_price_its_drafts():
+    """With ``context`` (a draft's attention over its row's tokens): of two rows with the same candidates, the
+    shorter drafts first, and where the longer row's drafts cost more than they bring only the shorter one drafts; a
+    round every row pays ``base``: a plain step too, so drafts that paid still pay."""
+    d = PromptLookup()
+    for _ in range(30):
+        d.commit(None, d.propose(_seqs([STRONG]), None, B(5)), torch.tensor([5]), None)
+    batch = _seqs([STRONG, STRONG])
+    five = [1 + 0.05 * m for m in range(6)] + [9.0] * 5  # 5 drafts in all, not more
+
+    def priced(per_draft, base=0.0, verify=five):
+        b = B(5, verify, True)
+        b.context = (torch.tensor(base, dtype=torch.float64), torch.tensor(per_draft, dtype=torch.float64))
+        return d.propose(batch, None, b).n_drafts.tolist()
+
+    assert priced([0.0, 0.0]) == [3, 2]  # equal: they take turns, as without
+    assert priced([0.1, 0.0]) == [0, 5]  # the first row's drafts dearer: the second's first
+    steep = linear(0.3, 11)
+    assert priced([0.0, 0.0], verify=steep) == [5, 5]
+    assert priced([0.9, 0.0], verify=steep) == [0, 5]  # 1.2 plain steps a draft: the first row's do not pay
+    assert priced([0.9, 0.9], verify=steep) == [0, 0]
+    assert priced([0.0, 0.0], 2.0, steep) == [5, 5]  # every size dearer alike: drafting pays more, not less
 
 
 def test_row_values_favour_the_rows_that_finish_last():

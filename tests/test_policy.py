@@ -15,7 +15,7 @@ from batchspec.speculation import AdaptiveLength, CostModel, RoundView, expected
 from batchspec.speculation.acceptance import Acceptance
 from batchspec.speculation.adaptive import DRY_ROUNDS, LOOK_EVERY, PROBE_EVERY
 from batchspec.speculation.budget import DRAFT, DRY, FIXED, NO_DRAFTER, NO_ROOM, NOT_WORTH, PROBE, REASONS, Outcome
-from batchspec.speculation.costs import DRAFT_FORWARD_SECONDS, WIDTHS
+from batchspec.speculation.costs import CONTEXT, DRAFT_FORWARD_SECONDS, WIDTHS
 from batchspec.speculation.fixed import FixedLength
 
 
@@ -127,6 +127,22 @@ def test_cost_model_reads_the_profile_in_plain_steps():
     assert c.pair(4) == pytest.approx(0.002 / 0.028)
     assert c.fixed_share(8) == pytest.approx(1 - 0.002 * 8 / 0.036) and c.fixed_share(1) == 1.0
     assert CostModel(synthetic(rows=(1, 2))).step(2) == 0.0  # no drafter model
+
+
+def test_rows_cached_tokens_price_a_round_from_the_profiles_two_contexts():
+    """From a profile measured at two contexts: a plain step over rows holding more tokens than ``CONTEXT`` costs
+    more (``base``, to every size of round), and each draft more by its own row's tokens (``per_draft``); a shorter
+    row less. The sized budget carries them; a profile of one context prices rounds as before (no ``context``)."""
+    c = CostModel(synthetic(fixed=0.02, per_token=0.002, attend=(1e-6, 5e-7)))
+    lengths = torch.tensor([CONTEXT, CONTEXT + 1024, CONTEXT - 256, CONTEXT])
+    base, per_draft = c.context(4, lengths)
+    assert base.item() == pytest.approx((1024 - 256) * 1e-6 / 0.028)
+    assert per_draft.tolist() == pytest.approx([0.0, 1024 * 5e-7 / 0.028, -256 * 5e-7 / 0.028, 0.0])
+    p = _policy(0.5, c.profile, sizes_own=True)
+    view = _view(rows=4, packed=64)
+    view.seqs.length = lengths
+    assert p.budget(view).context[1].tolist() == pytest.approx(per_draft.tolist())
+    assert _policy(0.5, synthetic(), sizes_own=True).budget(view).context is None
 
 
 def test_adaptive_picks_zero_when_acceptance_is_low_or_verification_dear():

@@ -197,12 +197,20 @@ def eagle(arch: str = "llama", dtype=torch.float64, graphs: str = "auto", copy: 
     return EagleDrafter(model, fc, token_map, target(arch, dtype).get_input_embeddings(), graphs, copy)
 
 
-def profile(fixed: float = 0.02, per_token: float = 0.002, step: float = 0.0, pair: float = 0.0, rows=(1, 2, 4, 8)):
+def profile(fixed: float = 0.02, per_token: float = 0.002, step: float = 0.0, pair: float = 0.0, rows=(1, 2, 4, 8),
+            attend: tuple[float, float] | None = None):
     """A cost profile (``batchspec.speculation.Profile``) whose forward of r rows x w tokens takes ``fixed + per_token
     * r * w`` seconds and the drafter's step ``step`` per row (0: none): forwards priced like a real model's, for the
-    adaptive policy over tiny models (whose own forwards are far cheaper than a round's bookkeeping)."""
+    adaptive policy over tiny models (whose own forwards are far cheaper than a round's bookkeeping). ``attend``:
+    ``(a, d)``, seconds per row and cached token past ``CONTEXT`` of a plain step, and of each more token a row (a
+    long measurement at ``LONG``); None: none."""
     from batchspec.speculation import Profile
-    from batchspec.speculation.costs import WIDTHS
+    from batchspec.speculation.costs import CONTEXT, LONG, WIDTHS
 
     target = {r: [fixed + per_token * r * w for w in WIDTHS] for r in rows}
-    return Profile(target, {r: step * r for r in rows} if step else {}, pair)
+    long = {}
+    if attend is not None:
+        a, d = attend
+        long = {r: (LONG, [t + (LONG - CONTEXT) * r * (a + d * (w - 1)) for t, w in zip(target[r], WIDTHS)])
+                for r in rows}
+    return Profile(target, {r: step * r for r in rows} if step else {}, pair, long=long)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..batch import grammar
+from ..model.kv import per_token_bytes
 from ..model.prefixes import available_bytes
 
 # default budget: a quarter of the memory available on the target's device when the engine is built. The budget
@@ -42,14 +43,6 @@ def default_mib(device: torch.device) -> int:
     cannot be read)."""
     free = available_bytes(device)
     return FALLBACK_MIB if free is None else max(1, int(free * DEFAULT_FRACTION) >> 20)
-
-
-def per_token_bytes(model) -> int:
-    """Bytes one cached token takes in ``model``'s cache: K and V of every layer."""
-    cfg = model.config.get_text_config()
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * heads * dim * model.dtype.itemsize
 
 
 def _mib(n: int) -> str:

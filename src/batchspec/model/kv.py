@@ -220,6 +220,14 @@ class SlotCache(Cache):
         return [(layer.keys, layer.values) for layer in self.layers if layer.length]
 
 
+def per_token_bytes(model) -> int:
+    """Bytes one cached token takes in ``model``'s cache: K and V of every layer."""
+    cfg = model.config.get_text_config()
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * dim * model.dtype.itemsize
+
+
 def num_layers(model) -> int:
     return model.config.get_text_config().num_hidden_layers
 

@@ -5,7 +5,9 @@ one token a row for one step, so drafting pays only where some length promises m
 
 - Costs come from a profile of the target's and the drafter's forwards measured once on this machine
   (``costs.py``); live rounds do not change them, so one slow round (the machine busy elsewhere) cannot price a length
-  out of reach, and a batch size seen for the first time is priced as well as any.
+  out of reach, and a batch size seen for the first time is priced as well as any. Measured at two contexts, it
+  prices each round at its rows' cached tokens, a draft at its own row's (``CostModel.context``).
+- A round drafts only where it beats a plain step by ``plan.MARGIN``: its tokens are estimates.
 - Acceptance comes from each row's own recent rounds, blended with the drafter's long-run rate (``acceptance.py``).
 - A drafter whose offers carry candidates (prompt lookup, the feature-reading head with copies: they know per row
   what their candidates promise) gets its rounds sized per row or width from the costs in the ``DraftBudget`` and its
@@ -21,7 +23,7 @@ from __future__ import annotations
 from .acceptance import Acceptance
 from .budget import DRAFT, DRY, FIXED, NO_ROOM, NOT_WORTH, PROBE, DraftBudget, Outcome, RoundView
 from .costs import CostModel, Profile, load_or_measure
-from .plan import Plans
+from .plan import MARGIN, Plans
 from .row_values import row_values
 
 # a drafter that sizes its own rounds and verified nothing for this many rounds in a row is asked only every
@@ -93,10 +95,10 @@ class AdaptiveLength(Plans):
         pack = view.packed_rows - rows
         per_row = rows > 1 and pack >= view.k_max
         most = min(view.k_max * rows, pack) if per_row else view.k_max
-        extra = costs.overhead(rows)
-        verify = [costs.verify(rows, m, per_row) + (extra if m else 0.0) for m in range(most + 1)]
+        verify = costs.verifies(rows, most, per_row)
         worth = row_values(view.seqs, costs.fixed_share(rows)) if per_row and not view.waiting else None
-        return DraftBudget(view.k_max, verify, costs.step(rows), costs.pair(rows), per_row, worth, DRAFT)
+        return DraftBudget(view.k_max, verify, costs.step(rows), costs.pair(rows), per_row, worth, DRAFT,
+                           costs.context(rows, view.seqs.length))
 
     def round_cost(self, rows: int, k: int) -> float:
         """A draft model's round of k drafts a row, in plain steps: verifying them, k forwards of the draft model
@@ -106,8 +108,12 @@ class AdaptiveLength(Plans):
         return self.costs.verify(rows, k, False) + k * self.costs.step(rows) + self.costs.overhead(rows)
 
     def best_length(self, rows: int, k_max: int) -> int:
-        """The length with the most expected tokens per plain step (the shortest of equals)."""
-        return max(range(k_max + 1), key=lambda k: (self.acceptance.tokens(k) / self.round_cost(rows, k), -k))
+        """The length with the most expected tokens per plain step, 0 (a plain step) counted ``MARGIN`` more (the
+        shortest of equals)."""
+        def rate(k: int) -> float:
+            return self.acceptance.tokens(k) / self.round_cost(rows, k) * (1 + MARGIN if k == 0 else 1)
+
+        return max(range(k_max + 1), key=lambda k: (rate(k), -k))
 
     # ---------------------------------------------------------------------------------------------- learn
     def record(self, seqs, accepted, k: int, plan=None, proposal=None, target=None) -> None:

@@ -38,6 +38,8 @@ class DraftBudget:
       drafts little costs little beside one that drafts much).
     - ``worth``: ``[B]`` what a token of each row is worth, in tokens of a row (``row_values``), or None: 1 each.
     - ``reason``: why the budget is what it is (``REASONS``).
+    - ``context``: what the rows' cached tokens add to ``verify`` (``CostModel.context``): ``(base, per_draft)``, in
+      plain steps, ``base`` to every size (0 included), ``per_draft[b]`` to each draft of row b; None: nothing.
     """
 
     k: int
@@ -47,6 +49,7 @@ class DraftBudget:
     per_row: bool = False
     worth: torch.Tensor | None = None
     reason: str = FIXED
+    context: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def plain(cls, reason: str) -> "DraftBudget":

@@ -28,10 +28,19 @@ import torch
 from ..model import kernels, kv
 from ..model.loading import cache_base, context_length
 
-PROFILE_VERSION = 2  # bump when what is measured changes: older cached profiles are measured again
+PROFILE_VERSION = 3  # bump when what is measured changes: older cached profiles are measured again
 WIDTHS = (1, 2, 3, 4, 6)  # new tokens per row measured (a verification of K = 5 drafts is 6 wide)
 CONTEXT = 256  # cached tokens per row in the synthetic batch: a typical chat prompt plus some answer
-REPEATS = 3  # timed forwards per point, the fastest kept (the machine's noise only ever adds time), after a warm-up
+# cached tokens per row of a second synthetic batch: what attention costs per cached token, for a plain step and per
+# verified draft, is the difference (``CostModel.context``). On a 2-core CPU a draft in a row of 1,024 tokens costs
+# 1.4-1.6x one at 256 (0.5 us a token per layer stack), and rows that copy are the long ones (summaries, RAG)
+LONG = 1024
+LONG_BYTES = 1 << 29  # the most KV bytes the second batch takes; where more rows would, fewer tokens a row
+# timed forwards per point after a warm-up: a width's cost is the median over repetitions of its ratio to the plain
+# forward timed beside it, times the fastest plain forward (the machine's noise only ever adds time, and a drift of it
+# slows forwards timed together alike). Fastest of 3 per width on its own put a 4-row verification of one draft at 1.41
+# and 1.70 plain steps in two profiles minutes apart, and drafting at 8 rows went from 0.95x plain to never chosen
+REPEATS = 7
 PAIRS = 64  # tokens per row of the drafter's catch-up forward that prices one cached pair
 # what a round that drafts costs beyond the forwards the profile times: the drafter's and the engine's bookkeeping
 # (matching, planning, a longer acceptance and alignment), and per drafting forward its own (the slots' positions,
@@ -51,24 +60,27 @@ def row_points(batch_size: int) -> list[int]:
 @dataclass
 class Profile:
     """Seconds of forwards on one machine. ``target[rows][i]``: the target's forward of ``rows`` x ``WIDTHS[i]`` new
-    tokens; ``step[rows]``: one drafting forward of the drafter's model (one token per row); ``pair``: what the
-    drafter's model spends per row and token of a catch-up forward (seconds; 0 for model-free drafters)."""
+    tokens over ``CONTEXT`` cached tokens a row; ``long[rows]``: ``(context, seconds per width)``, the same over a
+    longer context (none: rounds priced at ``CONTEXT`` whatever their rows hold); ``step[rows]``: one drafting forward
+    of the drafter's model (one token per row); ``pair``: what the drafter's model spends per row and token of a
+    catch-up forward (seconds; 0 for model-free drafters)."""
 
     target: dict[int, list[float]]
     step: dict[int, float] = field(default_factory=dict)
     pair: float = 0.0
     key: str = ""
+    long: dict[int, tuple[int, list[float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, "key": self.key, "widths": list(WIDTHS), "target": self.target,
-                "step": self.step, "pair": self.pair}
+                "long": self.long, "step": self.step, "pair": self.pair}
 
     @classmethod
     def from_json(cls, d: dict) -> "Profile | None":
         if d.get("version") != PROFILE_VERSION or d.get("widths") != list(WIDTHS):
             return None
         return cls({int(r): v for r, v in d["target"].items()}, {int(r): v for r, v in d["step"].items()},
-                   float(d["pair"]), d.get("key", ""))
+                   float(d["pair"]), d.get("key", ""), {int(r): (int(c), v) for r, (c, v) in d["long"].items()})
 
 
 class CostModel:
@@ -78,6 +90,16 @@ class CostModel:
     def __init__(self, profile: Profile):
         self.profile = profile
         self.rows = sorted(profile.target)
+        self._verifies: dict[tuple[int, int, bool], list[float]] = {}  # (rows, most, per_row) -> ``verifies``
+
+    def verifies(self, rows: int, most: int, per_row: bool) -> list[float]:
+        """``[verify(rows, m, per_row) + overhead if m] for m = 0..most``: a round's price list, the same for the same
+        arguments (a profile does not change), so made once (pricing it took ~0.3 ms of every round at 8 rows)."""
+        key = (rows, most, per_row)
+        if key not in self._verifies:
+            extra = self.overhead(rows)
+            self._verifies[key] = [self.verify(rows, m, per_row) + (extra if m else 0.0) for m in range(most + 1)]
+        return self._verifies[key]
 
     def seconds(self, rows: int, tokens: float) -> float:
         """A target forward of ``rows`` rows and ``tokens`` new tokens in all (at least ``rows``)."""
@@ -92,6 +114,30 @@ class CostModel:
         row) or, ``per_row``, in all (a runner that computes only each row's real tokens: ``rows + drafts`` tokens)."""
         tokens = rows + drafts if per_row else rows * (drafts + 1)
         return self.seconds(rows, tokens) / self.plain(rows)
+
+    def context(self, rows: int, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What a round over rows of ``lengths`` ``[B]`` cached tokens costs beyond its price at ``CONTEXT`` a row,
+        in plain steps (at ``CONTEXT``): ``(base, per_draft)``, base added to a round of any size (a plain step's
+        attention over the rows' tokens), ``per_draft[b]`` to each draft of row b (a verified token's attention over
+        its row's). From the profile's two contexts: per row and cached token, a plain step's slope ``a`` and the
+        slope of one more token a row ``d``; linear in between and beyond (a row shorter than ``CONTEXT`` costs
+        less). None without a long measurement. Device tensors: no host read."""
+        points = sorted(self.profile.long)
+        if not points:
+            return None
+        a = _interp(points, lambda r: self._slopes(r)[0], rows)
+        d = _interp(points, lambda r: self._slopes(r)[1], rows)
+        more = (lengths.to(torch.float64) - CONTEXT) / self.plain(rows)
+        return (more * a).sum(), more * d
+
+    def _slopes(self, rows: int) -> tuple[float, float]:
+        """Seconds per row and cached token past ``CONTEXT``: of a plain step, and of each more new token of a row
+        (from the widest measured), never below 0."""
+        context, seconds = self.profile.long[rows]
+        base, span = self.profile.target[rows], (context - CONTEXT) * rows
+        plain = (seconds[0] - base[0]) / span
+        wider = (seconds[-1] - base[-1]) / span
+        return max(plain, 0.0), max((wider - plain) / (WIDTHS[-1] - 1), 0.0)
 
     def overhead(self, rows: int) -> float:
         """What a round that drafts costs beyond its forwards (``DRAFT_ROUND_SECONDS``), in plain steps."""
@@ -177,14 +223,16 @@ def _sync(device) -> None:
 def time_forwards(state, widths, repeats: int = REPEATS, hidden: bool = False, inputs=None,
                   keep: int = 0) -> list[float]:
     """Seconds of a forward of each of ``widths`` new tokens per row appended to ``state`` (rewound after each): the
-    fastest of ``repeats``, the widths interleaved within each repetition so that a drift of the machine falls on
-    all, after one untimed warm-up of each. ``inputs(ids)``: the input vectors in place of the ids' embeddings,
+    fastest of ``repeats`` for the first width, for each other the median of its ratio to the first timed in the same
+    repetition times that (``_steady``), the widths interleaved within each repetition so that a drift of the machine
+    falls on all, after one untimed warm-up of each. ``inputs(ids)``: the input vectors in place of the ids' embeddings,
     computed inside the timed forward (a drafter's own input layer); ``keep``: logits of the last ``keep`` positions
     only (0: all, as a verification needs). Each forward is timed with what its round reads: the target's greedy
     tokens, the drafter's logits."""
     rows, width, dev = len(state), state.width, state.runner.device
-    best = [float("inf")] * len(widths)
+    runs = []
     for i in range(repeats + 1):
+        run = []
         for j, tokens in enumerate(widths):
             ids = torch.zeros((rows, tokens), dtype=torch.long, device=dev)
             counts = None if inputs is not None else torch.full((rows,), tokens, dtype=torch.long, device=dev)
@@ -196,10 +244,19 @@ def time_forwards(state, widths, repeats: int = REPEATS, hidden: bool = False, i
             # drafter its logits (forwards compute them only when read)
             out.tokens() if inputs is None else out.logits
             _sync(dev)
-            if i:
-                best[j] = min(best[j], time.perf_counter() - t)
+            run.append(time.perf_counter() - t)
             _rewind(state, width)
-    return best
+        if i:
+            runs.append(run)
+    return _steady(runs)
+
+
+def _steady(runs: list[list[float]]) -> list[float]:
+    """From repetitions of timings of the same forwards (``runs[i][j]``: forward j in repetition i): the fastest of
+    the first, and each other's median ratio to the first in the same repetition times that."""
+    first = min(run[0] for run in runs)
+    ratios = [sorted(run[j] / run[0] for run in runs) for j in range(len(runs[0]))]
+    return [first] + [first * (r[(len(r) - 1) // 2] + r[len(r) // 2]) / 2 for r in ratios[1:]]
 
 
 def measure(target_runner, batch_size: int, drafter=None, hidden: bool = False, progress=None) -> Profile:
@@ -207,10 +264,16 @@ def measure(target_runner, batch_size: int, drafter=None, hidden: bool = False, 
     model: ``drafter.timing()``). Costs never fall with the width or the rows (what the noise left is smoothed so)."""
     points = row_points(batch_size)
     target: dict[int, list[float]] = {}
+    long: dict[int, tuple[int, list[float]]] = {}
     for rows in points:
         state = synthetic_state(target_runner, rows, _cached(target_runner, max(WIDTHS)))
         target[rows] = _rising(time_forwards(state, WIDTHS, hidden=hidden))
         state.cache.release()
+        context = _long(target_runner, rows)
+        if context > CONTEXT:
+            state = synthetic_state(target_runner, rows, context)
+            long[rows] = (context, _rising(time_forwards(state, WIDTHS, hidden=hidden)))
+            state.cache.release()
         if progress is not None:
             progress.advance()
     for i in range(len(WIDTHS)):  # across rows too
@@ -232,7 +295,17 @@ def measure(target_runner, batch_size: int, drafter=None, hidden: bool = False, 
         state = synthetic_state(runner, 1, _cached(runner, pairs))
         pair = time_forwards(state, (pairs,), hidden=want_hidden, inputs=inputs, keep=1)[0] / pairs
         state.cache.release()
-    return Profile(target, step, pair)
+    return Profile(target, step, pair, long=long)
+
+
+def _long(runner, rows: int) -> int:
+    """Cached tokens per row of the long synthetic batch of ``rows`` rows: ``LONG``, or fewer where the model's
+    positions end sooner or its KV would pass ``LONG_BYTES`` (0 where that leaves none past ``CONTEXT``)."""
+    limit = context_length(runner.model)
+    context = min(LONG, LONG_BYTES // max(rows * kv.per_token_bytes(runner.model), 1))
+    if limit is not None:
+        context = min(context, limit - max(WIDTHS))
+    return context if context >= 2 * CONTEXT else 0
 
 
 def _cached(runner, width: int) -> int:

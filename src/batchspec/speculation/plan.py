@@ -24,7 +24,12 @@ CATCH_UP_SHARED = 8
 # product, copies counting 1); 0.25 and 0.6 did no better on a 2-core CPU (docs/speculation.md). None: the planned
 # width, drafted whole.
 DEPTH_CONFIDENCE = 0.4
-
+# a round drafts only where its expected tokens per plain step beat a plain step's by this share: its tokens are
+# estimates (acceptance learned per match length, rows' worth from their limits) and its price is within ~5% (live
+# forwards at 3-8 rows: 0.96-1.06 of it), so a round priced at break-even lost as often as it won. At 8 rows on a
+# 2-core CPU copy rounds priced near break-even made the batch 0.93-0.98x plain (Spec-Bench, 128 tokens); with 10%
+# none is chosen there (0.97-1.00x), and at batch 1 the same copy rounds as without (1.1x)
+MARGIN = 0.1
 
 @dataclass
 class Offer:
@@ -85,10 +90,27 @@ def likeliest(chance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top.values.cumsum(0), rank.view_as(chance)
 
 
+def dearer(chance: torch.Tensor, budget: DraftBudget) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``likeliest`` where drafts cost more in some rows than in others (``budget.context``): the drafts ranked by
+    their chance per plain step (a row's first draft's price, ``verify[1] - verify[0]``, plus its row's share), so
+    that of two equally likely drafts the one in the shorter row is verified first; ``(expected accepted drafts of the
+    m best, what their rows add to the round's price, each draft's rank)``, m = 1..B*k. A row's drafts keep their
+    order (one divisor a row)."""
+    b, k = chance.shape
+    per_draft = budget.context[1]
+    unit = budget.verify[1] - budget.verify[0] if len(budget.verify) > 1 else 1.0
+    price = (unit + per_draft).clamp(min=unit / 10)  # a draft always costs something
+    _, rank = likeliest(chance / price[:, None])
+    order = torch.empty_like(rank.flatten()).scatter_(0, rank.flatten(), torch.arange(b * k, device=chance.device))
+    return chance.flatten()[order].cumsum(0), per_draft.repeat_interleave(k)[order].cumsum(0), rank
+
+
 def cheapest(tokens: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
     """The one pricing routine: the size (an index of ``tokens`` ``[n]``, the expected tokens of each, and ``cost``
-    ``[n]``, its cost in plain steps) with the most tokens per plain step; the first of equals (the smallest)."""
-    return (tokens / cost).argmax()
+    ``[n]``, its cost in plain steps) with the most tokens per plain step, the first (a plain step) counted ``MARGIN``
+    more; the first of equals (the smallest)."""
+    rate = tokens / cost
+    return torch.cat([rate[:1] * (1 + MARGIN), rate[1:]]).argmax()
 
 
 class Planner:
@@ -124,12 +146,19 @@ class Planner:
                 return DraftPlan(offer, "head", torch.full_like(count, k), k, reason, use, most=k)
             return DraftPlan(offer, None, count, int(count.max()) if b else 0, reason)
         per = b if budget.per_row else 1  # drafts verified per unit of a head round's width
-        if per > 1:  # a copy round's m copies of the batch worth most: E(m), m = 0..b*k
+        pad = torch.nn.functional.pad
+        price = self.round_costs(budget, dev, offer.waiting, per, offer.left)  # [copy / head, m = 0..k*per]
+        context = budget.context
+        steps = torch.arange(k * per + 1, device=dev, dtype=torch.float64) / per  # a head round's width at m
+        if per > 1 and context is not None:  # the m copies worth most per plain step, each at its row's price
+            gain, added, rank = dearer(budget.weigh(chance), budget)
+            price = price + context[0] + torch.stack([pad(added, (1, 0)), steps * context[1].sum()])
+        elif per > 1:  # a copy round's m copies of the batch worth most: E(m), m = 0..b*k
             gain, rank = likeliest(budget.weigh(chance))  # each row's expected tokens at its worth
         else:  # one width for the batch: E(j), j = 0..k, from each column's expected accepted drafts
             gain = chance.sum(0).cumsum(0)
-        pad = torch.nn.functional.pad
-        price = self.round_costs(budget, dev, offer.waiting, per, offer.left)  # [copy / head, m = 0..k*per]
+            if context is not None:  # every row verifies the block's width: j drafts a row
+                price = price + context[0] + steps * context[1].sum()
         tokens, cost = [pad(gain, (1, 0))], [price[0]]
         if heads:  # then a head round of j steps, j = 0..k
             last = chance.gather(1, (count - 1).clamp(min=0)[:, None])
