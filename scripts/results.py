@@ -77,7 +77,8 @@ def render(results: list[dict], kind: str) -> str:
                  for r in results if r["headline"]]
         return "\n".join(rows) + "\n"
     out, group = [], None
-    for r in results:
+    order = {g: i for i, g in reversed(list(enumerate(r["group"] for r in results)))}  # a group's first place
+    for r in sorted(results, key=lambda r: order[r["group"]]):
         if r["group"] != group:
             group = r["group"]
             out += ["" if out else None, f"**{group}**", "", "| id | measured | result | command | date | machine |",
