@@ -211,6 +211,6 @@ def profile(fixed: float = 0.02, per_token: float = 0.002, step: float = 0.0, pa
     long = {}
     if attend is not None:
         a, d = attend
-        long = {r: (LONG, [t + (LONG - CONTEXT) * r * (a + d * (w - 1)) for t, w in zip(target[r], WIDTHS)])
+        long = {r: (LONG, [target[r][i] + (LONG - CONTEXT) * r * (a + d * (WIDTHS[i] - 1)) for i in (0, -1)])
                 for r in rows}
     return Profile(target, {r: step * r for r in rows} if step else {}, pair, long=long)

@@ -40,7 +40,7 @@ LONG_BYTES = 1 << 29  # the most KV bytes the second batch takes; where more row
 # forward timed beside it, times the fastest plain forward (the machine's noise only ever adds time, and a drift of it
 # slows forwards timed together alike). Fastest of 3 per width on its own put a 4-row verification of one draft at 1.41
 # and 1.70 plain steps in two profiles minutes apart, and drafting at 8 rows went from 0.95x plain to never chosen
-REPEATS = 7
+REPEATS = 5
 PAIRS = 64  # tokens per row of the drafter's catch-up forward that prices one cached pair
 # what a round that drafts costs beyond the forwards the profile times: the drafter's and the engine's bookkeeping
 # (matching, planning, a longer acceptance and alignment), and per drafting forward its own (the slots' positions,
@@ -60,8 +60,8 @@ def row_points(batch_size: int) -> list[int]:
 @dataclass
 class Profile:
     """Seconds of forwards on one machine. ``target[rows][i]``: the target's forward of ``rows`` x ``WIDTHS[i]`` new
-    tokens over ``CONTEXT`` cached tokens a row; ``long[rows]``: ``(context, seconds per width)``, the same over a
-    longer context (none: rounds priced at ``CONTEXT`` whatever their rows hold); ``step[rows]``: one drafting forward
+    tokens over ``CONTEXT`` cached tokens a row; ``long[rows]``: ``(context, seconds)``, the narrowest and the widest
+    of them over a longer context (none: rounds priced at ``CONTEXT`` whatever their rows hold); ``step[rows]``: one drafting forward
     of the drafter's model (one token per row); ``pair``: what the drafter's model spends per row and token of a
     catch-up forward (seconds; 0 for model-free drafters)."""
 
@@ -272,7 +272,7 @@ def measure(target_runner, batch_size: int, drafter=None, hidden: bool = False, 
         context = _long(target_runner, rows)
         if context > CONTEXT:
             state = synthetic_state(target_runner, rows, context)
-            long[rows] = (context, _rising(time_forwards(state, WIDTHS, hidden=hidden)))
+            long[rows] = (context, _rising(time_forwards(state, (WIDTHS[0], WIDTHS[-1]), hidden=hidden)))
             state.cache.release()
         if progress is not None:
             progress.advance()
