@@ -20,10 +20,12 @@ one token a row for one step, so drafting pays only where some length promises m
 
 from __future__ import annotations
 
+import torch
+
 from .acceptance import Acceptance
 from .budget import DRAFT, DRY, FIXED, NO_ROOM, NOT_WORTH, PROBE, DraftBudget, Outcome, RoundView
 from .costs import CostModel, Profile, load_or_measure
-from .plan import MARGIN, Plans
+from .plan import Plans, cheapest
 from .row_values import row_values
 
 # a drafter that sizes its own rounds and verified nothing for this many rounds in a row is asked only every
@@ -108,12 +110,11 @@ class AdaptiveLength(Plans):
         return self.costs.verify(rows, k, False) + k * self.costs.step(rows) + self.costs.overhead(rows)
 
     def best_length(self, rows: int, k_max: int) -> int:
-        """The length with the most expected tokens per plain step, 0 (a plain step) counted ``MARGIN`` more (the
-        shortest of equals)."""
-        def rate(k: int) -> float:
-            return self.acceptance.tokens(k) / self.round_cost(rows, k) * (1 + MARGIN if k == 0 else 1)
-
-        return max(range(k_max + 1), key=lambda k: (rate(k), -k))
+        """The length with the most expected tokens per plain step (``plan.cheapest``: a plain step counted
+        ``MARGIN`` more, the shortest of equals)."""
+        lengths = range(k_max + 1)
+        tokens = torch.tensor([self.acceptance.tokens(k) for k in lengths], dtype=torch.float64)
+        return int(cheapest(tokens, torch.tensor([self.round_cost(rows, k) for k in lengths], dtype=torch.float64)))
 
     # ---------------------------------------------------------------------------------------------- learn
     def record(self, seqs, accepted, k: int, plan=None, proposal=None, target=None) -> None:

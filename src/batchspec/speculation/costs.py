@@ -61,9 +61,9 @@ def row_points(batch_size: int) -> list[int]:
 class Profile:
     """Seconds of forwards on one machine. ``target[rows][i]``: the target's forward of ``rows`` x ``WIDTHS[i]`` new
     tokens over ``CONTEXT`` cached tokens a row; ``long[rows]``: ``(context, seconds)``, the narrowest and the widest
-    of them over a longer context (none: rounds priced at ``CONTEXT`` whatever their rows hold); ``step[rows]``: one drafting forward
-    of the drafter's model (one token per row); ``pair``: what the drafter's model spends per row and token of a
-    catch-up forward (seconds; 0 for model-free drafters)."""
+    of them over a longer context (none: rounds priced at ``CONTEXT`` whatever their rows hold); ``step[rows]``: one
+    drafting forward of the drafter's model (one token per row); ``pair``: what the drafter's model spends per row and
+    token of a catch-up forward (seconds; 0 for model-free drafters)."""
 
     target: dict[int, list[float]]
     step: dict[int, float] = field(default_factory=dict)
@@ -91,6 +91,7 @@ class CostModel:
         self.profile = profile
         self.rows = sorted(profile.target)
         self._verifies: dict[tuple[int, int, bool], list[float]] = {}  # (rows, most, per_row) -> ``verifies``
+        self._attention: dict[int, tuple[float, float]] = {}  # rows -> ``context``'s slopes
 
     def verifies(self, rows: int, most: int, per_row: bool) -> list[float]:
         """``[verify(rows, m, per_row) + overhead if m] for m = 0..most``: a round's price list, the same for the same
@@ -125,8 +126,9 @@ class CostModel:
         points = sorted(self.profile.long)
         if not points:
             return None
-        a = _interp(points, lambda r: self._slopes(r)[0], rows)
-        d = _interp(points, lambda r: self._slopes(r)[1], rows)
+        if rows not in self._attention:  # (a profile does not change)
+            self._attention[rows] = tuple(_interp(points, lambda r: self._slopes(r)[i], rows) for i in (0, 1))
+        a, d = self._attention[rows]
         more = (lengths.to(torch.float64) - CONTEXT) / self.plain(rows)
         return (more * a).sum(), more * d
 
@@ -270,7 +272,7 @@ def measure(target_runner, batch_size: int, drafter=None, hidden: bool = False, 
         target[rows] = _rising(time_forwards(state, WIDTHS, hidden=hidden))
         state.cache.release()
         context = _long(target_runner, rows)
-        if context > CONTEXT:
+        if context:
             state = synthetic_state(target_runner, rows, context)
             long[rows] = (context, _rising(time_forwards(state, (WIDTHS[0], WIDTHS[-1]), hidden=hidden)))
             state.cache.release()

@@ -31,6 +31,7 @@ DEPTH_CONFIDENCE = 0.4
 # none is chosen there (0.97-1.00x), and at batch 1 the same copy rounds as without (1.1x)
 MARGIN = 0.1
 
+
 @dataclass
 class Offer:
     """What a drafter could draft this round (it drafts nothing yet). Without ``candidates`` the drafter drafts up to
@@ -146,19 +147,17 @@ class Planner:
                 return DraftPlan(offer, "head", torch.full_like(count, k), k, reason, use, most=k)
             return DraftPlan(offer, None, count, int(count.max()) if b else 0, reason)
         per = b if budget.per_row else 1  # drafts verified per unit of a head round's width
-        pad = torch.nn.functional.pad
+        pad, context, added = torch.nn.functional.pad, budget.context, None
         price = self.round_costs(budget, dev, offer.waiting, per, offer.left)  # [copy / head, m = 0..k*per]
-        context = budget.context
-        steps = torch.arange(k * per + 1, device=dev, dtype=torch.float64) / per  # a head round's width at m
         if per > 1 and context is not None:  # the m copies worth most per plain step, each at its row's price
             gain, added, rank = dearer(budget.weigh(chance), budget)
-            price = price + context[0] + torch.stack([pad(added, (1, 0)), steps * context[1].sum()])
         elif per > 1:  # a copy round's m copies of the batch worth most: E(m), m = 0..b*k
             gain, rank = likeliest(budget.weigh(chance))  # each row's expected tokens at its worth
         else:  # one width for the batch: E(j), j = 0..k, from each column's expected accepted drafts
             gain = chance.sum(0).cumsum(0)
-            if context is not None:  # every row verifies the block's width: j drafts a row
-                price = price + context[0] + steps * context[1].sum()
+        if context is not None:  # what the rows' cached tokens add: copies at their rows', a width j a row elsewhere
+            across = torch.arange(k * per + 1, device=dev, dtype=torch.float64) / per * context[1].sum()
+            price = price + context[0] + torch.stack([across if added is None else pad(added, (1, 0)), across])
         tokens, cost = [pad(gain, (1, 0))], [price[0]]
         if heads:  # then a head round of j steps, j = 0..k
             last = chance.gather(1, (count - 1).clamp(min=0)[:, None])
