@@ -12,9 +12,10 @@
  *
  *     |y_i - A_i| <= B_i = R_i * (rmax + SLACK * max|x|),   R_i = sum_j |w_ij|,  rmax = max_j |x_j - x~_j| (<= se/2)
  *
- * the first term the digits' error, the second every rounding of both sums: the fp32 kernel's (72 fused
- * multiply-adds a lane and 3 adds: <= 75u sum_j |w_ij x_j|) and the score's (an int32 -> fp32 conversion, 18
- * multiply-adds a lane, the hsum and the last steps: <= ~48u R_i max|x|), u = 2^-24; SLACK is 2.7x their sum. So
+ * the first term the digits' error, the second every rounding of both sums: the fp32 kernel's (K / 8 fused
+ * multiply-adds a lane and 3 adds: <= (K / 8 + 3)u sum_j |w_ij x_j|) and the score's (an int32 -> fp32 conversion,
+ * at most K / 32 multiply-adds a lane, the hsum and the last steps: <= (K / 32 + 30)u R_i max|x|), u = 2^-24; SLACK
+ * is 2.7x their sum (2e-5 at the default model's K = 576). So
  * every output with A_i + B_i below t = max_i (A_i - B_i) is strictly below some output's exact value, and the
  * argmax (the first maximum on ties) is among the *candidates*, the others, whose exact values ``packed.c`` computes
  * (the bits a whole forward gives them). On the default model's states there are 1-4 candidates a row.
@@ -34,11 +35,15 @@
 #include "packed.h"
 #include "reduce.h"
 
-#define SLACK 2e-5          /* >= 2.7x the rounding bound above (~123u = 7.3e-6) */
+#define SLACK(K) (2.7 * ((K) / 8 + (K) / 32 + 33) * 0x1p-24) /* 2.7x the rounding bound above */
 #define MAX_CANDIDATES 512  /* more in one row: a degenerate x; every output is computed instead */
 #define MAX_ROWS 4          /* rows of x at most, scored in one pass over the weights: against packed.c, from
                              * memory, 1.5x as fast at 1 row, even at 2, 1.1x at 3-4 and 8 (in a batch-8 step: even) */
 #define AHEAD_ROWS 7        /* weight rows prefetched ahead (~4 KB of codes): 1.3-1.6x faster from memory than 3.5 */
+/* independent sums a row of x, of two blocks each: one sum of one block at a time waited on its multiply-adds
+ * (Gemma 3 270M's head, 262144 x 640, from memory, 1 row: 2 sums 0.85x the time, 3 0.89x, 4 0.90x; 2 rows 0.87x, 4
+ * rows 0.94x; the default model's head 0.65-0.69x) */
+#define CHAINS 2
 #define STORE_MARGIN 4e-7f  /* the candidate test in fp32: >= 6u of its terms (A_i stored in fp32, one product, two sums) */
 
 static int has_vnni(void) {
@@ -89,35 +94,56 @@ static double digits(const float *x, long K, uint8_t *hi, uint8_t *lo, double *s
         hi[j] = (uint8_t)(h + 128), lo[j] = (uint8_t)(l + 128);
     }
     *se_out = se;
-    return rmax * (1 + 1e-9) + SLACK * m;
+    return rmax * (1 + 1e-9) + SLACK((double)K) * m;
 }
 
+/* the score of 32 weights (ymm) or of two blocks of 32 (zmm, their scales ``dv`` side by side) against row r of x */
+#define DIGITS(W, LOAD, wq, dv, acc, r, at)                                                                   \
+    do {                                                                                                      \
+        __m##W##i h = LOAD(hi + (r) * K + (at)), l = LOAD(lo + (r) * K + (at));                               \
+        __m##W##i v = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), h, wq);                                  \
+        v = _mm##W##_dpbusd_epi32(_mm##W##_slli_epi32(v, 8), l, wq);                                          \
+        acc = _mm##W##_fmadd_ps(_mm##W##_cvtepi32_ps(v), dv, acc);                                            \
+    } while (0)
+#define LOAD512(p) _mm512_loadu_si512((const void *)(p))
+#define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
+
 /* A_i into A[r * N + i] for R rows of x and weight rows n0 .. n1 - 1, one weight row at a time; top[r]: the largest
- * A_i - B_i seen */
+ * A_i - B_i seen. Two blocks a 16-lane register, in CHAINS sums a row of x (the blocks left over in 8 lanes): a
+ * score's roundings are fewer than one sum of 8 lanes would make (the bound above holds) */
 #define SCORE(NAME, R)                                                                                        \
-    __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni"))) static void NAME(                       \
+    __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512vnni"))) static void NAME(              \
         const uint8_t *hi, const uint8_t *lo, const int8_t *q, const float *d, const float *T, const float *Rs, \
         const double *se, const double *c, float *A, double *top, long N, long K, long n0, long n1) {        \
         for (long i = n0; i < n1; i++) {                                                                      \
             const int8_t *row = q + i * K;                                                                    \
             const float *dr = d + i * (K / 32);                                                               \
             _mm_prefetch((const char *)(dr + AHEAD_ROWS * (K / 32)), _MM_HINT_T0);                            \
-            __m256 acc[R];                                                                                    \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                 \
-            for (long b = 0; b < K / 32; b++) {                                                               \
-                _mm_prefetch((const char *)(row + AHEAD_ROWS * K + 32 * b), _MM_HINT_T0);                     \
-                __m256i wq = _mm256_loadu_si256((const __m256i *)(row + 32 * b));                             \
-                __m256 dv = _mm256_broadcast_ss(dr + b);                                                      \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
-                    __m256i h = _mm256_loadu_si256((const __m256i *)(hi + r * K + 32 * b));                   \
-                    __m256i l = _mm256_loadu_si256((const __m256i *)(lo + r * K + 32 * b));                   \
-                    __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), h, wq);                           \
-                    v = _mm256_dpbusd_epi32(_mm256_slli_epi32(v, 8), l, wq);                                  \
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), dv, acc[r]);                              \
+            __m512 acc[R][CHAINS];                                                                            \
+            __m256 a8[R];                                                                                     \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) for (int u = 0; u < CHAINS; u++)              \
+                acc[r][u] = _mm512_setzero_ps();                                                              \
+            long b = 0;                                                                                       \
+            for (; b + 2 * CHAINS <= K / 32; b += 2 * CHAINS)                                                 \
+                for (int u = 0; u < CHAINS; u++) {                                                            \
+                    long e = b + 2 * u;                                                                       \
+                    _mm_prefetch((const char *)(row + AHEAD_ROWS * K + 32 * e), _MM_HINT_T0);                 \
+                    __m512i wq = LOAD512(row + 32 * e);                                                       \
+                    __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(dr[e]), _mm256_set1_ps(dr[e + 1]), 1);      \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                       \
+                        DIGITS(512, LOAD512, wq, dv, acc[r][u], r, 32 * e);                                    \
                 }                                                                                             \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
+                for (int u = 1; u < CHAINS; u++) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);             \
+                a8[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][0]), _mm512_extractf32x8_ps(acc[r][0], 1)); \
+            }                                                                                                 \
+            for (; b < K / 32; b++) {                                                                         \
+                __m256i wq = LOAD256(row + 32 * b);                                                           \
+                __m256 dv = _mm256_broadcast_ss(dr + b);                                                      \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) DIGITS(256, LOAD256, wq, dv, a8[r], r, 32 * b); \
             }                                                                                                 \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
-                double a = se[r] * ((double)hsum8(acc[r]) - 32896.0 * T[i]);                                  \
+                double a = se[r] * ((double)hsum8(a8[r]) - 32896.0 * T[i]);                                   \
                 A[r * N + i] = (float)a;                                                                      \
                 a -= Rs[i] * c[r];                                                                            \
                 top[r] = a > top[r] ? a : top[r];                                                             \

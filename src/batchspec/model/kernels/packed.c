@@ -34,6 +34,10 @@
  * (4 KB) ahead, against 64: a batch-1 step's products (weights from memory, 2 threads) 0.97x the time for the default
  * model's q4_1, 0.92x for Gemma 3 270M's (its q8_0 0.88x); 256 no better for the default model */
 #define AHEAD_GROUPS 128
+/* q8_0's groups prefetched ahead (12 KB): Gemma 3 270M's layers as q8_0 (the shapes of its 18 layers, 113 MB, 2
+ * threads) at 1 row 0.91x the time they took 128 groups ahead, even at 8 rows; the 4-bit formats measured even at 1
+ * row and 1.04x slower at 8 */
+#define AHEAD_Q8 384
 /* weight rows a block of one or two rows of x takes at a time: 2 measured 1.2x as fast as 4 and 1.1x as fast as 1
  * at one row (each weight row is a stream of codes, scales and offsets) */
 #define R1C 2
@@ -73,8 +77,8 @@
     do {                                                                                                      \
         blk[c] = (row[c] * K + kb) / 32;                                                                      \
         at[c] = codes + blk[c] * 32;                                                                          \
-        _mm_prefetch((const char *)(at[c] + 32 * AHEAD_GROUPS), _MM_HINT_T0);                                 \
-        _mm_prefetch((const char *)(dp + blk[c] + AHEAD_GROUPS), _MM_HINT_T0);                                \
+        _mm_prefetch((const char *)(at[c] + 32 * AHEAD_Q8), _MM_HINT_T0);                                     \
+        _mm_prefetch((const char *)(dp + blk[c] + AHEAD_Q8), _MM_HINT_T0);                                    \
     } while (0)
 #define Q8_0_PART(c, P)                                                                                       \
     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(at[c] + 8 * P)))), \
@@ -391,8 +395,8 @@ static void kq_expand(long kind, const uint8_t *s, float *out) {
     do {                                                                                                      \
         long b0 = (row[c][0] * K + kb) / 32, b1 = (row[c][1] * K + kb) / 32;                                  \
         at[c][0] = codes + b0 * 32, at[c][1] = codes + b1 * 32;                                               \
-        _mm_prefetch((const char *)(at[c][0] + 32 * AHEAD_GROUPS), _MM_HINT_T0);                              \
-        _mm_prefetch((const char *)(at[c][1] + 32 * AHEAD_GROUPS), _MM_HINT_T0);                              \
+        _mm_prefetch((const char *)(at[c][0] + 32 * AHEAD_Q8), _MM_HINT_T0);                                  \
+        _mm_prefetch((const char *)(at[c][1] + 32 * AHEAD_Q8), _MM_HINT_T0);                                  \
         dz[c] = ZSCALE(dp, b0, b1);                                                                           \
     } while (0)
 #define ZQ8_0_PART(c, P)                                                                                      \
