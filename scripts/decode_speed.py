@@ -2,13 +2,14 @@
 and decode speed, for each ``--weights`` mode, the modes interleaved in one process (this machine's speed drifts).
 
     .venv/bin/python scripts/decode_speed.py [--npp 400] [--ntg 64] [--batch-sizes 1,8] [--weights fp32,auto]
-        [--fast-greedy on] [--repeats 3] [--threads 2]
+        [--fast-greedy default] [--repeats 3] [--threads 2]
 
 Prompts are random token ids (a forward's cost does not depend on them), generation ignores EOS. Prints, per mode
 and batch size, the medians over repeats of prefill tokens/s (B x NPP over the prefill seconds: llama-batched-bench's
 S_PP) and decode tokens/s (B x NTG over the rest: its S_TG), and the modes' outputs compared token for token.
 ``--fast-greedy on,off`` runs each weights mode twice, with and without a q8_0 head's fast greedy tokens
-(``PackedLinear.greedy``; off: every logit computed, as before it).
+(``PackedLinear.greedy``, on even where it is off by default; off: every logit computed); ``default`` (the
+default): as the library chooses.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def main() -> None:
     ap.add_argument("--ntg", type=int, default=64)
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--weights", default="fp32,auto")
-    ap.add_argument("--fast-greedy", default="on", help="on, off or on,off")
+    ap.add_argument("--fast-greedy", default="default", help="default, on, off or a list of them (on,off)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
@@ -37,16 +38,16 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     weights = [m.strip() for m in args.weights.split(",") if m.strip()]
     fast = [f.strip() for f in args.fast_greedy.split(",") if f.strip()]
-    if not set(fast) <= {"on", "off"}:
-        ap.error("--fast-greedy takes on, off or on,off")
+    if not set(fast) <= {"default", "on", "off"}:
+        ap.error("--fast-greedy takes default, on, off or a list of them")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     # no kept prefixes: the repeats prefill the same prompts, each as llama-batched-bench does, from scratch
     llms = {m: {b: batchspec.LLM(args.target, draft=None, batch_size=b, weights=m, prefix_cache=0) for b in sizes}
             for m in weights}
     for m in weights:
         print(f"{m}: {llms[m][sizes[0]].weights.line()}")
-    modes = [m if f == "on" else f"{m}/off" for m in weights for f in fast]  # "auto/off": without the fast greedy
-    rows = packed_weights.GREEDY_ROWS
+    modes = [m if f == "default" else f"{m}/{f}" for m in weights for f in fast]  # "auto/off": without it
+    rows, full = packed_weights.GREEDY_ROWS, packed_weights.GREEDY_FULL_WIDTH
     g = torch.Generator().manual_seed(0)
     params = batchspec.SamplingParams(max_tokens=args.ntg, ignore_eos=True)
     for b in sizes:
@@ -57,6 +58,7 @@ def main() -> None:
             for m in modes:
                 llm = llms[m.split("/")[0]][b]
                 packed_weights.GREEDY_ROWS = 0 if m.endswith("/off") else rows
+                packed_weights.GREEDY_FULL_WIDTH = True if m.endswith("/on") else full
                 llm.reset_stats()
                 got = llm.generate(prompts, params)
                 s = llm.stats

@@ -19,6 +19,12 @@ pytestmark = pytest.mark.skipif(lib is None or not lib.q8_argmax_supported(),
                                 reason="needs the C kernels and AVX-512 VNNI")
 
 
+@pytest.fixture(autouse=True)
+def everywhere(monkeypatch):
+    """The fast greedy on every CPU with VNNI, also where it is off by default (``GREEDY_FULL_WIDTH``)."""
+    monkeypatch.setattr(W, "GREEDY_FULL_WIDTH", True)
+
+
 def q8_head(n=3000, k=192, seed=0) -> tuple[W.PackedLinear, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     v = gguf_values(torch.randn(n, k, generator=g) * 0.05, "q8_0")
@@ -90,6 +96,19 @@ def test_where_it_cannot_decide_it_says_so():
     assert same.greedy(x) is None
     q41 = W.PackedLinear(W.pack(gguf_values(v, "q4_1")))
     assert q41.packed.kind == "q4_1" and q41.greedy(x) is None
+
+
+def test_it_stays_off_where_every_logit_reads_the_head_as_fast(monkeypatch):
+    head, _ = q8_head()
+    monkeypatch.setattr(W, "GREEDY_FULL_WIDTH", False)
+    was = lib.packed_full_width(-1)
+    try:
+        lib.packed_full_width(1)
+        assert head.greedy(states(1)) is None or not lib.skinny_avx512(-1)
+        lib.packed_full_width(0)
+        assert head.greedy(states(1)) is not None
+    finally:
+        lib.packed_full_width(was)
 
 
 def test_the_engine_reads_greedy_tokens_without_the_logits_and_matches_the_oracle(tmp_path, monkeypatch):

@@ -33,6 +33,11 @@ SUPER = 256  # weights of a row in one K-quant super-block
 KQUANTS = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # bytes of a super-block, as ggml lays it out
 ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16")  # tried narrowest first
 GREEDY_ROWS = 4  # the most rows ``PackedLinear.greedy`` takes (argmax.c's MAX_ROWS: where it measured faster)
+# whether it runs where packed.c's 16-lane blocks run at full width (``packed_full_width``): there computing every
+# logit of a q8_0 head reads it as fast (Zen 5, 2 threads, decode without it against with it, two sittings: the
+# default model 0.98-1.06x the tokens/s at 1 row, 1.03-1.06x at 2; Gemma 3 270M 0.98-1.08x at 1 row, 1.09-1.10x at
+# 2, 0.95-0.97x at 3-4); on Zen 4, whose 512-bit operations run as two halves, it is 1.5x as fast at one row
+GREEDY_FULL_WIDTH = False
 # per thread (engines may share a model across threads): the fast argmax's scores, one buffer reused (fresh pages
 # would cost their faults every step)
 _scores = threading.local()
@@ -197,12 +202,14 @@ class PackedLinear(torch.nn.Module):
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
         """The index of the largest output of each row of ``x`` ``[M, K]`` (the first on ties): the tokens
         ``sampling.greedy(self(x))`` gives, bit for bit, without computing every output (``kernels/argmax.c``: q8_0
-        weights, AVX-512 VNNI; an output head). None where that does not apply: the caller computes the outputs."""
+        weights, AVX-512 VNNI; an output head). None where that does not apply or does not pay (``GREEDY_FULL_WIDTH``):
+        the caller computes the outputs."""
         lib = kernels.library()
         p = self._weight()
         rows = x.numel() // self.in_features
         if (lib is None or p.kind != "q8_0" or x.dtype != torch.float32 or x.device.type != "cpu"
-                or not 0 < rows <= GREEDY_ROWS or not lib.q8_argmax_supported()):
+                or not 0 < rows <= GREEDY_ROWS or not lib.q8_argmax_supported()
+                or (lib.skinny_avx512(-1) and lib.packed_full_width(-1) and not GREEDY_FULL_WIDTH)):
             return None
         sums = getattr(self, "_sums", None)
         if sums is None or sums[0] is not p.q:  # per row: the sum of the weights and of their magnitudes, once
