@@ -8,7 +8,7 @@ Prompts are random token ids (a forward's cost does not depend on them), generat
 and batch size, the medians over repeats of prefill tokens/s (B x NPP over the prefill seconds: llama-batched-bench's
 S_PP) and decode tokens/s (B x NTG over the rest: its S_TG), and the modes' outputs compared token for token.
 ``--fast-greedy on,off`` runs each weights mode twice, with and without a q8_0 head's fast greedy tokens
-(``PackedLinear.greedy``, on even where it is off by default; off: every logit computed); ``default`` (the
+(``PackedLinear.greedy``, on at every row count it takes; off: every logit computed); ``default`` (the
 default): as the library chooses.
 """
 
@@ -47,7 +47,8 @@ def main() -> None:
     for m in weights:
         print(f"{m}: {llms[m][sizes[0]].weights.line()}")
     modes = [m if f == "default" else f"{m}/{f}" for m in weights for f in fast]  # "auto/off": without it
-    rows, full = packed_weights.GREEDY_ROWS, packed_weights.GREEDY_FULL_WIDTH
+    rows = packed_weights.GREEDY_ROWS
+    every = {kind: (1, packed_weights.GREEDY_MOST) for kind in rows}
     g = torch.Generator().manual_seed(0)
     params = batchspec.SamplingParams(max_tokens=args.ntg, ignore_eos=True)
     for b in sizes:
@@ -57,8 +58,8 @@ def main() -> None:
         for rep in range(args.repeats + 1):  # the first round warms up
             for m in modes:
                 llm = llms[m.split("/")[0]][b]
-                packed_weights.GREEDY_ROWS = 0 if m.endswith("/off") else rows
-                packed_weights.GREEDY_FULL_WIDTH = True if m.endswith("/on") else full
+                packed_weights.GREEDY_ROWS = ({kind: (1, 0) for kind in rows} if m.endswith("/off")
+                                              else every if m.endswith("/on") else rows)
                 llm.reset_stats()
                 got = llm.generate(prompts, params)
                 s = llm.stats

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(lib is None or not lib.q8_argmax_supported(),
 
 @pytest.fixture(autouse=True)
 def everywhere(monkeypatch):
-    """The fast greedy on every CPU with VNNI, also where it is off by default (``GREEDY_FULL_WIDTH``)."""
-    monkeypatch.setattr(W, "GREEDY_FULL_WIDTH", True)
+    """The fast greedy at every row count it takes, also where it is off by default (``GREEDY_ROWS``)."""
+    monkeypatch.setattr(W, "GREEDY_ROWS", {"half": (1, W.GREEDY_MOST), "full": (1, W.GREEDY_MOST)})
 
 
 def q8_head(n=3000, k=192, seed=0) -> tuple[W.PackedLinear, torch.Tensor]:
@@ -41,7 +41,7 @@ def states(m, k=192, seed=1) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("k", [160, 192, 256])
 def test_fast_greedy_is_the_argmax_of_the_packed_outputs(rows, k):
     """Rows of 5, 6 and 8 blocks: scored two blocks a register, in two sums, and the blocks left over one at a time."""
@@ -91,28 +91,30 @@ def test_where_it_cannot_decide_it_says_so():
         y[1, 3] = bad
         assert head.greedy(y) is None
     assert head.greedy(torch.zeros(1, 192)) is None
-    assert head.greedy(states(W.GREEDY_ROWS + 1)) is None
+    assert head.greedy(states(W.GREEDY_MOST + 1)) is None
     same = W.PackedLinear(W.pack(v[:1].repeat(2000, 1)))  # 2000 equal outputs: too many candidates
     assert same.greedy(x) is None
     q41 = W.PackedLinear(W.pack(gguf_values(v, "q4_1")))
     assert q41.packed.kind == "q4_1" and q41.greedy(x) is None
 
 
-def test_it_stays_off_where_every_logit_reads_the_head_as_fast(monkeypatch):
+def test_it_runs_at_the_row_counts_chosen_for_the_cpu(monkeypatch):
+    """By default: 1-4 rows where the packed blocks run at half width, 7-8 where they run at full width."""
     head, _ = q8_head()
-    monkeypatch.setattr(W, "GREEDY_FULL_WIDTH", False)
+    monkeypatch.setattr(W, "GREEDY_ROWS", {"half": (1, 4), "full": (7, 8)})
     was = lib.packed_full_width(-1)
     try:
         lib.packed_full_width(1)
-        assert head.greedy(states(1)) is None or not lib.skinny_avx512(-1)
+        wide = lib.skinny_avx512(-1)  # without AVX-512 the half-width choice holds
+        assert [head.greedy(states(r)) is not None for r in range(1, 9)] == [not wide] * 4 + [False] * 2 + [wide] * 2
         lib.packed_full_width(0)
-        assert head.greedy(states(1)) is not None
+        assert [head.greedy(states(r)) is not None for r in range(1, 9)] == [True] * 4 + [False] * 4
     finally:
         lib.packed_full_width(was)
 
 
 def test_the_engine_reads_greedy_tokens_without_the_logits_and_matches_the_oracle(tmp_path, monkeypatch):
-    """A tied q8_0 head: decode steps and verification blocks of up to ``GREEDY_ROWS`` rows take their tokens from
+    """A tied q8_0 head: decode steps and verification blocks of up to ``GREEDY_MOST`` rows take their tokens from
     the fast argmax (the head's logits are never computed for them), and the outputs are HF's batch-1 greedy ones,
     with and without drafts."""
     path, _ = quantised_target(tmp_path, tie=True)
@@ -126,7 +128,7 @@ def test_the_engine_reads_greedy_tokens_without_the_logits_and_matches_the_oracl
 
     def counted_forward(self, x):
         if self.out_features == tiny.VOCAB:
-            calls["wide" if x.numel() // x.shape[-1] > W.GREEDY_ROWS else "logits"] += 1
+            calls["wide" if x.numel() // x.shape[-1] > W.GREEDY_MOST else "logits"] += 1
         return forward(self, x)
 
     monkeypatch.setattr(W.PackedLinear, "greedy", counted_greedy)

@@ -32,12 +32,13 @@ BITS = {"q4_0": 5.0, "q4_1": 6.0, "q8_0": 9.0, "bf16": 16.0, "f16": 16.0, "f32":
 SUPER = 256  # weights of a row in one K-quant super-block
 KQUANTS = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # bytes of a super-block, as ggml lays it out
 ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16")  # tried narrowest first
-GREEDY_ROWS = 4  # the most rows ``PackedLinear.greedy`` takes (argmax.c's MAX_ROWS: where it measured faster)
-# whether it runs where packed.c's 16-lane blocks run at full width (``packed_full_width``): there computing every
-# logit of a q8_0 head reads it as fast (Zen 5, 2 threads, decode without it against with it, two sittings: the
-# default model 0.98-1.06x the tokens/s at 1 row, 1.03-1.06x at 2; Gemma 3 270M 0.98-1.08x at 1 row, 1.09-1.10x at
-# 2, 0.95-0.97x at 3-4); on Zen 4, whose 512-bit operations run as two halves, it is 1.5x as fast at one row
-GREEDY_FULL_WIDTH = False
+GREEDY_MOST = 8  # the most rows ``PackedLinear.greedy`` takes (argmax.c's MAX_ROWS)
+# the rows of x at which it runs, by whether packed.c's 16-lane blocks run at full width (``packed_full_width``).
+# Half width (Zen 4): 1-4 rows, 1.5x as fast as every logit at one row. Full width (Zen 5, 2 threads, decode with it
+# against without, tokens/s): at 1-6 rows every logit reads a q8_0 head as fast (the default model 0.96-1.04x, Gemma
+# 3 270M 0.87-1.02x, outputs identical), at 7-8 rows those logits are bound by arithmetic and its 8-bit scores take
+# less (Gemma 1.11x / 1.23x, the default model 1.04x / 0.99x)
+GREEDY_ROWS = {"half": (1, 4), "full": (7, 8)}
 # per thread (engines may share a model across threads): the fast argmax's scores, one buffer reused (fresh pages
 # would cost their faults every step)
 _scores = threading.local()
@@ -202,14 +203,16 @@ class PackedLinear(torch.nn.Module):
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
         """The index of the largest output of each row of ``x`` ``[M, K]`` (the first on ties): the tokens
         ``sampling.greedy(self(x))`` gives, bit for bit, without computing every output (``kernels/argmax.c``: q8_0
-        weights, AVX-512 VNNI; an output head). None where that does not apply or does not pay (``GREEDY_FULL_WIDTH``):
-        the caller computes the outputs."""
+        weights, AVX-512 VNNI; an output head). None where that does not apply or does not pay (``GREEDY_ROWS``): the
+        caller computes the outputs."""
         lib = kernels.library()
         p = self._weight()
         rows = x.numel() // self.in_features
         if (lib is None or p.kind != "q8_0" or x.dtype != torch.float32 or x.device.type != "cpu"
-                or not 0 < rows <= GREEDY_ROWS or not lib.q8_argmax_supported()
-                or (lib.skinny_avx512(-1) and lib.packed_full_width(-1) and not GREEDY_FULL_WIDTH)):
+                or not lib.q8_argmax_supported()):
+            return None
+        lo, hi = GREEDY_ROWS["full" if lib.skinny_avx512(-1) and lib.packed_full_width(-1) else "half"]
+        if not lo <= rows <= min(hi, GREEDY_MOST):
             return None
         sums = getattr(self, "_sums", None)
         if sums is None or sums[0] is not p.q:  # per row: the sum of the weights and of their magnitudes, once

@@ -37,8 +37,8 @@
 
 #define SLACK(K) (2.7 * ((K) / 8 + (K) / 32 + 33) * 0x1p-24) /* 2.7x the rounding bound above */
 #define MAX_CANDIDATES 512  /* more in one row: a degenerate x; every output is computed instead */
-#define MAX_ROWS 4          /* rows of x at most, scored in one pass over the weights: against packed.c, from
-                             * memory, 1.5x as fast at 1 row, even at 2, 1.1x at 3-4 and 8 (in a batch-8 step: even) */
+#define MAX_ROWS 8          /* rows of x at most, scored in one pass over the weights (the counts at which it runs,
+                             * by CPU: weights.GREEDY_ROWS) */
 #define AHEAD_ROWS 7        /* weight rows prefetched ahead (~4 KB of codes): 1.3-1.6x faster from memory than 3.5 */
 /* independent sums a row of x, of two blocks each: one sum of one block at a time waited on its multiply-adds
  * (Gemma 3 270M's head, 262144 x 640, from memory, 1 row: 2 sums 0.85x the time, 3 0.89x, 4 0.90x; 2 rows 0.87x, 4
@@ -121,7 +121,7 @@ static double digits(const float *x, long K, uint8_t *hi, uint8_t *lo, double *s
             _mm_prefetch((const char *)(dr + AHEAD_ROWS * (K / 32)), _MM_HINT_T0);                            \
             __m512 acc[R][CHAINS];                                                                            \
             __m256 a8[R];                                                                                     \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) for (int u = 0; u < CHAINS; u++)              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) for (int u = 0; u < CHAINS; u++)              \
                 acc[r][u] = _mm512_setzero_ps();                                                              \
             long b = 0;                                                                                       \
             for (; b + 2 * CHAINS <= K / 32; b += 2 * CHAINS)                                                 \
@@ -130,19 +130,19 @@ static double digits(const float *x, long K, uint8_t *hi, uint8_t *lo, double *s
                     _mm_prefetch((const char *)(row + AHEAD_ROWS * K + 32 * e), _MM_HINT_T0);                 \
                     __m512i wq = LOAD512(row + 32 * e);                                                       \
                     __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(dr[e]), _mm256_set1_ps(dr[e + 1]), 1);      \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                       \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                       \
                         DIGITS(512, LOAD512, wq, dv, acc[r][u], r, 32 * e);                                    \
                 }                                                                                             \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
                 for (int u = 1; u < CHAINS; u++) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);             \
                 a8[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][0]), _mm512_extractf32x8_ps(acc[r][0], 1)); \
             }                                                                                                 \
             for (; b < K / 32; b++) {                                                                         \
                 __m256i wq = LOAD256(row + 32 * b);                                                           \
                 __m256 dv = _mm256_broadcast_ss(dr + b);                                                      \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) DIGITS(256, LOAD256, wq, dv, a8[r], r, 32 * b); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) DIGITS(256, LOAD256, wq, dv, a8[r], r, 32 * b); \
             }                                                                                                 \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
                 double a = se[r] * ((double)hsum8(a8[r]) - 32896.0 * T[i]);                                   \
                 A[r * N + i] = (float)a;                                                                      \
                 a -= Rs[i] * c[r];                                                                            \
@@ -154,10 +154,14 @@ SCORE(score_1, 1)
 SCORE(score_2, 2)
 SCORE(score_3, 3)
 SCORE(score_4, 4)
+SCORE(score_5, 5)
+SCORE(score_6, 6)
+SCORE(score_7, 7)
+SCORE(score_8, 8)
 
 typedef void (*score_t)(const uint8_t *, const uint8_t *, const int8_t *, const float *, const float *, const float *,
                         const double *, const double *, float *, double *, long, long, long, long);
-static const score_t SCORES[MAX_ROWS + 1] = {0, score_1, score_2, score_3, score_4};
+static const score_t SCORES[MAX_ROWS + 1] = {0, score_1, score_2, score_3, score_4, score_5, score_6, score_7, score_8};
 
 /* Of weight rows n0 .. n1 - 1 of row r, the candidates' exact outputs (written over their scores) and the first
  * largest: *best and *arg (-1: none); returns how many candidates, or MAX_CANDIDATES + 1 when there are more. */
