@@ -35,9 +35,9 @@ ORDER = ("q4_0", "q4_1", "q8_0", "bf16", "f16")  # tried narrowest first
 GREEDY_MOST = 8  # the most rows ``PackedLinear.greedy`` takes (argmax.c's MAX_ROWS)
 # the rows of x at which it runs, by whether packed.c's 16-lane blocks run at full width (``packed_full_width``).
 # Half width (Zen 4): 1-4 rows, 1.5x as fast as every logit at one row. Full width (Zen 5, 2 threads, decode with it
-# against without, tokens/s): at 1-6 rows every logit reads a q8_0 head as fast (the default model 0.96-1.04x, Gemma
-# 3 270M 0.87-1.02x, outputs identical), at 7-8 rows those logits are bound by arithmetic and its 8-bit scores take
-# less (Gemma 1.11x / 1.23x, the default model 1.04x / 0.99x)
+# against without, tokens/s): at 1-6 rows every logit reads a q8_0 head as fast (the default model 0.92-0.99x, Gemma
+# 3 270M 0.87-1.05x, outputs identical), at 7-8 rows those logits are bound by arithmetic and its 8-bit scores take
+# less (Gemma 1.11x / 1.11-1.23x, the default model 1.04x / 0.99-1.06x)
 GREEDY_ROWS = {"half": (1, 4), "full": (7, 8)}
 # per thread (engines may share a model across threads): the fast argmax's scores, one buffer reused (fresh pages
 # would cost their faults every step)
