@@ -98,7 +98,7 @@ static double digits(const float *x, long K, uint8_t *hi, uint8_t *lo, double *s
 }
 
 /* the score of 32 weights (ymm) or of two blocks of 32 (zmm, their scales ``dv`` side by side) against row r of x */
-#define BLOCK_SCORE(W, LOAD, wq, dv, acc, r, at)                                                                       \
+#define BLOCK_SCORE(W, LOAD, wq, dv, acc, r, at)                                                              \
     do {                                                                                                      \
         __m##W##i h = LOAD(hi + (r) * K + (at)), l = LOAD(lo + (r) * K + (at));                               \
         __m##W##i v = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), h, wq);                                  \
@@ -131,7 +131,7 @@ static double digits(const float *x, long K, uint8_t *hi, uint8_t *lo, double *s
                     __m512i wq = LOAD512(row + 32 * e);                                                       \
                     __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(dr[e]), _mm256_set1_ps(dr[e + 1]), 1);      \
                     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                       \
-                        BLOCK_SCORE(512, LOAD512, wq, dv, acc[r][u], r, 32 * e);                                       \
+                        BLOCK_SCORE(512, LOAD512, wq, dv, acc[r][u], r, 32 * e);                              \
                 }                                                                                             \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
                 for (int u = 1; u < CHAINS; u++) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);             \
