@@ -26,20 +26,21 @@ SCHEMA = {"type": "object", "required": ["a", "b"],
 
 @functools.lru_cache(maxsize=None)
 def tokenizer():
-    """A character-level tokenizer over the tiny vocabulary whose tokens spell JSON (id 0: end of sequence)."""
-    from tokenizers import Tokenizer, decoders, models
+    """A character-level tokenizer over the tiny vocabulary whose tokens spell JSON (id 0: end of sequence), byte-level
+    as GPT-2's (a space is "Ġ"; llguidance's masks need the pre-tokenizer to read the tokens' bytes right)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = list('{}[]":,.Ġ-_') + [str(i) for i in range(10)] + [chr(c) for c in range(97, 123)]
     vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
     vocab.update({f"<x{i}>": i for i in range(len(vocab), tiny.VOCAB)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.decoder = decoders.ByteLevel()
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
 def _ids(text: str) -> list[int]:
-    return tokenizer().encode(text.replace(" ", "Ġ"))
+    return tokenizer().encode(text)
 
 
 # prompts holding JSON text, so prompt lookup finds drafts the grammar allows
@@ -181,9 +182,9 @@ def _legal(m, vocab: int = tiny.VOCAB) -> list[int]:
 
 
 def test_forced_tokens_are_the_only_legal_ones():
-    """``grammar.forced`` keeps a fast-forward token only while the mask allows it alone: the opening brace and each
-    key's characters with its closing quote, never the quote a key opens with (whitespace may come first) nor the
-    end-of-sequence token of a complete grammar; the row's own matcher stays where it was."""
+    """``grammar.forced`` keeps a fast-forward token only while the mask allows it alone: in JSON's fixed layout
+    (``params.JSON_LAYOUT``) the brace, each key with its quotes, the separators and a string value's opening quote;
+    never a value nor the end-of-sequence token of a complete grammar; the row's own matcher stays where it was."""
     from types import SimpleNamespace
 
     from batchspec.batch.grammar import forced
@@ -191,19 +192,38 @@ def test_forced_tokens_are_the_only_legal_ones():
     grammars = _llm(None, 1).parts.grammars
     m = grammars.matcher(SamplingParams(json_schema=FORCED_SCHEMA).structured())
     seqs = SimpleNamespace(matchers=[None, m], grammar_rows=[1], length=torch.zeros(2, dtype=torch.long))
-    tokens, counts = forced(seqs, 8, tiny.VOCAB)
-    assert counts == [0, 1] and tokens[1, :1].tolist() == _ids("{")
-    for t in _ids('{"'):
-        assert m.consume_token(t)
-    tokens, counts = forced(seqs, 8, tiny.VOCAB)
-    assert tokens[1, : counts[1]].tolist() == _ids('name"') and _legal(m) == _ids("n")  # m did not move
+    tokens, counts = forced(seqs, 16, tiny.VOCAB)
+    assert counts == [0, 10] and tokens[1, :10].tolist() == _ids('{"name": "') and _legal(m) == _ids("{")
     assert forced(seqs, 2, tiny.VOCAB)[1] == [0, 2]  # at most the room
-    for t in _ids('name":'):
+    for t in _ids('{"name": "'):
         assert m.consume_token(t)
-    assert len(_legal(m)) > 1 and forced(seqs, 8, tiny.VOCAB) is None  # a value: the model's choice
-    for t in _ids('"ab","age":12}'):
+    assert len(_legal(m)) > 1 and forced(seqs, 16, tiny.VOCAB) is None  # a value: the model's choice
+    for t in _ids('ab"'):
         assert m.consume_token(t)
-    assert _legal(m) == [0] and forced(seqs, 8, tiny.VOCAB) is None  # complete: only the end, never drafted
+    tokens, counts = forced(seqs, 16, tiny.VOCAB)
+    assert tokens[1, : counts[1]].tolist() == _ids(', "age": ')
+    for t in _ids(', "age": 12}'):
+        assert m.consume_token(t)
+    assert _legal(m) == [0] and forced(seqs, 16, tiny.VOCAB) is None  # complete: only the end, never drafted
+
+
+def test_a_schema_may_leave_whitespace_free():
+    """A schema's own ``"x-guidance"`` layout wins over ``JSON_LAYOUT``: with whitespace free the quote a key opens
+    with is the model's choice (whitespace may come first), the key's characters and closing quote are forced."""
+    from types import SimpleNamespace
+
+    from batchspec.batch.grammar import forced
+
+    free = {**FORCED_SCHEMA, "x-guidance": {"whitespace_flexible": True}}
+    m = _llm(None, 1).parts.grammars.matcher(SamplingParams(json_schema=free).structured())
+    seqs = SimpleNamespace(matchers=[m], grammar_rows=[0], length=torch.zeros(1, dtype=torch.long))
+    tokens, counts = forced(seqs, 16, tiny.VOCAB)
+    assert counts == [1] and tokens[0, :1].tolist() == _ids("{")
+    assert m.consume_token(_ids("{")[0]) and set(_ids(' "')) <= set(_legal(m))
+    assert forced(seqs, 16, tiny.VOCAB) is None
+    assert m.consume_token(_ids('"')[0])
+    tokens, counts = forced(seqs, 16, tiny.VOCAB)
+    assert tokens[0, : counts[0]].tolist() == _ids('name"')
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
@@ -315,7 +335,7 @@ def test_masks_list_only_the_constrained_positions():
 
     grammars = _llm(None, 1).parts.grammars
     matchers = [grammars.matcher(SamplingParams(json_schema=FORCED_SCHEMA).structured()) for _ in range(3)]
-    for t in _ids('{"name":"a'):
+    for t in _ids('{"name": "a'):
         assert matchers[2].consume_token(t)
     seqs = SimpleNamespace(matchers=[matchers[0], None, matchers[1], matchers[2]], grammar_rows=[0, 2, 3])
     rows = [_ids('{"nam'), _ids("abcde"), _ids('{"x"}'), _ids('bc",x')]

@@ -95,7 +95,7 @@ def test_tool_messages_are_accepted(server):
     r = _create(server, messages=msgs, tools=[WEATHER], temperature=0, max_tokens=4,
                 extra_body={"return_token_ids": True})
     text = tokenizer().decode(r.choices[0].model_extra["prompt_token_ids"])
-    assert text == 'tools:get,.user:weather.assistant:call:get{"a":1,"b":"x"}.tool:sunnyid:call_1.assistant:'
+    assert text == 'tools:get,.user:weather.assistant:call:get{"a": 1, "b": "x"}.tool:sunnyid:call_1.assistant:'
 
 
 @pytest.mark.parametrize("body, param", [

@@ -98,7 +98,8 @@ class SamplingParams:
 
     Structured output (at most one; needs a tokenizer and ``batchspec[grammar]``): ``json_schema`` (a JSON schema,
     dict or text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (a
-    Lark grammar, llguidance's dialect). Tokens the grammar forbids are masked at every verified position, so greedy
+    Lark grammar, llguidance's dialect). JSON is laid out as ``json.dumps`` does (``JSON_LAYOUT``) unless the schema's
+    ``"x-guidance"`` says otherwise. Tokens the grammar forbids are masked at every verified position, so greedy
     output equals batch-1 decoding with the same grammar; a request whose grammar reaches a dead end (no token the
     vocabulary can spell continues it) ends with finish reason "grammar".
     """
@@ -148,6 +149,12 @@ class SamplingParams:
 
 # The structured-output fields (``SamplingParams``), with the values that turn each off.
 STRUCTURED = dict(json_schema=None, json_object=False, regex=None, choice=None, grammar=None)
+# JSON output's layout where a schema does not set its own (llguidance's ``"x-guidance"`` key, e.g.
+# ``{"whitespace_flexible": true}``): a space after each ":" and ",", no other whitespace (Python's ``json.dumps``).
+# Free whitespace lets a model spend tokens on it, and it leaves a schema's keys and punctuation to the model's choice
+# where a fixed layout forces them, so they are drafted at no cost (8 schemas' answers on the default model: 31% of
+# the tokens forced, against 7% with free whitespace).
+JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
 def check_structured(json_schema=None, json_object=False, regex=None, choice=None, grammar=None) -> str | None:
@@ -176,7 +183,8 @@ def check_structured(json_schema=None, json_object=False, regex=None, choice=Non
         raise ParamError(name, f"json_schema must be a JSON schema (an object or its text), got {show(value)}")
     try:
         if name in ("json_schema", "json_object"):
-            text = LLMatcher.grammar_from_json_schema({"type": "object"} if name == "json_object" else value)
+            text = LLMatcher.grammar_from_json_schema({"type": "object"} if name == "json_object" else value,
+                                                      defaults=JSON_LAYOUT)
         elif name == "regex":
             text = LLMatcher.grammar_from_regex(value)
         else:  # a choice is a grammar of its strings, each a Lark literal (JSON's escapes)
