@@ -13,7 +13,7 @@ from batchspec import SamplingParams
 from batchspec.engine.names import split_speculation
 from batchspec.speculation import AdaptiveLength, CostModel, RoundView, expected_tokens, get_policy
 from batchspec.speculation.acceptance import Acceptance
-from batchspec.speculation.adaptive import DRY_ROUNDS, LOOK_EVERY, PROBE_EVERY
+from batchspec.speculation.adaptive import DRY_ROUNDS, LOOK_EVERY, LOOK_LONGEST, PROBE_EVERY
 from batchspec.speculation.budget import DRAFT, DRY, FIXED, NO_DRAFTER, NO_ROOM, NOT_WORTH, PROBE, REASONS, Outcome
 from batchspec.speculation.costs import CONTEXT, DRAFT_FORWARD_SECONDS, WIDTHS
 from batchspec.speculation.fixed import FixedLength
@@ -209,20 +209,26 @@ def test_a_draft_model_is_probed_after_rounds_without_drafting():
     assert [b.reason for b in _run(p, PROBE_EVERY)][-1] == PROBE
 
 
-def test_a_dry_drafter_is_asked_every_few_rounds():
-    """A drafter that sizes its own rounds and verified nothing for ``DRY_ROUNDS`` rounds in a row is asked every
-    ``LOOK_EVERY``-th round only (the others are plain steps without its work); a round that verifies drafts has it
-    asked every round again."""
+def test_a_dry_drafter_is_asked_ever_less_often():
+    """A drafter that sizes its own rounds and verified nothing for ``DRY_ROUNDS`` rounds in a row is asked again
+    after ``LOOK_EVERY`` rounds, then after waits twice the last up to ``LOOK_LONGEST`` (the others are plain steps
+    without its work); a round that verifies drafts has it asked every round again, the waits from the start."""
     p = _policy(0.5, synthetic(), sizes_own=True)
     assert not p.dry()
-    budgets = _run(p, DRY_ROUNDS + 3 * LOOK_EVERY)
+    rounds = DRY_ROUNDS + (1 + 2 + 4) * LOOK_EVERY + 3 * LOOK_LONGEST
+    budgets = _run(p, rounds)
     assert p.dry()  # rows joining now leave their prompt for the drafter's next catch-up
     asked = [i for i, b in enumerate(budgets) if b.k]
-    assert asked == list(range(DRY_ROUNDS)) + [DRY_ROUNDS + LOOK_EVERY * j - 1 for j in (1, 2, 3)]
+    assert asked[:DRY_ROUNDS] == list(range(DRY_ROUNDS))
+    waits = [b - a for a, b in zip(asked[DRY_ROUNDS - 1:], asked[DRY_ROUNDS:])]
+    assert waits == [LOOK_EVERY, 2 * LOOK_EVERY, 4 * LOOK_EVERY] + [LOOK_LONGEST] * 3 and LOOK_LONGEST == 4 * LOOK_EVERY
     assert all(b.reason == DRY for b in budgets if not b.k)
-    budgets = _run(p, 3, lambda n, b: 2 if b.k else 0)  # asked next at the 4th, verifies: every round again
+    assert p.budget(_view(8, 5)).k == p.budget(_view(8, 5)).k  # a query: asking twice changes nothing
+    _run(p, LOOK_LONGEST, lambda n, b: 2 if b.k else 0)  # asked within the longest wait, verifies: every round again
     assert [b.k > 0 for b in _run(p, 4, lambda n, b: 2, kind="head")] == [True] * 4
     assert not p.dry()
+    again = [i for i, b in enumerate(_run(p, DRY_ROUNDS + 2 * LOOK_EVERY)) if b.k]
+    assert again == list(range(DRY_ROUNDS)) + [DRY_ROUNDS + LOOK_EVERY - 1]  # the waits start again from LOOK_EVERY
 
 
 def test_rows_joining_after_a_round_without_the_head_leave_their_prompt_waiting():

@@ -28,11 +28,13 @@ from .costs import CostModel, Profile, load_or_measure
 from .plan import Plans, cheapest
 from .row_values import row_values
 
-# a drafter that sizes its own rounds and verified nothing for this many rounds in a row is asked only every
-# ``LOOK_EVERY``-th round (its matching and sizing cost ~1-2% of a step; on short prompts at 8 rows nothing pays for
-# long stretches), until a round verifies drafts again
+# a drafter that sizes its own rounds and verified nothing for this many rounds in a row is asked again after
+# ``LOOK_EVERY`` rounds, each wait twice the last up to ``LOOK_LONGEST``, until a round verifies drafts again (an ask,
+# its matching and sizing, costs ~0.6 ms at 8 rows, ~1.5% of a step; on long prompts at 8 rows nothing pays for
+# whole requests)
 DRY_ROUNDS = 8
 LOOK_EVERY = 4
+LOOK_LONGEST = 16
 # a draft model's length chosen as 0 for this many rounds in a row: one round drafts a single token, so that the rows'
 # acceptance estimates (only drafting rounds bring evidence) stay current; the wait doubles, up to ``PROBE_LONGEST``
 # times, while probes change nothing
@@ -85,9 +87,16 @@ class AdaptiveLength(Plans):
         return self.sizes_own and (self.headless > 0 or self.unverified >= DRY_ROUNDS)
 
     def _resting(self) -> bool:
-        """Past ``DRY_ROUNDS`` rounds that verified nothing, the drafter is asked every ``LOOK_EVERY``-th round."""
+        """Past ``DRY_ROUNDS`` rounds that verified nothing, the drafter is asked after ``LOOK_EVERY`` more, then
+        after each wait twice the last, up to ``LOOK_LONGEST`` (a query: the asks fall at fixed counts of dry rounds)."""
         over = self.unverified - DRY_ROUNDS
-        return over >= 0 and over % LOOK_EVERY != LOOK_EVERY - 1
+        if over < 0:
+            return False
+        wait, ask = LOOK_EVERY, LOOK_EVERY - 1  # the dry rounds past DRY_ROUNDS at which it is asked: 3, 11, 27, 43...
+        while wait < LOOK_LONGEST and ask < over:
+            wait *= 2
+            ask += wait
+        return over < ask or (over - ask) % wait != 0
 
     def _sized(self, view: RoundView) -> DraftBudget:
         """Costs for a drafter that sizes its own rounds: per row where the runner packs verification and every row
