@@ -128,3 +128,20 @@ def test_auto_parses_a_call_or_leaves_content():
     for text in ("hello", '{"name": "nope", "arguments": {}}', '{"name": "put"}', "see <tool_call>{}</tool_call>",
                  '{"name": "put", "arguments": "x"}', "[1]"):
         assert P.tool_calls(text, funcs) is None
+
+
+@pytest.mark.parametrize("temperature", [0, 0.9])
+def test_the_openai_clients_parse_fills_a_pydantic_model(server, temperature):
+    """The official client's ``beta.chat.completions.parse`` with a pydantic model (sent as OpenAI's strict JSON
+    schema) gets its model back filled in; the text is laid out as ``json.dumps`` lays out the same value."""
+    import pydantic
+
+    class Reading(pydantic.BaseModel):
+        a: int = pydantic.Field(ge=0, le=99)
+        b: str = pydantic.Field(max_length=3)
+
+    r = servekit.client(server.url).beta.chat.completions.parse(
+        model="tiny", messages=USER, response_format=Reading, max_tokens=120, temperature=temperature, seed=3)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and isinstance(message.parsed, Reading)
+    assert message.content == json.dumps(message.parsed.model_dump())
