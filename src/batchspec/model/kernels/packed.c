@@ -855,6 +855,15 @@ static inline float value(long kind, const void *q, const float *d, const float 
     return kind == W_Q4_0 ? ((float)c - 8.0f) * dv : (float)c * dv + m[b];
 }
 
+/* Whether rows of K weights of this kind expand through the blocks' own registers (``expand_chunk``: whole groups
+ * only), else one value at a time (``expand_rows``; the same values). A prefill forward's expansions, 2 threads:
+ * Gemma 3 270M's q4_k / q6_k / q8_0 layers 3.9 ms against 29.8 (a kept prompt's last tokens 1.8x as fast), the
+ * default model's q4_1 5.0 against 7.6 ms. */
+static int by_blocks(long kind, long K) {
+    long group = kind >= W_Q4_K ? QK : kind == W_Q4_0 || kind == W_Q4_1 ? 64 : 32;
+    return kind != W_F32 && K % group == 0;
+}
+
 /* rows n0 .. n1 - 1 of ``w`` as fp32 into out [n1 - n0, K] */
 static void expand_rows(const packed_t *w, long K, long n0, long n1, float *out) {
     long count = (n1 - n0) * K;
@@ -885,13 +894,17 @@ static void expand_rows(const packed_t *w, long K, long n0, long n1, float *out)
 
 /* the whole weight as fp32 into out [N, K] (for forwards over many rows, which run as torch's matrix products) */
 void packed_expand(const packed_t *w, long N, long K, float *out) {
+    int blocks = by_blocks(w->kind, K);
     #pragma omp parallel for schedule(static)
-    for (long n0 = 0; n0 < N; n0 += 64) expand_rows(w, K, n0, n0 + 64 < N ? n0 + 64 : N, out + n0 * K);
+    for (long n0 = 0; n0 < N; n0 += 64)
+        (blocks ? expand_chunk : expand_rows)(w, K, n0, n0 + 64 < N ? n0 + 64 : N, out + n0 * K);
 }
 
 /* rows ids[0 .. n - 1] of the weight as fp32 into out [n, K] (an embedding lookup) */
 void packed_gather(const packed_t *w, long K, const int64_t *ids, long n, float *out) {
-    for (long i = 0; i < n; i++) expand_rows(w, K, ids[i], ids[i] + 1, out + i * K);
+    int blocks = by_blocks(w->kind, K);
+    for (long i = 0; i < n; i++)
+        (blocks ? expand_chunk : expand_rows)(w, K, ids[i], ids[i] + 1, out + i * K);
 }
 
 /* The codes, scales (and offsets) of one block of 32 fp32 values in a block format such that its expansion gives
