@@ -75,7 +75,8 @@ def test_every_prompt_is_cached_and_a_later_one_starts_from_its_longest_cached_s
     kept = runner.prefixes
     first = [SYSTEM + TAILS[0]]
     _same(batch.prefill(runner, first, hidden=hidden, overhead=0), _fresh(t, first, hidden), hidden)
-    assert len(kept) == (len(first[0]) - 1) // BLOCK and kept.hits == 0  # seen once: every whole block cached
+    blocks = -(-(len(first[0]) - 1) // BLOCK)  # seen once: every whole block cached, and the tokens past them
+    assert len(kept) == blocks and kept.hits == 0
     computed.clear()
     second = [SYSTEM + TAILS[1]]
     got = batch.prefill(runner, second, hidden=hidden, overhead=0)
@@ -99,8 +100,7 @@ def test_a_prompt_seen_again_after_many_others_starts_from_its_own_blocks(comput
         batch.prefill(runner, [p], hidden=True, overhead=0)
     computed.clear()
     got = batch.prefill(runner, [again], hidden=True, overhead=0)
-    hit = (len(again) - 2) // BLOCK * BLOCK  # every whole block that leaves a cached token of its own
-    assert sum(computed) == _uncached([again], [hit]) and runner.prefixes.reused == hit
+    assert sum(computed) == 0 and runner.prefixes.reused == len(again) - 1  # sent again: every token kept
     _same(got, _fresh(t, [again], True), True)
 
 
@@ -178,9 +178,9 @@ def test_eviction_keeps_the_budget_and_drops_descendants_first(computed):
     batch.prefill(runner, [long], overhead=0)
     block = runner.prefixes.nbytes // len(runner.prefixes)
     kept = runner.prefixes = PrefixCache(budget=3 * block + block // 2)
-    chain = block_keys(long[:-1])
+    chain = block_keys(long[:-1], tail=True)
     batch.prefill(runner, [long], overhead=0)
-    assert [k in kept for k in chain] == [True] * 3 + [False] * 2 and kept.evictions == 2
+    assert [k in kept for k in chain] == [True] * 3 + [False] * 3 and kept.evictions == 3  # the part first
     assert kept.nbytes <= kept.budget
     computed.clear()
     got = batch.prefill(runner, [long], overhead=0)
@@ -237,8 +237,9 @@ def test_generation_from_cached_prefixes_is_the_oracles(drafter, graphs):
     again = [TAILS[0] + TAILS[1], *prompts[:4], TAILS[0] + TAILS[2]]  # TAILS[0] is no whole block of any prompt
     outs = llm.generate(again, sp)
     assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 10) for p in again]
-    hits = [(len(p) - 2) // BLOCK * BLOCK for p in prompts[:4]]
-    assert (llm.stats.prefix_hits - before[0], llm.stats.prefix_tokens - before[1]) == (4, sum(hits))
+    hits = [(len(p) - 2) // BLOCK * BLOCK for p in prompts[:4]]  # each of its whole blocks, or (joining alone) all
+    assert llm.stats.prefix_hits - before[0] == 4
+    assert sum(hits) <= llm.stats.prefix_tokens - before[1] <= sum(len(p) - 1 for p in prompts[:4])
     off = tiny.fixed_llm(t, draft=None, batch_size=2, scheduler="continuous", prefix_cache=0)
     assert [o.token_ids for o in off.generate(prompts, sp)] == oracle
     assert off.parts.target.prefixes is None and off.stats.prefix_hits == 0
@@ -353,6 +354,47 @@ def test_a_prompts_log_probabilities_never_depend_on_what_else_was_prefilled_or_
     llm, together = run(None, [short, long_p, other])
     assert together[:2] == [alone[1], alone[0]]
     assert [o.token_id for o in alone[0]] == tiny.oracle(t, long_p, 6)
+
+
+@pytest.mark.parametrize("hidden", [True, False], ids=["hidden", "no-hidden"])
+def test_prompts_sent_again_compute_nothing(computed, hidden):
+    """Every prompt's tokens past its last whole block are kept too (a tail, ``block_keys(tail=True)``): a prefill
+    whose every prompt was prefilled before copies them all and computes nothing, with the bits a fresh prefill gives;
+    a prompt under another salt, or beside a prompt not seen, computes its last tokens as before."""
+    t = tiny.target()
+    runner = Runner(t, prefix_cache=8)
+    prompts = [SYSTEM + TAILS[1], SYSTEM + TAILS[2][:5], TAILS[3][:9]]  # parts of 5, 2 and 8 tokens past the blocks
+    assert all((len(p) - 1) % BLOCK for p in prompts)
+    batch.prefill(runner, prompts, hidden=hidden, overhead=0)
+    kept = runner.prefixes
+    for again in (prompts, prompts[1:2], prompts[::-1]):
+        computed.clear()
+        reused = kept.reused
+        got = batch.prefill(runner, again, hidden=hidden, overhead=0)
+        assert sum(computed) == 0 and kept.reused - reused == sum(len(p) - 1 for p in again)
+        _same(got, _fresh(t, again, hidden), hidden)
+    computed.clear()
+    got = batch.prefill(runner, prompts[:1], hidden=hidden, overhead=0, salts=["other"])
+    assert sum(computed) == len(prompts[0]) - 1  # another salt: nothing of the first client's
+    new = SYSTEM + TAILS[4]
+    computed.clear()
+    got = batch.prefill(runner, [prompts[0], new], hidden=hidden, overhead=0)
+    assert sum(computed) == _uncached([prompts[0], new], [HIT + BLOCK * ((len(TAILS[1]) - 1) // BLOCK), HIT])
+    _same(got, _fresh(t, [prompts[0], new], hidden), hidden)
+
+
+def test_a_prompt_sent_again_has_the_log_probabilities_it_had():
+    """fp32: a prompt sent again alone (every token kept, nothing computed at its prefill) gives the tokens and the
+    log-probabilities, bit for bit, it gave the first time, long (the whole prefill's path) and short."""
+    t = tiny.target(dtype=torch.float32)
+    sp = batchspec.SamplingParams(max_tokens=6, logprobs=3)
+    llm = batchspec.LLM(t, batch_size=4, scheduler="continuous")
+    for p in (SYSTEM + TAILS[1] + TAILS[2] + TAILS[3], TAILS[4]):
+        first = llm.generate([p], sp)[0]
+        tokens = llm.stats.prefix_tokens
+        again = llm.generate([p], sp)[0]
+        assert llm.stats.prefix_tokens - tokens == len(p) - 1
+        assert again.token_ids == first.token_ids == tiny.oracle(t, p, 6) and again.logprobs == first.logprobs
 
 
 def test_the_whole_prefills_products_give_a_row_the_same_bits_however_few_rows_beside_it():

@@ -160,6 +160,11 @@ def _prefill(runner, prompts, lengths, width, overhead, hidden, embeds, base, wh
     return done or _grouped(runner, prompts, lengths, shared, width, overhead, hidden, embeds, base, not whole)
 
 
+def _fits(runner, entry: Prefix | None) -> bool:
+    """Whether a kept start still fits the model (not moved or cast since it was kept)."""
+    return entry is None or (entry.keys[0].device == runner.device and entry.keys[0].dtype == runner.model.dtype)
+
+
 def _starts(store, runner, cached, chains, hidden) -> list:
     """Each row's longest cached start (a ``Prefix``, one object per distinct start) or None. The cache is dropped
     when what it holds no longer fits the model (moved or cast since)."""
@@ -169,11 +174,26 @@ def _starts(store, runner, cached, chains, hidden) -> list:
         if entry is not None:
             entry = seen.setdefault(entry.chain[-1], entry)
         starts.append(entry)
-    first = next((s for s in starts if s is not None), None)
-    if first is not None and (first.keys[0].device != runner.device or first.keys[0].dtype != runner.model.dtype):
+    if not _fits(runner, next((s for s in starts if s is not None), None)):
         store.clear()
         return [None] * len(cached)
     return starts
+
+
+def _copied(runner, starts: list[Prefix], width: int, hidden: bool):
+    """Rows every one of whose tokens is kept (prompts sent again): their kept keys and values (and hidden states)
+    copied into one rectangle of ``width`` slots, nothing computed. The values are those the prompts' first prefill
+    gave, so the rows are what computing them again would give (a row's path follows its own length)."""
+    cache, states = kv.new_cache(runner.model), None
+    for r, start in enumerate(starts):
+        part, h = _prefix(runner, list(start.tokens), hidden, start)  # (the whole prefix given: no forward)
+        kv.place_rows(cache, torch.tensor([r], device=runner.device), part, len(starts), width)
+        if hidden:
+            if states is None:
+                states = h.new_zeros((len(starts), width, h.shape[-1]))
+            states[r, width - len(start) :] = h[0]
+        part.release()
+    return cache, states
 
 
 def _by_group(runner, prompts, lengths, width, overhead, hidden, embeds, starts, paths, groups):
@@ -226,7 +246,7 @@ def _keep(store, cache, states, cached, chains, width) -> None:
         if first == len(chain):
             store.touch(chain)
             continue
-        a, b = width - len(tokens) + first * BLOCK, width - len(tokens) + len(chain) * BLOCK
+        a, b = width - len(tokens) + first * BLOCK, width - len(tokens) + min(len(chain) * BLOCK, len(tokens))
         keys = torch.stack([layer.keys[r, :, a:b] for layer in cache.layers])
         values = torch.stack([layer.values[r, :, a:b] for layer in cache.layers])
         store.put(chain, first, keys, values, states[r, a:b] if states is not None else None)
@@ -269,13 +289,20 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         paths = [w if n else first for w, n in zip(paths, lengths)]
     if store is not None:
         cached = [p[:n] for p, n in zip(prompts, lengths)]
-        chains = [block_keys(c, _salt(runner, whole, s)) for c, s, whole in zip(cached, salts or [None] * len(prompts),
-                                                                                 paths)]
-        starts = _starts(store, runner, cached, chains, hidden)
+        chains = [block_keys(c, _salt(runner, whole, s), tail=True)
+                  for c, s, whole in zip(cached, salts or [None] * len(prompts), paths)]
+        whole = [store.find(c, chain, hidden, whole=True) for c, chain in zip(cached, chains)] if all(lengths) else []
+        first = next((s for s in whole if s is not None), None)
+        if whole and all(s is not None for s in whole) and _fits(runner, first):
+            starts = whole
+        else:
+            starts = _starts(store, runner, cached, chains, hidden)
     groups = {}  # rows by path and cached start
     for r, s in enumerate(starts):
         groups.setdefault((paths[r], None if s is None else s.chain[-1]), []).append(r)
-    if len(groups) > 1:
+    if store is not None and all(s is not None and len(s) == n for s, n in zip(starts, lengths)):
+        cache, states = _copied(runner, starts, width, hidden)  # every prompt sent before: nothing to compute
+    elif len(groups) > 1:
         cache, states = _by_group(runner, prompts, lengths, width, overhead, hidden, embeds, starts, paths,
                                   list(groups.values()))
     else:

@@ -69,14 +69,19 @@ def default_mib(device: torch.device) -> int:
     return FALLBACK_MIB if free is None else max(1, min(DEFAULT_CAP_MIB, int(free * DEFAULT_FRACTION) >> 20))
 
 
-def block_keys(tokens, salt: str | None = None) -> list[bytes]:
+def block_keys(tokens, salt: str | None = None, tail: bool = False) -> list[bytes]:
     """The keys of ``tokens``' whole blocks: block i's is a hash of block i-1's key and its own tokens, the first's
-    of the salt (no salt and an empty one are the same)."""
+    of the salt (no salt and an empty one are the same). ``tail``: one more key after them for the tokens past the
+    last whole block (where there are any), kept apart from any whole block's: a prompt sent again finds all of
+    its tokens (``PrefixCache.find``'s ``whole``)."""
     key = hashlib.sha256(b"salt:" + salt.encode()).digest() if salt else bytes(32)
     keys = []
     for end in range(BLOCK, len(tokens) + 1, BLOCK):
         key = hashlib.sha256(key + array("q", tokens[end - BLOCK : end]).tobytes()).digest()
         keys.append(key)
+    rest = len(tokens) % BLOCK
+    if tail and rest:
+        keys.append(hashlib.sha256(b"tail:" + key + array("q", tokens[len(tokens) - rest :]).tobytes()).digest())
     return keys
 
 
@@ -139,17 +144,21 @@ class PrefixCache:
                 n += 1
             return n
 
-    def find(self, tokens, chain: list[bytes], hidden: bool) -> Prefix | None:
+    def find(self, tokens, chain: list[bytes], hidden: bool, whole: bool = False) -> Prefix | None:
         """The longest run of cached blocks ``tokens`` (keys ``chain``) starts with and goes past (a token of its own
-        is left), as a ``Prefix``; with hidden states when ``hidden``; None when not one block is. A query."""
-        n = min(self.held(chain, hidden), max(len(tokens) - 1, 0) // BLOCK)
+        is left), as a ``Prefix``; with hidden states when ``hidden``; None when not one block is. ``whole``: only
+        every one of ``tokens`` (``chain`` with its tail's key, ``block_keys``), else None. A query."""
+        if whole:
+            n = len(chain) if tokens and self.held(chain, hidden) == len(chain) else 0
+        else:
+            n = min(self.held(chain, hidden), max(len(tokens) - 1, 0) // BLOCK)
         with self._lock:
             blocks = [self._blocks.get(key) for key in chain[:n]]
         if not n or any(b is None for b in blocks):  # dropped meanwhile (another thread): computed instead
             return None
         keys, values = torch.cat([b.keys for b in blocks], 2), torch.cat([b.values for b in blocks], 2)
         states = torch.cat([b.hidden for b in blocks])[None] if hidden else None
-        return Prefix(tuple(tokens[: n * BLOCK]), list(keys[:, None].unbind()), list(values[:, None].unbind()),
+        return Prefix(tuple(tokens[: keys.shape[2]]), list(keys[:, None].unbind()), list(values[:, None].unbind()),
                       states, tuple(chain[:n]))
 
     def used(self, entry: Prefix, rows: int) -> None:
@@ -162,7 +171,7 @@ class PrefixCache:
     def put(self, chain: list[bytes], first: int, keys: torch.Tensor, values: torch.Tensor,
             hidden: torch.Tensor | None) -> None:
         """Keep blocks ``first..`` of ``chain``, given as ``keys`` / ``values`` ``[layers, kv heads, n x BLOCK, D]``
-        and ``hidden`` ``[n x BLOCK, H]`` (or None), as copies (replacing a cached block only to add hidden states);
+        and ``hidden`` ``[n x BLOCK, H]`` (or None; a tail's block holds fewer tokens), as copies (replacing a cached block only to add hidden states);
         mark the whole chain recently used and drop the least recently used blocks beyond the budget."""
         parts = zip(keys.split(BLOCK, 2), values.split(BLOCK, 2),
                     hidden.split(BLOCK) if hidden is not None else [None] * len(chain))
