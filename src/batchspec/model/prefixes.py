@@ -4,8 +4,9 @@ A server meets the same leading tokens again and again (a chat template's system
 turns, a prompt sent again), one request at a time, where a prefill of many prompts at once computes their shared
 prefix once (``batch/prefilling.py``) but a prefill of one prompt cannot. A ``PrefixCache`` keeps the keys and values
 (and, where the prefill computed them, the final hidden states a feature-reading head starts from) of every prompt
-prefilled, in blocks of ``BLOCK`` tokens; a later prompt starts from its longest run of cached blocks, whenever the
-first was seen, and computes only the tokens after it.
+prefilled, in blocks of ``BLOCK`` tokens and a tail (the tokens past the last whole block); a later prompt starts
+from its longest run of cached blocks, whenever the first was seen, and computes only the tokens after it, and a
+prompt sent again, found whole with its tail, computes none.
 
 A block is found by a hash of every token up to its end (chained: a block's key covers its whole prefix) and of the
 request's isolation salt (``cache_salt``), so two prompts share a block only when they agree on everything before
