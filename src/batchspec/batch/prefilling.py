@@ -291,10 +291,10 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
         cached = [p[:n] for p, n in zip(prompts, lengths)]
         chains = [block_keys(c, _salt(runner, whole, s), tail=True)
                   for c, s, whole in zip(cached, salts or [None] * len(prompts), paths)]
-        whole = [store.find(c, chain, hidden, whole=True) for c, chain in zip(cached, chains)] if all(lengths) else []
-        first = next((s for s in whole if s is not None), None)
-        if whole and all(s is not None for s in whole) and _fits(runner, first):
-            starts = whole
+        # prompts sent again: each found whole, tail included (one-token prompts have nothing kept)
+        again = [store.find(c, chain, hidden, whole=True) for c, chain in zip(cached, chains)] if all(lengths) else []
+        if again and all(s is not None for s in again) and _fits(runner, again[0]):
+            starts = again
         else:
             starts = _starts(store, runner, cached, chains, hidden)
     groups = {}  # rows by path and cached start
