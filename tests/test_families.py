@@ -92,10 +92,10 @@ def test_the_c_layer_matches_the_models_forward(monkeypatch, layer_calls, arch, 
     assert layer_calls == [5 * q]
     torch.testing.assert_close(out.logits, want.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out.hidden, want.hidden, rtol=1e-4, atol=1e-4)
-    for a, b in zip(got.cache.layers, ref.cache.layers):
+    for a, b in zip(got.cache.layers, ref.cache.layers):  # (each softmax summed in another order than torch's)
         vis = got.valid[:, None, :, None].expand_as(a.keys)
-        torch.testing.assert_close(a.keys[vis], b.keys[vis], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(a.values[vis], b.values[vis], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.keys[vis], b.keys[vis], rtol=5e-5, atol=5e-5)
+        torch.testing.assert_close(a.values[vis], b.values[vis], rtol=5e-5, atol=5e-5)
 
 
 @needs_kernel
@@ -219,3 +219,34 @@ def test_windows_in_the_c_layer(monkeypatch, layer_calls, arch, batch_size, draf
     assert llm.stats.accepted > 0
     if drafter == "draft" and batch_size > 1:
         assert llm.stats.ragged_rounds > 0, "rows never accepted different counts in the same round"
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 16])  # the AVX-512 value sums (6 and 3 queries at once) and the 8-lane ones
+def test_a_verification_block_gives_each_token_the_bits_of_its_decode_step(head_dim):
+    """fp32, the C layer: a token's hidden state in a block of 1-8 new tokens, after any number of holes (rejected
+    drafts hidden) and context lengths across a lane boundary, has the bits of a decode step of it alone. Each
+    query's softmax sums its visible scores alone, in order (``layer.c: attend``), so speculation leaves every logit,
+    and with it every greedy token and log-probability, as plain decoding computes it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from batchspec.batch.prefilling import prefill
+
+    torch.manual_seed(0)
+    heads = 576 // head_dim
+    cfg = LlamaConfig(vocab_size=256, hidden_size=576, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=heads // 3, head_dim=head_dim,
+                      max_position_embeddings=1024)
+    runner = Runner(LlamaForCausalLM(cfg).eval())
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for context in (37, 40, 43):
+            state = prefill(runner, torch.randint(0, 256, (1, context), generator=g).tolist())
+            ids = torch.randint(0, 256, (1, 8), generator=g)
+            steps = []
+            for width in (1, 8, 2, 3, 4, 5, 6, 7, 1):  # each block's slots hidden after it: holes before the next
+                out = state.append(ids[:, :width], hidden=True)
+                steps.append(out.hidden[0, 0].clone())
+                state.hide_tail(width, torch.zeros(1, dtype=torch.long))
+            assert int((~state.valid).sum()) > 30  # the holes were there
+            assert all(torch.equal(h, steps[0]) for h in steps), context

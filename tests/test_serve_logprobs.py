@@ -369,3 +369,20 @@ def test_n_beyond_what_the_server_holds_is_a_400_not_a_429():
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "n": 5, "max_tokens": 2,
                                                "temperature": 0})
         assert r.status_code == 200 and len(r.json()["choices"]) == 5
+
+
+@pytest.mark.parametrize("draft", ["model", "prompt-lookup"])
+def test_speculation_leaves_every_logprob_as_plain_decoding_has_it(draft):
+    """fp32: greedy rows under speculation (fixed K, ragged acceptance, holes) at batch 4 get the tokens and, bit for
+    bit, the log-probabilities and alternatives plain decoding at batch 1 gives them."""
+    target = tiny.target(dtype=torch.float32)
+    params = SamplingParams(max_tokens=16, logprobs=3)
+    plain = tiny.fixed_llm(target, draft=None, batch_size=1)
+    want = [plain.generate([p], params)[0] for p in PROMPTS]
+    llm = tiny.fixed_llm(target, draft=tiny.draft(dtype=torch.float32) if draft == "model" else draft,
+                         num_draft_tokens=3, batch_size=4)
+    got = llm.generate(PROMPTS, params)
+    assert llm.stats.accepted > 0 and llm.stats.ragged_rounds > 0  # drafts verified, rows accepting differently
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [(e.token_id, e.logprob, e.top) for e in g.logprobs] == [(e.token_id, e.logprob, e.top) for e in w.logprobs]

@@ -173,10 +173,10 @@ static long window_from(const unsigned char *vis, long S, long i, long lo, long 
  * the queries against those keys are one skinny product (``skinny.c``: each key read once per block of queries, and
  * every score summed in one order whatever the number of queries, so a token's attention has the same bits in a
  * verification block as in a decode step); then each query's visibility, softmax and weighted sum of values.
- * Scratch: p [q * G * (S + q)], Q and xi [q * G * D]. */
+ * Scratch: p [q * G * (S + q)], Q and xi [q * G * D], seen_scores [S + q]. */
 static void attend(const float *qb, const float *K, const float *V, float *out, const unsigned char *vis, long S,
                    long q, long nh, long G, long g, long D, float scale, long lo, long W, float *p, float *Q,
-                   float *xi) {
+                   float *xi, float *seen_scores) {
     lo = window_from(vis, S, 0, lo, W); /* the first query's window starts first */
     long T = S + q, nq = q * G, N = T - lo;
     for (long n = 0; n < nq; n++) memcpy(Q + n * D, qb + ((n / G) * nh + g * G + n % G) * D, D * sizeof(float));
@@ -193,7 +193,14 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
                 pn[s - lo] = v;
                 m = v > m ? v : m;
             }
-            inv[j] = 1.0f / softmax(pn, m, N);
+            /* the softmax sums the query's visible scores alone, gathered in order: each falls in the lane it takes
+             * in a decode step of the query alone over a row without holes, whatever the block's width, the holes
+             * rejected drafts left and the slots after the query; the others weigh 0 (the values skip them) */
+            long nv = 0;
+            for (long s = from - lo; s <= S + i - lo; s++)
+                if (pn[s] != -INFINITY) seen_scores[nv++] = pn[s];
+            inv[j] = 1.0f / softmax(seen_scores, m, nv);
+            for (long s = 0, k = 0; s < N; s++) pn[s] = pn[s] != -INFINITY ? seen_scores[k++] : 0.0f;
             o[j] = out + (i * nh + g * G + n % G) * D;
         }
         if (c == 6)
@@ -248,7 +255,7 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
                 memcpy(vc + slot, vb + (r * nkv + g) * D, D * sizeof(float));
             }
         }
-        float *p = malloc(sizeof(float) * q * G * (T + 2 * D)), *Q = p + q * G * T, *xa = Q + q * G * D;
+        float *p = malloc(sizeof(float) * (q * G * (T + 2 * D) + T)), *Q = p + q * G * T, *xa = Q + q * G * D;
         if (!p) {
             #pragma omp atomic write
             failed = 1;
@@ -261,7 +268,7 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
                 const unsigned char *seen_from = memchr(vis + b * T, 1, S);
                 long lo = seen_from ? seen_from - (vis + b * T) : S;
                 attend(qb + r0 * nh * D, kc + base, vc + base, att + r0 * nh * D, vis + b * T, S, n, nh, G, g, D,
-                       scale, lo, W, p, Q, xa);
+                       scale, lo, W, p, Q, xa, xa + q * G * D);
             }
         free(p);
         packed_linears(att, &w[4], (float *[]){h}, (long[]){H}, 1, R, nh * D, &xi);
