@@ -186,21 +186,28 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
     for (long n0 = 0, c; n0 < nq; n0 += c) {  /* queries in groups of 6, then 3, then one by one */
         c = !wide ? 1 : nq - n0 >= 6 ? 6 : nq - n0 >= 3 ? 3 : 1;
         for (long j = 0; j < c; j++) {
-            long n = n0 + j, i = n / G, from = window_from(vis, S, i, lo, W);
+            long n = n0 + j, i = n / G, from = window_from(vis, S, i, lo, W), nv = 0;
             float *pn = p + n * N, m = -INFINITY;
             for (long s = lo; s < T; s++) {
                 float v = s >= from && seen(vis, S, i, s) ? pn[s - lo] * scale : -INFINITY;
                 pn[s - lo] = v;
                 m = v > m ? v : m;
+                nv += v != -INFINITY;
             }
-            /* the softmax sums the query's visible scores alone, gathered in order: each falls in the lane it takes
-             * in a decode step of the query alone over a row without holes, whatever the block's width, the holes
-             * rejected drafts left and the slots after the query; the others weigh 0 (the values skip them) */
-            long nv = 0;
-            for (long s = from - lo; s <= S + i - lo; s++)
-                if (pn[s] != -INFINITY) seen_scores[nv++] = pn[s];
-            inv[j] = 1.0f / softmax(seen_scores, m, nv);
-            for (long s = 0, k = 0; s < N; s++) pn[s] = pn[s] != -INFINITY ? seen_scores[k++] : 0.0f;
+            /* the softmax sums the query's visible scores alone, in order: each falls in the lane it takes in a decode
+             * step of the query alone over a row without holes, whatever the block's width, the holes rejected
+             * drafts left and the slots after the query; the others weigh 0 (the value sums skip them) */
+            long a = from - lo, e = S + i + 1 - lo;
+            if (nv == e - a) { /* no holes: they lie in order already (a decode step: all of them, a = 0, e = N) */
+                inv[j] = 1.0f / softmax(pn + a, m, nv);
+                for (long s = 0; s < a; s++) pn[s] = 0.0f;
+                for (long s = e; s < N; s++) pn[s] = 0.0f;
+            } else { /* gathered, then put back */
+                for (long s = a, k = 0; s < e; s++)
+                    if (pn[s] != -INFINITY) seen_scores[k++] = pn[s];
+                inv[j] = 1.0f / softmax(seen_scores, m, nv);
+                for (long s = 0, k = 0; s < N; s++) pn[s] = pn[s] != -INFINITY ? seen_scores[k++] : 0.0f;
+            }
             o[j] = out + (i * nh + g * G + n % G) * D;
         }
         if (c == 6)
