@@ -167,13 +167,33 @@ static long window_from(const unsigned char *vis, long S, long i, long lo, long 
     return s;
 }
 
+/* Each score of pn [n] that is not -inf replaced by the next of src (room for 16 more), the others by 0; ``z``:
+ * AVX-512's expand, 16 at a time (a row's holes make this every query's work in a round: no branch a slot). */
+__attribute__((target("avx512f"))) static void scatter_seen_z(float *pn, long n, const float *src) {
+    long k = 0, s = 0;
+    for (; s + 16 <= n; s += 16) {
+        __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(pn + s), _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        _mm512_storeu_ps(pn + s, _mm512_maskz_expand_ps(m, _mm512_loadu_ps(src + k)));
+        k += __builtin_popcount(m);
+    }
+    for (; s < n; s++) pn[s] = pn[s] != -INFINITY ? src[k++] : 0.0f;
+}
+
+static void scatter_seen(float *pn, long n, const float *src, int z) {
+    if (z) {
+        scatter_seen_z(pn, n, src);
+        return;
+    }
+    for (long s = 0, k = 0; s < n; s++) pn[s] = pn[s] != -INFINITY ? src[k++] : 0.0f;
+}
+
 /* Attention of the G query heads of key/value head g, for the q new tokens of row b (queries n = i * G + j), over
  * slots lo .. S + q - 1 (lo: the row's first visible slot, or its first query's window's; a hole after it is scored,
  * then hidden, as is a slot left of a later query's window, ``window_from``). The scores of all
  * the queries against those keys are one skinny product (``skinny.c``: each key read once per block of queries, and
  * every score summed in one order whatever the number of queries, so a token's attention has the same bits in a
  * verification block as in a decode step); then each query's visibility, softmax and weighted sum of values.
- * Scratch: p [q * G * (S + q)], Q and xi [q * G * D], seen_scores [S + q]. */
+ * Scratch: p [q * G * (S + q)], Q and xi [q * G * D], seen_scores [S + q + 16]. */
 static void attend(const float *qb, const float *K, const float *V, float *out, const unsigned char *vis, long S,
                    long q, long nh, long G, long g, long D, float scale, long lo, long W, float *p, float *Q,
                    float *xi, float *seen_scores) {
@@ -192,6 +212,7 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
                 float v = s >= from && seen(vis, S, i, s) ? pn[s - lo] * scale : -INFINITY;
                 pn[s - lo] = v;
                 m = v > m ? v : m;
+                seen_scores[nv] = v; /* the visible ones, in order */
                 nv += v != -INFINITY;
             }
             /* the softmax sums the query's visible scores alone, in order: each falls in the lane it takes in a decode
@@ -202,11 +223,9 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
                 inv[j] = 1.0f / softmax(pn + a, m, nv);
                 for (long s = 0; s < a; s++) pn[s] = 0.0f;
                 for (long s = e; s < N; s++) pn[s] = 0.0f;
-            } else { /* gathered, then put back */
-                for (long s = a, k = 0; s < e; s++)
-                    if (pn[s] != -INFINITY) seen_scores[k++] = pn[s];
+            } else { /* summed gathered, then put back */
                 inv[j] = 1.0f / softmax(seen_scores, m, nv);
-                for (long s = 0, k = 0; s < N; s++) pn[s] = pn[s] != -INFINITY ? seen_scores[k++] : 0.0f;
+                scatter_seen(pn, N, seen_scores, wide);
             }
             o[j] = out + (i * nh + g * G + n % G) * D;
         }
@@ -262,7 +281,7 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
                 memcpy(vc + slot, vb + (r * nkv + g) * D, D * sizeof(float));
             }
         }
-        float *p = malloc(sizeof(float) * (q * G * (T + 2 * D) + T)), *Q = p + q * G * T, *xa = Q + q * G * D;
+        float *p = malloc(sizeof(float) * (q * G * (T + 2 * D) + T + 16)), *Q = p + q * G * T, *xa = Q + q * G * D;
         if (!p) {
             #pragma omp atomic write
             failed = 1;
