@@ -93,7 +93,8 @@ def main() -> None:
         on, off = (a, b) if first else (b, a)
         assert on[0] == off[0], "forced drafting changed an output"
         ratios.append(on[1] / off[1])
-        print(f"pair {pair}: decode tok/s forced drafted {on[1]:.1f} ({on[2]} rounds, {on[3]} forced), not {off[1]:.1f} "
+        print(f"pair {pair}: decode tok/s forced drafted {on[1]:.1f} ({on[2]} rounds, {on[3]} forced), "
+              f"not {off[1]:.1f} "
               f"({off[2]} rounds): {ratios[-1]:.2f}x, outputs identical", flush=True)
     print(f"median: {statistics.median(ratios):.2f}x ({args.draft} at batch 1)")
 

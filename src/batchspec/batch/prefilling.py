@@ -282,7 +282,7 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
     if overhead is None:
         overhead = PREFILL_OVERHEAD.get(dev.type, 1)
     store = runner.prefixes if embeds is None and prompts and not fresh else None
-    starts = [None] * len(prompts)
+    starts, sent_again = [None] * len(prompts), False
     paths = [runner.whole(n) for n in lengths]  # each row's arithmetic, from its own length alone
     if any(lengths):  # a one-token prompt caches nothing: it goes with the others
         first = paths[next(r for r, n in enumerate(lengths) if n)]
@@ -293,14 +293,15 @@ def prefill(runner, prompts: list[list[int]], name: str = "target", overhead: in
                   for c, s, whole in zip(cached, salts or [None] * len(prompts), paths)]
         # prompts sent again: each found whole, tail included (one-token prompts have nothing kept)
         again = [store.find(c, chain, hidden, whole=True) for c, chain in zip(cached, chains)] if all(lengths) else []
-        if again and all(s is not None for s in again) and _fits(runner, again[0]):
+        sent_again = bool(again) and all(s is not None for s in again) and _fits(runner, again[0])
+        if sent_again:
             starts = again
         else:
             starts = _starts(store, runner, cached, chains, hidden)
     groups = {}  # rows by path and cached start
     for r, s in enumerate(starts):
         groups.setdefault((paths[r], None if s is None else s.chain[-1]), []).append(r)
-    if store is not None and all(s is not None and len(s) == n for s, n in zip(starts, lengths)):
+    if sent_again:
         cache, states = _copied(runner, starts, width, hidden)  # every prompt sent before: nothing to compute
     elif len(groups) > 1:
         cache, states = _by_group(runner, prompts, lengths, width, overhead, hidden, embeds, starts, paths,

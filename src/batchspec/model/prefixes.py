@@ -172,7 +172,8 @@ class PrefixCache:
     def put(self, chain: list[bytes], first: int, keys: torch.Tensor, values: torch.Tensor,
             hidden: torch.Tensor | None) -> None:
         """Keep blocks ``first..`` of ``chain``, given as ``keys`` / ``values`` ``[layers, kv heads, n x BLOCK, D]``
-        and ``hidden`` ``[n x BLOCK, H]`` (or None; a tail's block holds fewer tokens), as copies (replacing a cached block only to add hidden states);
+        and ``hidden`` ``[n x BLOCK, H]`` (or None; a tail's block holds fewer tokens), as copies (replacing a cached
+        block only to add hidden states);
         mark the whole chain recently used and drop the least recently used blocks beyond the budget."""
         parts = zip(keys.split(BLOCK, 2), values.split(BLOCK, 2),
                     hidden.split(BLOCK) if hidden is not None else [None] * len(chain))

@@ -88,7 +88,8 @@ class AdaptiveLength(Plans):
 
     def _resting(self) -> bool:
         """Past ``DRY_ROUNDS`` rounds that verified nothing, the drafter is asked after ``LOOK_EVERY`` more, then
-        after each wait twice the last, up to ``LOOK_LONGEST`` (a query: the asks fall at fixed counts of dry rounds)."""
+        after each wait twice the last, up to ``LOOK_LONGEST`` (a query: the asks fall at fixed counts of dry
+        rounds)."""
         over = self.unverified - DRY_ROUNDS
         if over < 0:
             return False

@@ -169,22 +169,19 @@ static long window_from(const unsigned char *vis, long S, long i, long lo, long 
 
 /* Each score of pn [n] that is not -inf replaced by the next of src (room for 16 more), the others by 0; ``z``:
  * AVX-512's expand, 16 at a time (a row's holes make this every query's work in a round: no branch a slot). */
-__attribute__((target("avx512f"))) static void scatter_seen_z(float *pn, long n, const float *src) {
-    long k = 0, s = 0;
+__attribute__((target("avx512f"))) static long scatter_seen_z(float *pn, long n, const float *src, long *k) {
+    long s = 0;
     for (; s + 16 <= n; s += 16) {
         __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(pn + s), _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        _mm512_storeu_ps(pn + s, _mm512_maskz_expand_ps(m, _mm512_loadu_ps(src + k)));
-        k += __builtin_popcount(m);
+        _mm512_storeu_ps(pn + s, _mm512_maskz_expand_ps(m, _mm512_loadu_ps(src + *k)));
+        *k += __builtin_popcount(m);
     }
-    for (; s < n; s++) pn[s] = pn[s] != -INFINITY ? src[k++] : 0.0f;
+    return s;
 }
 
 static void scatter_seen(float *pn, long n, const float *src, int z) {
-    if (z) {
-        scatter_seen_z(pn, n, src);
-        return;
-    }
-    for (long s = 0, k = 0; s < n; s++) pn[s] = pn[s] != -INFINITY ? src[k++] : 0.0f;
+    long k = 0;
+    for (long s = z ? scatter_seen_z(pn, n, src, &k) : 0; s < n; s++) pn[s] = pn[s] != -INFINITY ? src[k++] : 0.0f;
 }
 
 /* Attention of the G query heads of key/value head g, for the q new tokens of row b (queries n = i * G + j), over
