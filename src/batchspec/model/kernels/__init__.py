@@ -217,6 +217,10 @@ def linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = skinny_linear(x2, weight)
     if y is not None:
         return y
+    if x2.shape[0] == 1 and x2.device.type == "cpu":  # one row takes MKL's matrix-vector path, which sums in another
+        # order than its product of 2+ rows (seen on an Intel Xeon): as two rows, a row's bits never depend on how many
+        # rows are beside it
+        return (weight @ torch.cat([x2, torch.zeros_like(x2)]).T)[:, :1].T.contiguous()
     if x2.shape[0] <= FEW_ROWS:
         return (weight @ x2.T).T.contiguous()
     return torch.nn.functional.linear(x2, weight)
