@@ -443,3 +443,91 @@ def test_long_prompts_join_a_running_batch_a_chunk_at_a_time(drafter):
     assert llm.stats.prefix_hits >= 6  # every chunk after the first, and each join, started from the kept ones
     if draft is not None:
         assert llm.stats.accepted > 0
+
+
+@pytest.mark.parametrize("scored", [False, True], ids=["plain", "prompt-logprobs"])
+def test_a_kept_prompt_joins_ahead_of_one_that_costs_a_prefill(scored):
+    """A waiting prompt kept but for its last few tokens (sent again) joins before one that came earlier and costs a
+    prefill (``Engine._kept_first``), counted in ``Stats.kept_first``; one that asks for its prompt's
+    log-probabilities computes every token and keeps its place. Every output is HF batch-1's."""
+    from batchspec.engine.engine import KEPT_FIRST
+
+    t = tiny.target()
+    llm = tiny.fixed_llm(t, batch_size=1, scheduler="continuous", check_invariants=True)
+    kept, new = tiny.prompts(2, seed=80, lo=KEPT_FIRST + 30, hi=KEPT_FIRST + 40)
+    llm.generate([kept], batchspec.SamplingParams(max_tokens=4))
+    llm.reset_stats()
+    engine = llm.engine()
+    again = batchspec.SamplingParams(max_tokens=4, prompt_logprobs=1 if scored else None)
+    _, reqs = llm.requests([new, kept], [batchspec.SamplingParams(max_tokens=4), again])
+    order, got = _run_all(engine, reqs)
+    assert got == {reqs[0].id: tiny.oracle(t, new, 4), reqs[1].id: tiny.oracle(t, kept, 4)}
+    assert order == ([reqs[0].id, reqs[1].id] if scored else [reqs[1].id, reqs[0].id])
+    assert llm.stats.kept_first == (0 if scored else 1)
+    assert llm.stats.prefix_hits == (0 if scored else 1)
+
+
+def test_a_short_prompt_joins_ahead_of_a_long_one_and_the_rest_keep_their_order():
+    """Prompts of at most ``KEPT_FIRST`` tokens to compute move ahead of those that cost more; each group keeps the
+    order in which its requests came."""
+    from batchspec.engine.engine import KEPT_FIRST
+
+    t = tiny.target()
+    llm = tiny.fixed_llm(t, batch_size=1, scheduler="continuous")
+    longs = tiny.prompts(2, seed=81, lo=KEPT_FIRST + 30, hi=KEPT_FIRST + 40)
+    shorts = tiny.prompts(2, seed=82, lo=5, hi=KEPT_FIRST)
+    prompts = [longs[0], shorts[0], longs[1], shorts[1]]
+    engine = llm.engine()
+    _, reqs = llm.requests(prompts, [batchspec.SamplingParams(max_tokens=3)] * 4)
+    order, got = _run_all(engine, reqs)
+    assert order == [reqs[i].id for i in (1, 3, 0, 2)]
+    assert got == {r.id: tiny.oracle(t, p, 3) for r, p in zip(reqs, prompts)}
+    assert llm.stats.kept_first == 2
+
+
+def test_kept_prompts_join_in_a_prefill_of_their_own():
+    """With room for both, a kept prompt that waits beside one that costs a prefill joins first and alone (its first
+    token does not wait for the other's prefill); the other joins at the next step."""
+    from batchspec.engine.engine import KEPT_FIRST
+
+    t = tiny.target()
+    llm = tiny.fixed_llm(t, batch_size=2, scheduler="continuous", check_invariants=True)
+    kept, new = tiny.prompts(2, seed=83, lo=KEPT_FIRST + 30, hi=KEPT_FIRST + 40)
+    llm.generate([kept], batchspec.SamplingParams(max_tokens=4))
+    engine = llm.engine()
+    _, reqs = llm.requests([new, kept], [batchspec.SamplingParams(max_tokens=4)] * 2)
+    for r in reqs:
+        engine.add_request(r)
+    first = engine.step()
+    assert {o.request_id for o in first if o.new_token_ids} == {reqs[1].id}
+    assert [r.id for r in engine.waiting] == [reqs[0].id]
+    got = {o.request_id: list(o.new_token_ids) for o in first}
+    while engine.has_work():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert got == {reqs[0].id: tiny.oracle(t, new, 4), reqs[1].id: tiny.oracle(t, kept, 4)}
+
+
+def test_a_static_batch_is_not_split_for_cheap_prompts():
+    """Static batching runs a batch whole: short prompts beside long ones keep their places and share it."""
+    from batchspec.engine.engine import KEPT_FIRST
+
+    t = tiny.target()
+    llm = tiny.fixed_llm(t, batch_size=4)
+    prompts = [p for pair in zip(tiny.prompts(2, seed=81, lo=KEPT_FIRST + 30, hi=KEPT_FIRST + 40),
+                                 tiny.prompts(2, seed=82, lo=5, hi=KEPT_FIRST)) for p in pair]
+    outs = llm.generate(prompts, batchspec.SamplingParams(max_tokens=3))
+    assert [o.token_ids for o in outs] == [tiny.oracle(t, p, 3) for p in prompts]
+    assert llm.stats.kept_first == 0 and llm.stats.rounds == 3  # one batch of four
+
+def _run_all(engine, reqs):
+    """Add ``reqs`` and step until done: the ids in the order their first tokens came, and each one's tokens."""
+    for r in reqs:
+        engine.add_request(r)
+    order, got = [], {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.new_token_ids and o.request_id not in order:
+                order.append(o.request_id)
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return order, got

@@ -338,6 +338,7 @@ class Stats:
     prefix_tokens: int = 0  # their prompt tokens taken from the cache, not computed
     prefix_evictions: int = 0  # cached blocks dropped for room
     prefill_chunks: int = 0  # chunks of long prompts prefilled into the kept prefixes before they joined
+    kept_first: int = 0  # waiting requests whose prompts were kept moved ahead of ones that cost a prefill
     dropped_after_stop: int = 0  # verified tokens discarded because a stop token came earlier in the same round
     full_accepts: int = 0  # row-rounds that accepted every proposed draft token (the bonus came after the last one)
     grouped_rounds: int = 0  # exspec: rounds whose batch had rows of one length (no realignment needed)

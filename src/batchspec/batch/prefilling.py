@@ -229,14 +229,21 @@ def _salt(runner, whole: bool, salt: str | None) -> str | None:
     return salt if whole or not runner.whole(PREFILL_MAX_TOKENS) else _few(salt)
 
 
-def kept_tokens(runner, prompt: list[int], salt: str | None, hidden: bool) -> int:
+def kept_tokens(runner, prompt: list[int], salt: str | None, hidden: bool, chain: list | None = None) -> int:
     """How many leading tokens of ``prompt`` its prefill would take from the runner's kept prefixes (whole blocks,
-    with hidden states when ``hidden``; 0 where nothing is kept). A query."""
+    with hidden states when ``hidden``; 0 where nothing is kept). ``chain``: its ``prompt_chain``, where the caller
+    keeps it (hashing a prompt's blocks costs ~1 us a block). A query."""
     n, store = len(prompt) - 1, getattr(runner, "prefixes", None)
     if store is None or n < 2:
         return 0
-    chain = block_keys(prompt[:n], _salt(runner, runner.whole(n), salt))
+    chain = prompt_chain(runner, prompt, salt) if chain is None else chain
     return min(store.held(chain, hidden), (n - 1) // BLOCK) * BLOCK
+
+
+def prompt_chain(runner, prompt: list[int], salt: str | None) -> list[bytes]:
+    """The block keys ``kept_tokens`` looks ``prompt`` up by (all of its tokens but the last)."""
+    n = len(prompt) - 1
+    return block_keys(prompt[:n], _salt(runner, runner.whole(n), salt))
 
 
 def _keep(store, cache, states, cached, chains, width) -> None:

@@ -11,13 +11,14 @@ from collections import deque
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Callable
 
 import torch
 
 from ..batch import FEATURES, Batch, InvariantError, RoundLogprobs, Sequences, check_invariants, grammar, prefill
 from ..batch.grammar import Grammars
-from ..batch.prefilling import kept_tokens, prompt_scores
+from ..batch.prefilling import kept_tokens, prompt_chain, prompt_scores
 from ..drafters.base import Proposal
 from ..model.loading import vocab_size
 from ..model.prefixes import BLOCK
@@ -59,6 +60,7 @@ class Request:
     prompt_logprobs: int | None = None  # alternatives with each prompt token's log-probability (None: none at all)
     grammar: str | None = None  # structured output: llguidance's grammar text (``SamplingParams.structured``)
     matcher: object = None  # its state, made when the request joins (``Engine.add_request``)
+    chain: list | None = None  # its prompt's block keys, once asked while it waits (``Engine._costs``)
 
 
 def _is_int(v) -> bool:
@@ -255,19 +257,25 @@ def _room(parts: Parts, batch: Batch, k: int | None = None) -> int:
 
 
 WINDOW = SlotMask(max_waste=0.5)
+# a waiting prompt with at most this many tokens not kept (sent again; a conversation's next turn with a short new
+# message; a short prompt) costs a copy and a forward of a few blocks, so it joins ahead of the prompts that cost a
+# prefill, whose wait it lengthens by that little (``Engine._kept_first``; docs/benchmarks.md, serve-kept-first)
+KEPT_FIRST = 128
+KEPT_LOOK = 64  # waiting requests looked at for it (each: its kept blocks looked up, its keys hashed once)
 
 
 class _PromptLengths(Sequence):
-    """The prompt lengths of the waiting requests, in order, read only as far as the scheduler looks."""
+    """The prompt tokens the waiting requests' prefills would compute, in order (``costs`` of the first ones, the
+    others' whole prompts), read only as far as the scheduler looks."""
 
-    def __init__(self, waiting: deque[Request]):
-        self.waiting = waiting
+    def __init__(self, waiting: deque[Request], costs: list[int]):
+        self.waiting, self.costs = waiting, costs
 
     def __len__(self) -> int:
         return len(self.waiting)
 
     def __getitem__(self, i: int) -> int:
-        return len(self.waiting[i].prompt)
+        return self.costs[i] if i < len(self.costs) else len(self.waiting[i].prompt)
 
 
 class Engine:
@@ -506,8 +514,12 @@ class Engine:
     def _join(self) -> None:
         """The admission itself: the scheduler's count (within the KV budget) joins, prefilled and merged."""
         running = len(self.batch) if self.batch is not None else 0
+        costs = self._costs() if self.scheduler.room(running, self.batch_size) > 0 else []
+        cheap = self._kept_first(costs) if getattr(self.scheduler, "joins_running", True) else 0
         fits = self.memory.admits(self.batch.request_ids if self.batch is not None else [], self.waiting)
-        n = self.scheduler.admit(running, _PromptLengths(self.waiting), self.batch_size, self.prefill_tokens, fits)
+        n = self.scheduler.admit(running, _PromptLengths(self.waiting, costs), self.batch_size, self.prefill_tokens,
+                                 fits)
+        n = min(n, cheap) if cheap else n  # the cheap ones in a prefill of their own: theirs takes no longer
         skip, n = self._ahead(n) if n > 0 else (0, 0)
         if n <= 0:
             return
@@ -530,6 +542,41 @@ class Engine:
             else:
                 self.stats.joined_running += n
                 self.batch = self.batch.merge(new)
+
+    def _costs(self) -> list[int]:
+        """The prompt tokens each of the first ``KEPT_LOOK`` waiting requests would compute (not those kept; all of
+        them for one that asked for its prompt's log-probabilities), where two or more wait. A query of the kept
+        prefixes; each prompt's block keys are hashed once while it waits."""
+        target, hidden, costs = self.parts.target, self.parts.drafter.needs_hidden, []
+        if len(self.waiting) < 2 or getattr(target, "prefixes", None) is None:
+            return costs  # one joins whatever it costs; without kept prefixes each costs its prompt
+        for r in islice(self.waiting, KEPT_LOOK):
+            cost = len(r.prompt)
+            if cost > KEPT_FIRST and r.prompt_logprobs is None:
+                if r.chain is None:
+                    r.chain = prompt_chain(target, r.prompt, r.cache_salt)
+                cost -= kept_tokens(target, r.prompt, r.cache_salt, hidden, r.chain)
+            costs.append(cost)
+        return costs
+
+    def _kept_first(self, costs: list[int]) -> int:
+        """The waiting requests that cost at most ``KEPT_FIRST`` tokens to prefill move ahead of those that cost more
+        (``costs``, reordered with them), each group in its order of arrival; counted in ``Stats.kept_first``.
+        Returns how many cheap ones lead the queue where a costly one waits behind them (they join alone: their
+        first tokens do not wait for its prefill), else 0."""
+        cheap = [c <= KEPT_FIRST for c in costs]
+        if all(cheap) or not any(cheap):
+            return 0
+        moved = sum(cheap[cheap.index(False):])
+        if moved:
+            order = sorted(range(len(costs)), key=lambda i: not cheap[i])  # stable: each group in its order
+            mine = list(islice(self.waiting, len(costs)))
+            for _ in mine:
+                self.waiting.popleft()
+            self.waiting.extendleft(mine[i] for i in reversed(order))
+            costs[:] = [costs[i] for i in order]
+            self.stats.kept_first += moved
+        return sum(cheap)
 
     def _ahead(self, n: int) -> tuple[int, int]:
         """Of the ``n`` requests the scheduler admits, ``(skip, join)``: the first ``skip`` (0 or 1) wait, prefilled a

@@ -45,6 +45,8 @@ class _EngineCollector:
              s.prefix_tokens),
             ("batchspec_prefix_cache_evictions", "Cached prompt blocks dropped for room", s.prefix_evictions),
             ("batchspec_prefill_chunks", "Chunks of long prompts prefilled ahead while rows ran", s.prefill_chunks),
+            ("batchspec_kept_first", "Waiting requests with kept prompts admitted ahead of ones that cost a prefill",
+             s.kept_first),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)

@@ -20,6 +20,9 @@ from collections.abc import Callable, Sequence
 
 class Scheduler:
     name = "scheduler"
+    # whether requests join while rows run (the engine then lets cheap prompts go first, ``Engine._kept_first``); a
+    # batch that runs whole is not split for them
+    joins_running = True
 
     def admit(self, running: int, waiting: Sequence[int], batch_size: int, token_budget: int | None = None,
               fits: Callable[[int], bool] | None = None) -> int:

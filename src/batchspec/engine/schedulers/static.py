@@ -6,6 +6,7 @@ from .base import Scheduler
 
 class Static(Scheduler):
     name = "static"
+    joins_running = False
 
     def room(self, running: int, batch_size: int) -> int:
         return batch_size if running == 0 else 0
