@@ -229,14 +229,13 @@ def _salt(runner, whole: bool, salt: str | None) -> str | None:
     return salt if whole or not runner.whole(PREFILL_MAX_TOKENS) else _few(salt)
 
 
-def kept_tokens(runner, prompt: list[int], salt: str | None, hidden: bool, chain: list | None = None) -> int:
-    """How many leading tokens of ``prompt`` its prefill would take from the runner's kept prefixes (whole blocks,
-    with hidden states when ``hidden``; 0 where nothing is kept). ``chain``: its ``prompt_chain``, where the caller
-    keeps it (hashing a prompt's blocks costs ~1 us a block). A query."""
+def kept_tokens(runner, prompt: list[int], chain: list[bytes], hidden: bool) -> int:
+    """How many leading tokens of ``prompt`` (its ``prompt_chain``, which the caller keeps: hashing a prompt's blocks
+    costs ~1 us a block) its prefill would take from the runner's kept prefixes (whole blocks, with hidden states
+    when ``hidden``; 0 where nothing is kept). A query."""
     n, store = len(prompt) - 1, getattr(runner, "prefixes", None)
     if store is None or n < 2:
         return 0
-    chain = prompt_chain(runner, prompt, salt) if chain is None else chain
     return min(store.held(chain, hidden), (n - 1) // BLOCK) * BLOCK
 
 

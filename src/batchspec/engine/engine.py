@@ -60,7 +60,7 @@ class Request:
     prompt_logprobs: int | None = None  # alternatives with each prompt token's log-probability (None: none at all)
     grammar: str | None = None  # structured output: llguidance's grammar text (``SamplingParams.structured``)
     matcher: object = None  # its state, made when the request joins (``Engine.add_request``)
-    chain: list | None = None  # its prompt's block keys, once asked while it waits (``Engine._costs``)
+    chain: list | None = None  # its prompt's block keys, once asked while it waits (``Engine._kept``)
 
 
 def _is_int(v) -> bool:
@@ -547,17 +547,23 @@ class Engine:
         """The prompt tokens each of the first ``KEPT_LOOK`` waiting requests would compute (not those kept; all of
         them for one that asked for its prompt's log-probabilities), where two or more wait. A query of the kept
         prefixes; each prompt's block keys are hashed once while it waits."""
-        target, hidden, costs = self.parts.target, self.parts.drafter.needs_hidden, []
-        if len(self.waiting) < 2 or getattr(target, "prefixes", None) is None:
+        costs = []
+        if len(self.waiting) < 2 or getattr(self.parts.target, "prefixes", None) is None:
             return costs  # one joins whatever it costs; without kept prefixes each costs its prompt
         for r in islice(self.waiting, KEPT_LOOK):
             cost = len(r.prompt)
             if cost > KEPT_FIRST and r.prompt_logprobs is None:
-                if r.chain is None:
-                    r.chain = prompt_chain(target, r.prompt, r.cache_salt)
-                cost -= kept_tokens(target, r.prompt, r.cache_salt, hidden, r.chain)
+                cost -= self._kept(r)
             costs.append(cost)
         return costs
+
+    def _kept(self, r: Request) -> int:
+        """How many of waiting ``r``'s prompt tokens its prefill would take from the kept prefixes (``kept_tokens``;
+        its block keys hashed once while it waits). A query."""
+        target = self.parts.target
+        if r.chain is None:
+            r.chain = prompt_chain(target, r.prompt, r.cache_salt)
+        return kept_tokens(target, r.prompt, r.chain, self.parts.drafter.needs_hidden)
 
     def _kept_first(self, costs: list[int]) -> int:
         """The waiting requests that cost at most ``KEPT_FIRST`` tokens to prefill move ahead of those that cost more
@@ -607,7 +613,7 @@ class Engine:
         target, budget = self.parts.target, self.prefill_chunk
         if len(r.prompt) - 1 <= budget or r.prompt_logprobs is not None or getattr(target, "prefixes", None) is None:
             return None  # (a short prompt's blocks are not even looked up)
-        have = kept_tokens(target, r.prompt, r.cache_salt, self.parts.drafter.needs_hidden)
+        have = self._kept(r)
         upto = (have + budget) // BLOCK * BLOCK
         if len(r.prompt) - 1 - have <= budget or have < self._chunked.get(r.id, 0) or upto <= have:
             return None
