@@ -132,6 +132,46 @@ def test_fp32_packed_weights_after_a_whole_prefill_are_the_oracles(forwards, tmp
     assert [o.token_ids for o in outs] == [tiny.oracle(oracle_model, p, 12) for p in prompts]
 
 
+def test_packed_weights_kept_expanded_give_the_bits_of_expanding_them_at_each_forward(tmp_path, monkeypatch):
+    """``prefill.KEEP_FRACTION``: a packed weight expanded once, kept in oneDNN's layout, gives every prefilled key,
+    value and hidden state the bits it has when the weight is expanded at each forward (what a budget too small to
+    keep any does); a weight changed in place is expanded again."""
+    import weakref
+
+    from test_weights import quantised_target
+
+    from batchspec.model.weights import PackedLinear
+
+    path, _ = quantised_target(tmp_path)
+    model = batchspec.LLM(str(path), draft=None).target
+    linears = [m for m in model.model.layers.modules() if isinstance(m, PackedLinear)]
+    assert linears and torch.backends.mkldnn.is_available()
+    prompts = [PREFIX + p for p in PROMPTS]
+    width = max(map(len, prompts))
+
+    def run(budget):
+        monkeypatch.setattr(whole, "_kept", weakref.WeakKeyDictionary())
+        monkeypatch.setattr(whole, "_keeping", {"budget": budget, "used": 0})
+        return whole.prefill(model, prompts, SHARED, width, True)
+
+    def same(a, b):
+        flat = [t for pair in a[0].tensors() for t in pair], [t for pair in b[0].tensors() for t in pair]
+        assert len(flat[0]) == len(flat[1]) and all(map(torch.equal, *flat)) and torch.equal(a[1], b[1])
+
+    each = run(0)
+    assert not whole._kept  # nothing fits: every weight expanded at each forward
+    kept = run(None)
+    assert set(whole._kept) == set(linears) and whole._keeping["used"] == sum(4 * m.in_features * m.out_features
+                                                                               for m in linears)
+    same(kept, each)
+    same(whole.prefill(model, prompts, SHARED, width, True), each)  # the kept weights again
+    with torch.no_grad():
+        linears[0].q[:3].zero_()  # its codes changed in place: expanded again, the new bits
+    changed = whole.prefill(model, prompts, SHARED, width, True)
+    assert not torch.equal(changed[1], kept[1])
+    same(changed, run(0))
+
+
 def _torch_causal(q, keys, values, first, scale):
     """Reference: torch's attention over zero queries for positions 0..first-1 then ``q`` (square, so causal)."""
     full = torch.cat([q.new_zeros((first, *q.shape[1:])), q]).transpose(0, 1)[None]
