@@ -505,9 +505,18 @@ def test_join_rows_is_stack_rows_written_in_place_where_there_is_room(mine, thei
 
 def test_rows_join_a_wider_running_batch_in_place_and_stay_exact(monkeypatch):
     """Short prompts joining a running batch of long ones go into its buffers (no copy of the running rows), long ones
-    into new buffers; every output equals HF batch-1 greedy (a draft model: its cache joins the same way)."""
+    into new buffers; every output equals HF batch-1 greedy (a draft model: its cache joins the same way). The slots
+    a new buffer leaves unset (``kv._unwritten``) hold NaN here: none is read before it is written."""
     from batchspec.model import kv
 
+    unset = []
+    real_unwritten = kv._unwritten
+
+    def nan(like, shape):
+        unset.append(shape)
+        return real_unwritten(like, shape).fill_(float("nan"))
+
+    monkeypatch.setattr(kv, "_unwritten", nan)
     seen = []
     join = kv.join_rows
 
@@ -544,3 +553,4 @@ def test_rows_join_a_wider_running_batch_in_place_and_stay_exact(monkeypatch):
     assert got == want
     assert llm.stats.joined_running >= 3
     assert True in seen and False in seen, f"joins in place / into new buffers: {seen}"
+    assert unset  # the wider rows' new buffers began unset

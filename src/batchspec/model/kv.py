@@ -51,17 +51,28 @@ _pool_lock = threading.Lock()
 POOL_LIMIT = 256  # buffers kept at most (beyond, those of other shapes are dropped)
 
 
-def _rows_buffer(like: torch.Tensor, rows: int, slots: int, dim: int) -> torch.Tensor:
+def _rows_buffer(like: torch.Tensor, rows: int, slots: int, dim: int, written: int = 0) -> torch.Tensor:
     """Zeroed ``[rows, heads, slots, dim]``: the first ``rows`` of a buffer of ``row_capacity(rows)`` rows, taken from
     the buffers of released caches when one has this shape (on ``POOL_DEVICES``: the static steps' CUDA graphs are
-    bound to buffer addresses, so a batch that reuses its predecessor's buffers reuses its graphs too)."""
+    bound to buffer addresses, so a batch that reuses its predecessor's buffers reuses its graphs too). Elsewhere the
+    first ``written`` slots of every row are left as they are: the caller writes them (zeros where it has nothing),
+    so their pages are touched once."""
     shape = (row_capacity(rows), like.shape[1], slot_capacity(slots, like.device), dim)
     with _pool_lock:
         free = _pool.get((shape, like.dtype, like.device))
         buf = free.pop() if free else None
-    if buf is None:
+    if buf is not None:
+        return buf.zero_()[:rows]
+    if not written or like.device.type in POOL_DEVICES:
         return like.new_zeros(shape)[:rows]
-    return buf.zero_()[:rows]
+    buf = _unwritten(like, shape)
+    buf[:, :, written:].zero_()
+    return buf[:rows]
+
+
+def _unwritten(like: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A new buffer whose values are not set (a test fills it with NaN: every slot is written before it is read)."""
+    return like.new_empty(shape)
 
 
 def _release(t: torch.Tensor | None) -> None:
@@ -376,10 +387,11 @@ def join_rows(cache: SlotCache, rows: int, other: SlotCache, more: int, width: i
         for t, new in ((mine._k, theirs.keys), (mine._v, theirs.values)):
             if fits:
                 buf = whole_buffer(t)[: rows + more]
-                buf[rows:, :, : width - n] = 0  # the joining rows' left padding (their rows held other slots)
             else:
-                buf = _rows_buffer(t, rows + more, width + max(64, width // 2), t.shape[-1])
+                buf = _rows_buffer(t, rows + more, width + max(64, width // 2), t.shape[-1], written=width)
+                buf[:rows, :, : width - mine.length] = 0
                 buf[:rows, :, width - mine.length : width] = t[:rows, :, : mine.length]
+            buf[rows:, :, : width - n] = 0  # the joining rows' left padding (their rows held other slots)
             buf[rows:, :, width - n : width] = new
             bufs.append(buf)
         dst._adopt(*bufs, width)
