@@ -34,7 +34,8 @@ from .kernels import llama as fused_llama
 from .prefixes import PrefixCache, budget_bytes, default_mib
 SLOT_SDPA = "batchspec_slot_sdpa"
 # a prompt of at most this many cached tokens is prefilled by the C layer's few-row forwards, a longer one whole: alone,
-# the whole prefill (every weight expanded once: ~55 ms for SmolLM2-135M at 2 threads) is slower only below ~32 tokens
+# the whole prefill measured slower only below ~32 tokens on an EPYC (its weights then expanded at each forward: ~55
+# ms for SmolLM2-135M at 2 threads); on a Xeon, its weights kept, 1.3-1.6x slower at 32 tokens, 1.1-1.3x at 48
 FEW_TOKENS = 32
 
 
