@@ -231,13 +231,17 @@ def _onednn(x, w):
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
+def _onednn_runs(x) -> bool:
+    """Whether ``x``'s products run through oneDNN (fp32 on a CPU that has it)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
 def _product(x, w, out):
     """``x @ w.T``, over at least as many rows as give a row the same bits however few are beside it (``least_rows``)
     on a CPU. In fp32 there through oneDNN (its AVX-512 kernels: 2.3x torch's MKL product on an EPYC, where MKL takes
     its AVX2 path), which makes its own output: that is returned as it is (copying it into ``out`` took 2% of a
     prompt's prefill); elsewhere torch's, into ``out``. Callers take the returned tensor."""
-    cpu = x.device.type == "cpu"
-    onednn = cpu and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    cpu, onednn = x.device.type == "cpu", _onednn_runs(x)
     if onednn:
         least = _onednn_least(w.shape[1], w.shape[0], torch.get_num_threads())
     else:
@@ -269,7 +273,7 @@ def _linear(module, x, out, scratch):
 # tokens, 1.10-1.31x at 512 (one sitting of four 0.90x), 1.0-1.09x at 2,048, where the products dominate. The
 # default model's take 411 MB
 KEEP_FRACTION = 0.125
-_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (its packed codes' version, weight)
+_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (its packed tensors' versions, weight)
 _keeping = {"budget": None, "used": 0}
 _keep_lock = threading.Lock()
 
@@ -278,9 +282,9 @@ def _expanded(module, p, x):
     """``module``'s packed weight ``p`` as fp32 in oneDNN's layout, kept from its first product (``KEEP_FRACTION``),
     for ``x``'s product; None where oneDNN does not run it, where it would not give the bits of the weight expanded
     at each call (``_layout_keeps_bits``), or where the budget is spent (then it is expanded at each call)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if not _onednn_runs(x):
         return None
-    version = (p.q.data_ptr(), p.q._version)
+    version = tuple((t.data_ptr(), t._version) for t in p.tensors().values())  # codes, scales, offsets
     held = _kept.get(module)
     if held is not None and held[0] == version:
         return held[1]
