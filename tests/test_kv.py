@@ -379,15 +379,19 @@ def test_engine_with_packed_verification_stays_exact(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("q", [1, 3, 4])
-def test_fused_llama_avx512_gives_the_avx2_bits(q):
-    """Where the CPU has AVX-512, the linear blocks of 8 rows and attention's weighted sums of values (6 or 3 queries
-    at once) use it in the AVX2 kernels' order of sums: a forward's logits and cache have the same bits either way."""
+@pytest.mark.parametrize("q", [1, 3, 4, 7])
+@pytest.mark.parametrize("hidden,heads,head_dim", [(128, 2, 128), (192, 3, 64)])
+def test_fused_llama_avx512_gives_the_avx2_bits(q, hidden, heads, head_dim):
+    """Where the CPU has AVX-512, the linear blocks of 8 rows, attention's scores (queries in pairs, their sums
+    reduced together), its visibility pass and its weighted sums of values (6 or 3 queries at once) use it in the
+    AVX2 kernels' order of sums: a forward's logits and cache have the same bits either way. Queries per key/value
+    head: even and odd (a padded pair), up to 21 (blocks of three pairs and what is left); rows of 3-32 slots (blocks
+    of 8 keys and a short last one)."""
     lib = kernels._load()
     if not lib.skinny_avx512(1):
         pytest.skip("this CPU has no AVX-512")
-    t = _llama(128, 128, 2, 256)  # heads of 128 dimensions: the weighted sums run 64 at a time
-    ids = torch.tensor([[5, 6, 7, 8][:q]] * 5)
+    t = _llama(hidden, head_dim, heads, 256)  # heads of 128 dimensions: the weighted sums run 64 at a time
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11][:q]] * 5)
     try:
         outs = []
         for on in (1, 0):

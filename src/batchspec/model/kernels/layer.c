@@ -10,6 +10,7 @@
  * offsets from 1, a GELU (tanh) MLP and, on its local layers, a window of the row's last visible tokens. */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -116,6 +117,9 @@ static void values(const float *pn, long T, const float *V, long vst, long D, fl
  * once for the C queries, 16 dimensions per register. Every output sums over t in the same order with the same
  * operations as ``values64`` (a slot no query of the C may see is skipped; for one that only some may see, the
  * others add 0 x a finite value: their sums keep their bits), so the bits are the same. */
+/* floats of values prefetched ahead of the row being read (a row's keys and values come from memory once a round;
+ * with it, 16 rows x 800 slots decoded in ~0.85-0.9x the time, the scores' prefetch with it) */
+#define VALUES_AHEAD 3072
 #define VALUES_Z(NAME, C)                                                                                     \
     __attribute__((target("avx512f"))) static void NAME(const float *p, long T, const float *V, long vst,     \
                                                         long D, const float *inv, float *const *o) {          \
@@ -128,6 +132,7 @@ static void values(const float *pn, long T, const float *V, long vst, long D, fl
                 for (int j = 0; j < C; j++) any |= p[j * T + t] != 0.0f;                                      \
                 if (!any) continue;                                                                           \
                 const float *v = V + t * vst + d0;                                                            \
+                for (int u = 0; u < 4; u++) _mm_prefetch((const char *)(v + VALUES_AHEAD + 16 * u), _MM_HINT_T0); \
                 __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),   \
                        v3 = _mm512_loadu_ps(v + 48);                                                          \
                 for (int j = 0; j < C; j++) {                                                                 \
@@ -146,6 +151,90 @@ static void values(const float *pn, long T, const float *V, long vst, long D, fl
 
 VALUES_Z(values6z, 6)
 VALUES_Z(values3z, 3)
+
+/* Attention scores p[n * N + s] = Q[n] . K[s] for nq queries against N keys (rows D apart, D a multiple of 8) with
+ * AVX-512, in skinny.c's order of sums (eight lanes over the dimensions in steps of 8, then ``hsum8``'s pairs), so
+ * the bits ``skinny_rows`` gives. A 16-lane register holds two queries (``xi``: rows 2p and 2p+1, interleaved 8
+ * dimensions at a time, a zero row after an odd last one) against one key's 8 dimensions broadcast to both halves;
+ * a block of P pairs x 8 keys keeps its 8P sums in registers, and their 16P horizontal sums are done together: the
+ * same three levels of pairs as ``hsum8`` (l_j + l_(j+4), then 0+2 and 1+3, then 0+1), on shuffled registers (the
+ * one-score-at-a-time sums were most of the scores' work at 64 dimensions, and grew with the queries of a
+ * verification block). Keys past N (a last, short block) repeat the last key; their scores are not written. */
+#define SCORE_KEYS 8
+#define SCORE_AHEAD 3072 /* floats of keys prefetched ahead of those being read (skinny.c's distance) */
+#define SCORES_Z(NAME, P)                                                                                     \
+    __attribute__((target("avx512f,avx512dq"))) static void NAME(const float *xi, long D, const float *K, long N, \
+                                                        float *p, long n0, long nr) {                         \
+        const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);       \
+        long D8 = D / 8;                                                                                      \
+        for (long s0 = 0; s0 < N; s0 += SCORE_KEYS) {                                                         \
+            const float *kr[SCORE_KEYS];                                                                      \
+            for (int c = 0; c < SCORE_KEYS; c++) kr[c] = K + (s0 + c < N ? s0 + c : N - 1) * D;               \
+            __m512 acc[P][SCORE_KEYS];                                                                        \
+            for (int q = 0; q < P; q++)                                                                       \
+                for (int c = 0; c < SCORE_KEYS; c++) acc[q][c] = _mm512_setzero_ps();                        \
+            for (long k8 = 0; k8 < D8; k8++) {                                                                \
+                __m512 xq[P];                                                                                 \
+                for (int q = 0; q < P; q++) xq[q] = _mm512_loadu_ps(xi + (q * D8 + k8) * 16);                 \
+                for (int c = 0; c < SCORE_KEYS; c++) {                                                        \
+                    if (!(k8 & 1)) _mm_prefetch((const char *)(kr[c] + 8 * k8 + SCORE_AHEAD), _MM_HINT_T0);   \
+                    __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(kr[c] + 8 * k8));                      \
+                    for (int q = 0; q < P; q++) acc[q][c] = _mm512_fmadd_ps(kv, xq[q], acc[q][c]);            \
+                }                                                                                             \
+            }                                                                                                 \
+            long nk = N - s0 < SCORE_KEYS ? N - s0 : SCORE_KEYS;                                               \
+            for (int q = 0; q < P; q++) {                                                                     \
+                __m512 *a = acc[q], s[4], w[2];                                                               \
+                for (int c = 0; c < 4; c++) /* lanes (k0 query 0, k0 query 1, k1 q0, k1 q1) of keys 2c, 2c+1 */ \
+                    s[c] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * c], a[2 * c + 1], 0x88),                  \
+                                         _mm512_shuffle_f32x4(a[2 * c], a[2 * c + 1], 0xDD));                 \
+                for (int c = 0; c < 2; c++)                                                                   \
+                    w[c] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * c], s[2 * c + 1], 0x44),                     \
+                                         _mm512_shuffle_ps(s[2 * c], s[2 * c + 1], 0xEE));                    \
+                __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD)); \
+                r = _mm512_permutexvar_ps(order, r); /* query 2q's 8 scores, then query 2q+1's */               \
+                long n = n0 + 2 * q;                                                                          \
+                if (nk == SCORE_KEYS) {                                                                       \
+                    _mm256_storeu_ps(p + n * N + s0, _mm512_castps512_ps256(r));                              \
+                    if (n + 1 < nr) _mm256_storeu_ps(p + (n + 1) * N + s0, _mm512_extractf32x8_ps(r, 1));     \
+                } else {                                                                                      \
+                    float out[16];                                                                            \
+                    _mm512_storeu_ps(out, r);                                                                 \
+                    memcpy(p + n * N + s0, out, nk * sizeof(float));                                          \
+                    if (n + 1 < nr) memcpy(p + (n + 1) * N + s0, out + 8, nk * sizeof(float));                \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+SCORES_Z(scores1z, 1)
+SCORES_Z(scores2z, 2)
+SCORES_Z(scores3z, 3)
+
+/* ``scores_z`` over all nq queries: xi (room for nq + 1 rows) gets them interleaved in pairs, then blocks of up to
+ * three pairs pass over the keys. */
+static void scores_z(const float *Q, float *xi, long nq, long D, const float *K, long N, float *p) {
+    long D8 = D / 8, pairs = (nq + 1) / 2;
+    for (long m = 0; m < 2 * pairs; m++)
+        for (long k8 = 0; k8 < D8; k8++) {
+            float *to = xi + ((m / 2) * D8 + k8) * 16 + (m % 2) * 8;
+            if (m < nq)
+                memcpy(to, Q + m * D + k8 * 8, 8 * sizeof(float));
+            else
+                memset(to, 0, 8 * sizeof(float));
+        }
+    for (long q0 = 0; q0 < pairs;) {
+        long left = pairs - q0, step = left >= 3 ? 3 : left;
+        const float *x = xi + q0 * D8 * 16;
+        if (step == 3)
+            scores3z(x, D, K, N, p, 2 * q0, nq);
+        else if (step == 2)
+            scores2z(x, D, K, N, p, 2 * q0, nq);
+        else
+            scores1z(x, D, K, N, p, 2 * q0, nq);
+        q0 += step;
+    }
+}
 
 /* torch's GELU with the tanh approximation, in its order of operations */
 static inline float gelu_tanh(float x) {
@@ -184,20 +273,56 @@ static void scatter_seen(float *pn, long n, const float *src, int z) {
     for (long s = z ? scatter_seen_z(pn, n, src, &k) : 0; s < n; s++) pn[s] = pn[s] != -INFINITY ? src[k++] : 0.0f;
 }
 
+/* The loop of ``attend`` that hides what query i may not see, 16 slots at a time with AVX-512 (slots lo .. T-1 of
+ * scores pn, from ``from``): each score scaled (or -inf), written back, the visible ones that are not -inf appended to
+ * seen_scores in order (the count returned) and their maximum kept in *m (NaN skipped), as the scalar loop does.
+ * Returns the slot where the scalar loop goes on. */
+__attribute__((target("avx512f"))) static long visible_z(float *pn, const unsigned char *vis, long S, long i, long lo,
+                                                         long from, long T, float scale, float *seen_scores,
+                                                         long *nv, float *m) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 hidden = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
+    __m512 top = hidden;
+    long s = lo, self = S + i, n = *nv;
+    if (T - lo >= 16 && self < INT32_MAX && from < INT32_MAX)
+        for (; s + 16 <= T; s += 16) {
+            __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int)s), lanes);
+            __mmask16 shown = _mm512_cmpneq_epi32_mask(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vis + s))), _mm512_setzero_si512());
+            shown |= _mm512_cmpeq_epi32_mask(at, _mm512_set1_epi32((int)self));
+            shown &= _mm512_cmpge_epi32_mask(at, _mm512_set1_epi32((int)from)) &
+                     _mm512_cmple_epi32_mask(at, _mm512_set1_epi32((int)self));
+            __m512 v = _mm512_mask_mul_ps(hidden, shown, _mm512_loadu_ps(pn + s - lo), vscale);
+            _mm512_storeu_ps(pn + s - lo, v);
+            top = _mm512_max_ps(v, top); /* a NaN score leaves the maximum as it was */
+            __mmask16 kept = _mm512_cmp_ps_mask(v, hidden, _CMP_NEQ_UQ);
+            _mm512_mask_compressstoreu_ps(seen_scores + n, kept, v);
+            n += __builtin_popcount(kept);
+        }
+    float best = _mm512_reduce_max_ps(top);
+    *m = best > *m ? best : *m;
+    *nv = n;
+    return s;
+}
+
 /* Attention of the G query heads of key/value head g, for the q new tokens of row b (queries n = i * G + j), over
  * slots lo .. S + q - 1 (lo: the row's first visible slot, or its first query's window's; a hole after it is scored,
  * then hidden, as is a slot left of a later query's window, ``window_from``). The scores of all
- * the queries against those keys are one skinny product (``skinny.c``: each key read once per block of queries, and
- * every score summed in one order whatever the number of queries, so a token's attention has the same bits in a
- * verification block as in a decode step); then each query's visibility, softmax and weighted sum of values.
- * Scratch: p [q * G * (S + q)], Q and xi [q * G * D], seen_scores [S + q + 16]. */
+ * the queries against those keys are one skinny product (``scores_z``, or ``skinny.c``'s: each key read once per block
+ * of queries, and every score summed in one order whatever the number of queries, so a token's attention has the same
+ * bits in a verification block as in a decode step); then each query's visibility, softmax and weighted sum of values.
+ * Scratch: p [q * G * (S + q)], Q [q * G * D], xi [(q * G + 1) * D], seen_scores [S + q + 16]. */
 static void attend(const float *qb, const float *K, const float *V, float *out, const unsigned char *vis, long S,
                    long q, long nh, long G, long g, long D, float scale, long lo, long W, float *p, float *Q,
                    float *xi, float *seen_scores) {
     lo = window_from(vis, S, 0, lo, W); /* the first query's window starts first */
     long T = S + q, nq = q * G, N = T - lo;
     for (long n = 0; n < nq; n++) memcpy(Q + n * D, qb + ((n / G) * nh + g * G + n % G) * D, D * sizeof(float));
-    skinny_rows(Q, skinny_interleave(Q, xi, nq, D, 0) ? xi : NULL, 0, K + lo * D, p, nq, N, D, 0, N);
+    int z = skinny_avx512(-1); /* the AVX-512 blocks: the same bits as the AVX2 ones */
+    if (D % 8 == 0 && z)
+        scores_z(Q, xi, nq, D, K + lo * D, N, p);
+    else
+        skinny_rows(Q, skinny_interleave(Q, xi, nq, D, 0) ? xi : NULL, 0, K + lo * D, p, nq, N, D, 0, N);
     float inv[6], *o[6];
     int wide = D % 64 == 0 && skinny_avx512(-1);
     for (long n0 = 0, c; n0 < nq; n0 += c) {  /* queries in groups of 6, then 3, then one by one */
@@ -205,7 +330,8 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
         for (long j = 0; j < c; j++) {
             long n = n0 + j, i = n / G, from = window_from(vis, S, i, lo, W), nv = 0;
             float *pn = p + n * N, m = -INFINITY;
-            for (long s = lo; s < T; s++) {
+            long s0 = z ? visible_z(pn, vis, S, i, lo, from, T, scale, seen_scores, &nv, &m) : lo;
+            for (long s = s0; s < T; s++) {
                 float v = s >= from && seen(vis, S, i, s) ? pn[s - lo] * scale : -INFINITY;
                 pn[s - lo] = v;
                 m = v > m ? v : m;
@@ -278,7 +404,8 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
                 memcpy(vc + slot, vb + (r * nkv + g) * D, D * sizeof(float));
             }
         }
-        float *p = malloc(sizeof(float) * (q * G * (T + 2 * D) + T + 16)), *Q = p + q * G * T, *xa = Q + q * G * D;
+        float *p = malloc(sizeof(float) * (q * G * (T + 2 * D) + D + T + 16)), *Q = p + q * G * T,
+              *xa = Q + q * G * D;
         if (!p) {
             #pragma omp atomic write
             failed = 1;
@@ -291,7 +418,7 @@ int llama_layer(float *x, const packed_t *w, const float *cos, const float *sin,
                 const unsigned char *seen_from = memchr(vis + b * T, 1, S);
                 long lo = seen_from ? seen_from - (vis + b * T) : S;
                 attend(qb + r0 * nh * D, kc + base, vc + base, att + r0 * nh * D, vis + b * T, S, n, nh, G, g, D,
-                       scale, lo, W, p, Q, xa, xa + q * G * D);
+                       scale, lo, W, p, Q, xa, xa + (q * G + 1) * D);
             }
         free(p);
         packed_linears(att, &w[4], (float *[]){h}, (long[]){H}, 1, R, nh * D, &xi);
