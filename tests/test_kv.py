@@ -390,7 +390,7 @@ def test_fused_llama_avx512_gives_the_avx2_bits(q, hidden, heads, head_dim):
     lib = kernels._load()
     if not lib.skinny_avx512(1):
         pytest.skip("this CPU has no AVX-512")
-    t = _llama(hidden, head_dim, heads, 256)  # heads of 128 dimensions: the weighted sums run 64 at a time
+    t = _llama(hidden, head_dim, heads, 256)  # heads of 128 dimensions (weighted sums 64 at a time) and of 64
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11][:q]] * 5)
     try:
         outs = []

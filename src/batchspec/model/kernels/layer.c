@@ -113,13 +113,13 @@ static void values(const float *pn, long T, const float *V, long vst, long D, fl
     }
 }
 
+/* floats of values prefetched ahead of the row being read (a row's keys and values come from memory once a round;
+ * with it and the scores' prefetch, 16 rows x 800 slots decoded in ~0.85-0.9x the time) */
+#define VALUES_AHEAD 3072
 /* ``values`` for C queries at once (weights p, rows T apart; D a multiple of 64), with AVX-512: each value row read
  * once for the C queries, 16 dimensions per register. Every output sums over t in the same order with the same
  * operations as ``values64`` (a slot no query of the C may see is skipped; for one that only some may see, the
  * others add 0 x a finite value: their sums keep their bits), so the bits are the same. */
-/* floats of values prefetched ahead of the row being read (a row's keys and values come from memory once a round;
- * with it, 16 rows x 800 slots decoded in ~0.85-0.9x the time, the scores' prefetch with it) */
-#define VALUES_AHEAD 3072
 #define VALUES_Z(NAME, C)                                                                                     \
     __attribute__((target("avx512f"))) static void NAME(const float *p, long T, const float *V, long vst,     \
                                                         long D, const float *inv, float *const *o) {          \
@@ -275,8 +275,8 @@ static void scatter_seen(float *pn, long n, const float *src, int z) {
 
 /* The loop of ``attend`` that hides what query i may not see, 16 slots at a time with AVX-512 (slots lo .. T-1 of
  * scores pn, from ``from``): each score scaled (or -inf), written back, the visible ones that are not -inf appended to
- * seen_scores in order (the count returned) and their maximum kept in *m (NaN skipped), as the scalar loop does.
- * Returns the slot where the scalar loop goes on. */
+ * seen_scores in order (*nv counts them) and their maximum kept in *m (NaN skipped), as the scalar loop does.
+ * Returns the slot where the scalar loop goes on (the last 0-15). */
 __attribute__((target("avx512f"))) static long visible_z(float *pn, const unsigned char *vis, long S, long i, long lo,
                                                          long from, long T, float scale, float *seen_scores,
                                                          long *nv, float *m) {
