@@ -211,18 +211,11 @@ SCORES_Z(scores1z, 1)
 SCORES_Z(scores2z, 2)
 SCORES_Z(scores3z, 3)
 
-/* ``scores_z`` over all nq queries: xi (room for nq + 1 rows) gets them interleaved in pairs, then blocks of up to
- * three pairs pass over the keys. */
+/* ``scores_z`` over all nq queries: xi (room for nq + 1 rows) gets them interleaved in pairs (``skinny_pairs``),
+ * then blocks of up to three pairs pass over the keys. */
 static void scores_z(const float *Q, float *xi, long nq, long D, const float *K, long N, float *p) {
     long D8 = D / 8, pairs = (nq + 1) / 2;
-    for (long m = 0; m < 2 * pairs; m++)
-        for (long k8 = 0; k8 < D8; k8++) {
-            float *to = xi + ((m / 2) * D8 + k8) * 16 + (m % 2) * 8;
-            if (m < nq)
-                memcpy(to, Q + m * D + k8 * 8, 8 * sizeof(float));
-            else
-                memset(to, 0, 8 * sizeof(float));
-        }
+    skinny_pairs(Q, xi, nq, 2 * pairs, D);
     for (long q0 = 0; q0 < pairs;) {
         long left = pairs - q0, step = left >= 3 ? 3 : left;
         const float *x = xi + q0 * D8 * 16;
@@ -324,7 +317,7 @@ static void attend(const float *qb, const float *K, const float *V, float *out, 
     else
         skinny_rows(Q, skinny_interleave(Q, xi, nq, D, 0) ? xi : NULL, 0, K + lo * D, p, nq, N, D, 0, N);
     float inv[6], *o[6];
-    int wide = D % 64 == 0 && skinny_avx512(-1);
+    int wide = D % 64 == 0 && z;
     for (long n0 = 0, c; n0 < nq; n0 += c) {  /* queries in groups of 6, then 3, then one by one */
         c = !wide ? 1 : nq - n0 >= 6 ? 6 : nq - n0 >= 3 ? 3 : 1;
         for (long j = 0; j < c; j++) {

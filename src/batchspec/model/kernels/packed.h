@@ -22,6 +22,7 @@ void packed_linears(const float *x, const packed_t *w, float *const *ys, const l
 int skinny_avx512(int on);
 float *skinny_scratch(const float *x, long M, long K);
 long skinny_interleave(const float *x, float *xi, long M, long K, int fill);
+void skinny_pairs(const float *x, float *xi, long M, long rows, long K);
 void skinny_rows(const float *x, const float *xi, int fill, const float *w, float *y, long M, long N, long K, long n0,
                  long n1);
 

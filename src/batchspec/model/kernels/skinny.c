@@ -149,10 +149,18 @@ static long zpass(long M, long m, int fill) {
  * rounded up to 8 rows, the padding a zero row). Returns the rows xi covers, 0 (xi unused) where those blocks do not
  * run. */
 long skinny_interleave(const float *x, float *xi, long M, long K, int fill) {
-    long mz = 0, K8 = K / 8;
+    long mz = 0;
     for (long w; (w = zpass(M, mz, fill)); mz += w) {}
     if (!mz || !has_avx512()) return 0;
-    for (long m = 0; m < mz; m += 2)
+    skinny_pairs(x, xi, M, mz, K);
+    return mz;
+}
+
+/* The first ``rows`` (even) rows of x [M, K] in pairs into xi: rows 2p and 2p+1, 8 columns each, interleaved (rows
+ * past M zero), the layout of the AVX-512 blocks here and of attention's scores (``layer.c``). */
+void skinny_pairs(const float *x, float *xi, long M, long rows, long K) {
+    long K8 = K / 8;
+    for (long m = 0; m < rows; m += 2)
         for (long k8 = 0; k8 < K8; k8++)
             for (long h = 0; h < 2; h++) {
                 float *to = xi + ((m / 2) * K8 + k8) * 16 + h * 8;
@@ -161,7 +169,6 @@ long skinny_interleave(const float *x, float *xi, long M, long K, int fill) {
                 else
                     memset(to, 0, 8 * sizeof(float));
             }
-    return mz;
 }
 
 #define ZPASS(F, C)                                                                                          \
